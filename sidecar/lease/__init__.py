@@ -1,0 +1,107 @@
+"""Where a lease lives: one small protocol, one module per backend.
+
+A backend knows nothing about HTTP, files or pods. It answers three questions for one
+lease name: may I take it (``try_acquire``), do I still have it (``try_renew``), and
+give it back (``release``); ``describe`` reports the current holder for ``/status``.
+
+What a backend promises in a :class:`Grant`: if ``held`` is true, nobody else can hold
+the lease for ``valid_for`` seconds counted from the moment the request was *sent*
+(the elector records that moment on its own monotonic clock). The elector, not the
+backend, turns that into the fail-closed claim.
+
+Backends are imported lazily by name, so running on SQLite never imports asyncpg,
+pyodbc, kopf or the kubernetes client.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from sidecar.config import Settings
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The outcome of one acquire or renew round trip."""
+
+    held: bool
+    # Seconds, from the send time of the request, during which nobody else can hold
+    # the lease. Meaningless when ``held`` is false.
+    valid_for: float = 0.0
+    # Only grows across holders of one lease; downstream systems reject smaller ones.
+    fencing_token: int | None = None
+    # The current holder's identity, where the backend can tell.
+    holder: str | None = None
+    # Why the attempt did not hold, for logs and /status ("held by pod-b", ...).
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What the backend says about a lease right now (for ``/status``)."""
+
+    holder: str | None
+    fencing_token: int | None = None
+    expires_at: datetime | None = None
+
+
+class Lease(Protocol):
+    """One named lease as seen by one contender."""
+
+    name: str
+    # Seconds to wait after acquiring before publishing a claim. Zero where the lease
+    # cannot pass on before the previous holder's claims expired (TTL backends); one
+    # claim horizon where it can (advisory locks pass on the moment a session ends).
+    publish_delay: float
+
+    async def try_acquire(self) -> Grant: ...
+
+    async def try_renew(self) -> Grant: ...
+
+    async def release(self) -> None: ...
+
+    async def describe(self) -> Holder: ...
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Sleep up to ``timeout`` seconds; return early when the lease may be free.
+
+        Backends with a wake-up channel (LISTEN/NOTIFY, a Kubernetes watch, a blocking
+        advisory lock) use it so standbys take over at once; others just sleep.
+        """
+        ...
+
+
+class Backend(Protocol):
+    """A connection to where leases live; hands out one :class:`Lease` per name."""
+
+    def lease(self, name: str) -> Lease: ...
+
+    async def close(self) -> None: ...
+
+
+class BackendError(Exception):
+    """The backend could not be reached or answered with an error.
+
+    The message is one clear line and never contains a password.
+    """
+
+
+# backend name -> module under sidecar.lease; each module defines ``create(settings)``.
+_MODULES = {
+    "sqlite": "sqlite",
+    "postgres": "postgres_advisory",
+    "postgres-row": "postgres_row",
+    "sqlserver": "sqlserver",
+    "kubernetes": "kubernetes",
+}
+
+BACKENDS = tuple(_MODULES)
+
+
+def create_backend(settings: Settings) -> Backend:
+    module = importlib.import_module(f"sidecar.lease.{_MODULES[settings.backend]}")
+    return module.create(settings)
