@@ -140,7 +140,7 @@ class RowLease:
         while True:
             try:
                 row = await self._replica.store.read(self._row_name)
-            except Exception:  # noqa: BLE001 - an unreachable replica is "not confirmed"
+            except Exception:
                 row = None
             if row is not None and row.owner == self._owner and row.version == version:
                 return True

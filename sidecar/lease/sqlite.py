@@ -191,5 +191,17 @@ def sqlite_path(dsn: str) -> str:
     return dsn
 
 
+def schema_sql(settings: Settings) -> str:
+    return _SCHEMA.format(table=settings.table_name).strip()
+
+
+async def apply_schema(settings: Settings) -> None:
+    store = SqliteStore(sqlite_path(settings.dsn or ""), settings.table_name)
+    try:
+        await store.read("")  # connecting creates the file and the tables
+    finally:
+        await store.close()
+
+
 def create(settings: Settings) -> SqliteBackend:
     return SqliteBackend(settings)

@@ -84,7 +84,7 @@ def log(msg: str) -> None:
 
 def _kube_ldflags(version: str) -> tuple[str, ...]:
     major, minor = re.match(r"v(\d+)\.(\d+)\.", version).groups()  # type: ignore[union-attr]
-    build_date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    build_date = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     values = {
         "gitVersion": version,
         "gitMajor": major,
@@ -171,9 +171,7 @@ def _go_version_tuple(text: str) -> tuple[int, ...]:
 
 
 def _module_info(go: str, module: str, version: str, workdir: Path, logfile: Path) -> dict:
-    out = _run(
-        [go, "mod", "download", "-json", f"{module}@{version}"], workdir, _go_env(), logfile
-    )
+    out = _run([go, "mod", "download", "-json", f"{module}@{version}"], workdir, _go_env(), logfile)
     return json.loads(out)
 
 
@@ -241,7 +239,9 @@ def _prepare_wrapper(r: Recipe, go: str, workdir: Path, logfile: Path) -> dict[s
     return env
 
 
-def _compile(r: Recipe, go: str, workdir: Path, env: dict[str, str], out: Path, logfile: Path) -> None:
+def _compile(
+    r: Recipe, go: str, workdir: Path, env: dict[str, str], out: Path, logfile: Path
+) -> None:
     """`go build -v`, printing a progress line every 100 packages compiled."""
     cmd = [go, "build", "-v", "-trimpath", "-o", str(out)]
     if r.ldflags:
@@ -258,16 +258,20 @@ def _compile(r: Recipe, go: str, workdir: Path, env: dict[str, str], out: Path, 
         tail: list[str] = []
         for count, line in enumerate(proc.stderr, 1):
             fh.write(line)
-            tail = (tail + [line.rstrip()])[-25:]
+            tail = ([*tail, line.rstrip()])[-25:]
             if count % 100 == 0:
                 elapsed = time.monotonic() - started
                 log(f"{r.tool} {r.version}: {count} packages compiled ({elapsed:.0f}s)")
         if proc.wait() != 0:
-            raise BuildError(f"go build of {r.package} failed (log: {logfile}):\n" + "\n".join(tail))
+            raise BuildError(
+                f"go build of {r.package} failed (log: {logfile}):\n" + "\n".join(tail)
+            )
 
 
 def _smoke_test(r: Recipe, binary: Path) -> str:
-    proc = subprocess.run([str(binary), *r.version_args], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(binary), *r.version_args], capture_output=True, text=True, timeout=60
+    )
     output = (proc.stdout + proc.stderr).strip()
     if proc.returncode != 0:
         raise BuildError(f"built {r.tool} does not run: {output[-2000:]}")

@@ -1,0 +1,220 @@
+"""The election loop for one lease: acquire, renew, step down.
+
+What it guarantees
+- Fail closed: this contender claims leadership only while
+  ``monotonic now < send time of the last successful acquire/renew + grant.valid_for``
+  (and, after a fresh acquisition, not before ``publish_delay`` has passed). The claim
+  is evaluated by :class:`~sidecar.state.LeaseState` at the moment it is asked for, so a
+  frozen process never publishes a stale "leader" when it resumes.
+- Unpublish, then release: on step-down the state stops handing out claims, every
+  publisher is told (file removed, label changed), the elector waits until every claim
+  already handed out has expired, and only then gives the lease back. A standby that
+  takes over at once therefore never overlaps a claim of ours.
+- Acquire, then publish.
+
+What it does not guarantee
+- That the application stops its work when a claim expires: applications must honour
+  ``valid_until`` (or use the fencing token downstream).
+- Liveness while the backend is unreachable: then nobody leads, by design.
+
+A backend that cannot be reached is retried with jittered exponential backoff (from the
+renew interval up to the lease duration); one log line per change of reachability, not
+one per retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Sequence
+
+from sidecar.config import Settings
+from sidecar.lease import Grant, Lease
+from sidecar.publish import Publisher
+from sidecar.state import LeaseState
+
+log = logging.getLogger("sidecar.elector")
+
+# Bound on how long a publisher may take to unpublish before we release anyway: a dead
+# API server must not keep a lease that a standby could use (the label is advisory).
+UNPUBLISH_TIMEOUT = 2.0
+
+
+def jittered(seconds: float, spread: float = 0.2) -> float:
+    return seconds * random.uniform(1 - spread, 1 + spread)
+
+
+class Elector:
+    def __init__(self, lease: Lease, state: LeaseState, settings: Settings,
+                 publishers: Sequence[Publisher] = ()) -> None:
+        self.lease = lease
+        self.state = state
+        self.settings = settings
+        self.publishers = list(publishers)
+        self._clock = state.clock
+        self._wake = asyncio.Event()
+        self._release_requested = False
+        self._last_tick = self._clock.monotonic()
+        self._failures = 0
+
+    # -- control from outside ----------------------------------------------------------
+    def request_release(self) -> None:
+        """Step down voluntarily (``POST /release``); we sit out one lease duration."""
+        self._release_requested = True
+        self._wake.set()
+
+    def alive(self, now: float) -> bool:
+        """The loop has run recently (``/healthz``)."""
+        bound = max(self.settings.lease_duration, self.settings.renew_interval * 3) + 5.0
+        return now - self._last_tick < bound
+
+    # -- the loop ------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            while True:
+                self._last_tick = self._clock.monotonic()
+                if self.state.facts.holding:
+                    await self._renew_once()
+                else:
+                    await self._acquire_once()
+        finally:
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Unpublish and release; safe to call twice and from a cancelled task."""
+        if self.state.facts.holding:
+            await asyncio.shield(self._step_down("shutdown", release=True))
+
+    async def _acquire_once(self) -> None:
+        sent = self._clock.monotonic()
+        grant = await self._call("acquire", self.lease.try_acquire())
+        if grant is not None and grant.held:
+            await self._became_holder(sent, grant)
+            return
+        if grant is not None:
+            self.state.update(holder=grant.holder, reason=grant.reason or "standby")
+            await self._sleep_or_wake(self._retry_delay(), watch_lease=True)
+        else:
+            await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
+
+    async def _became_holder(self, sent: float, grant: Grant) -> None:
+        delay = self.lease.publish_delay
+        self.state.update(
+            "acquired", holding=True, released=False, claim_from=sent + delay,
+            valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
+            holder=self.settings.identity, reason="holding")
+        log.info("acquired lease", extra=self._fields(grant.fencing_token))
+        if delay > 0:
+            # The lock can pass on before the previous holder's claims expired; wait
+            # out one claim horizon before our first claim.
+            await self._sleep_or_wake(delay, watch_lease=False)
+        await self._notify()
+
+    async def _renew_once(self) -> None:
+        await self._sleep_or_wake(jittered(self.settings.renew_interval, 0.1), watch_lease=False)
+        if self._release_requested:
+            self._release_requested = False
+            await self._step_down("released on request", release=True)
+            await self._sleep_or_wake(self.settings.lease_duration, watch_lease=False)
+            return
+        facts = self.state.facts
+        remaining = facts.valid_until - self._clock.monotonic()
+        if remaining <= 0:
+            await self._step_down("lease validity ran out before a renew succeeded",
+                                  release=True)
+            return
+        sent = self._clock.monotonic()
+        try:
+            grant = await asyncio.wait_for(self._call("renew", self.lease.try_renew()),
+                                           remaining)
+        except TimeoutError:
+            grant = None
+        if grant is not None and grant.held:
+            self.state.update(valid_until=sent + grant.valid_for,
+                              fencing_token=grant.fencing_token or facts.fencing_token)
+            return
+        if grant is not None:
+            await self._step_down(f"lost lease: {grant.reason or 'renew refused'}",
+                                  release=False)
+        elif facts.valid_until <= self._clock.monotonic():
+            await self._step_down("lease validity ran out before a renew succeeded",
+                                  release=True)
+        # Else: a failed renew with time left; the loop tries again.
+
+    async def _step_down(self, reason: str, release: bool) -> None:
+        token = self.state.facts.fencing_token
+        self.state.update(released=True, reason=reason)
+        await self._notify()
+        # Claims already handed out are promises; let them run out before the lease
+        # can pass to someone else.
+        wait = self.state.outstanding_claims()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        if release:
+            try:
+                await asyncio.wait_for(self.lease.release(),
+                                       max(1.0, self.settings.renew_interval))
+            except Exception as exc:
+                log.warning("release failed; the lease frees itself after its TTL",
+                            extra={**self._fields(token), "error": str(exc)})
+        self.state.update("lost" if not release else "released", holding=False,
+                          fencing_token=None, holder=None, reason=reason)
+        log.info("stepped down", extra={**self._fields(token), "reason": reason})
+
+    async def _notify(self) -> None:
+        for publisher in self.publishers:
+            try:
+                await asyncio.wait_for(publisher.changed(self.state), UNPUBLISH_TIMEOUT)
+            except Exception as exc:
+                log.warning("publisher failed", extra={
+                    "lease": self.state.lease, "publisher": type(publisher).__name__,
+                    "error": str(exc) or type(exc).__name__})
+
+    async def _call(self, what: str, call):  # type: ignore[no-untyped-def]
+        """Run a backend call; map failures to ``None`` and log reachability changes."""
+        try:
+            result = await call
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failures += 1
+            if self.state.facts.backend_ok or self._failures == 1:
+                log.warning("backend unreachable", extra={
+                    "lease": self.state.lease, "identity": self.settings.identity,
+                    "operation": what, "error": str(exc) or type(exc).__name__})
+                self.state.update(backend_ok=False, reason=f"backend unreachable: {exc}")
+            return None
+        if not self.state.facts.backend_ok:
+            if self._failures:
+                log.info("backend reachable again", extra={"lease": self.state.lease,
+                                                           "identity": self.settings.identity})
+            self.state.update(backend_ok=True)
+        self._failures = 0
+        return result
+
+    def _retry_delay(self) -> float:
+        base = self.settings.renew_interval
+        if self._failures:
+            base = min(base * 2 ** min(self._failures - 1, 10), self.settings.lease_duration)
+        return jittered(base)
+
+    async def _sleep_or_wake(self, seconds: float, watch_lease: bool) -> None:
+        """Sleep, but wake for a release request or (standby) a lease change."""
+        self._wake.clear()
+        waits = [asyncio.ensure_future(self._wake.wait())]
+        if watch_lease:
+            waits.append(asyncio.ensure_future(self.lease.wait_for_change(seconds)))
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+            for task in waits:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    def _fields(self, token: int | None) -> dict[str, object]:
+        return {"lease": self.state.lease, "identity": self.settings.identity,
+                "fencing_token": token}

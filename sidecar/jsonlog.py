@@ -1,0 +1,32 @@
+"""One JSON object per log line, with the ``extra`` fields of each call."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from sidecar.state import rfc3339
+
+# Attributes every LogRecord has; anything else came in through ``extra``.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"ts": rfc3339(record.created), "level": record.levelname.lower(),
+                "logger": record.name, "msg": record.getMessage()}
+        line.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def setup(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # aiohttp's access log is off; its error logs stay. kopf is chatty at info.
+    logging.getLogger("kopf").setLevel(max(logging.WARNING, root.level))

@@ -1,0 +1,175 @@
+"""Wires one sidecar together: backend → electors → states → publishers.
+
+Used by ``lease-sidecar run`` and ``exec`` and usable as a library::
+
+    sidecar = Sidecar(config.load())
+    await sidecar.start()
+    ...
+    await sidecar.stop()   # unpublish, release, close
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sidecar.config import ConfigError, Settings
+from sidecar.elector import Elector
+from sidecar.lease import Backend, create_backend
+from sidecar.metrics import registry_for
+from sidecar.publish import Publisher
+from sidecar.publish.file import FilePublisher
+from sidecar.publish.http import HttpServer, build_app
+from sidecar.state import Clock, LeaseState, SystemClock
+
+log = logging.getLogger("sidecar")
+
+
+def resolve_state_dir(settings: Settings) -> Path:
+    """The configured directory, or — only when the default is unusable — a private one.
+
+    On a VM a non-root user cannot create ``/run/lease``; an explicit setting that does
+    not work is an error instead, because the application reads that exact path.
+    """
+    wanted = Path(settings.state_dir)
+    try:
+        wanted.mkdir(parents=True, exist_ok=True)
+        if os.access(wanted, os.W_OK):
+            return wanted
+        problem = "not writable"
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    if "state_dir" in settings.explicit:
+        raise ConfigError(f"LEASE_STATE_DIR / --state-dir: {wanted}: {problem}")
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    fallback = Path(base) / f"lease-sidecar-{os.getuid()}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    log.warning("default state dir unusable; using a private one",
+                extra={"wanted": str(wanted), "problem": problem, "state_dir": str(fallback)})
+    return fallback
+
+
+def pod_label_wanted(settings: Settings) -> bool:
+    if settings.pod_label == "on":
+        return True
+    if settings.pod_label == "off":
+        return False
+    in_pod = bool(settings.pod_name and settings.pod_namespace)
+    return in_pod and importlib.util.find_spec("kubernetes") is not None
+
+
+class Sidecar:
+    def __init__(self, settings: Settings, clock: Clock | None = None,
+                 publishers: list[Publisher] | None = None, serve_http: bool = True) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.state_dir = resolve_state_dir(settings)
+        self.states = [
+            LeaseState(lease=name, identity=settings.identity, role=settings.role,
+                       claim_horizon=settings.claim_horizon, clock=self.clock)
+            for name in settings.names
+        ]
+        self.publishers: list[Publisher] = [FilePublisher(self.states, self.state_dir)]
+        if pod_label_wanted(settings):
+            from sidecar.publish import pod_label
+
+            self.publishers.append(pod_label.create(settings, self.states))
+        self.publishers += publishers or []
+        self.backend: Backend | None = None
+        self.electors: dict[str, Elector] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.http: HttpServer | None = None
+        if serve_http:
+            app = build_app(self.states, registry_for(self.states), status=self.status,
+                            alive=self.alive, ready=self.ready, release=self.release)
+            self.http = HttpServer(app, *settings.http_addr)
+
+    @property
+    def contends(self) -> bool:
+        return self.settings.role != "api"
+
+    async def start(self) -> None:
+        for publisher in self.publishers:
+            await publisher.start()
+        if self.http:
+            await self.http.start()
+        if not self.contends:
+            for state in self.states:
+                state.update("api role", backend_ok=True, reason="role api never contends")
+            log.info("running in api role; not contending",
+                     extra={"identity": self.settings.identity})
+            return
+        self.backend = create_backend(self.settings)
+        for state in self.states:
+            elector = Elector(self.backend.lease(state.lease), state, self.settings,
+                              self.publishers)
+            self.electors[state.lease] = elector
+            self._tasks.append(asyncio.create_task(elector.run(), name=f"elector-{state.lease}"))
+        log.info("started", extra={"settings": self.settings.public(),
+                                   "state_dir": str(self.state_dir),
+                                   "http_port": self.http.bound_port if self.http else None})
+
+    async def stop(self) -> None:
+        """Unpublish and release every lease, then close everything."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        for publisher in self.publishers:
+            with contextlib.suppress(Exception):
+                await publisher.stop()
+        if self.http:
+            await self.http.stop()
+        if self.backend:
+            with contextlib.suppress(Exception):
+                await self.backend.close()
+
+    async def wait_failed(self) -> None:
+        """Returns only if an elector task died (a bug); lets ``run`` exit non-zero."""
+        if self._tasks:
+            done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        else:
+            await asyncio.Event().wait()
+
+    def alive(self) -> bool:
+        now = self.clock.monotonic()
+        return all(e.alive(now) for e in self.electors.values()) and all(
+            not t.done() for t in self._tasks)
+
+    def ready(self) -> bool:
+        return all(state.facts.backend_ok for state in self.states)
+
+    def release(self, name: str | None) -> bool:
+        if not self.contends:
+            return True
+        elector = self.electors.get(name or self.settings.name)
+        if elector is None:
+            return False
+        elector.request_release()
+        return True
+
+    def status(self) -> dict[str, Any]:
+        leases = []
+        for state in self.states:
+            claim = state.claim()
+            facts = state.facts
+            leases.append({
+                **state.body(claim),
+                "holding": facts.holding,
+                "backend_ok": facts.backend_ok,
+                "reason": facts.reason,
+                "state_version": facts.version,
+                "transitions": list(state.transitions),
+            })
+        return {"identity": self.settings.identity, "role": self.settings.role,
+                "settings": self.settings.public(), "leases": leases}

@@ -1,0 +1,146 @@
+"""What this contender may claim, computed at the moment someone asks.
+
+The elector writes facts here (we hold the lease until monotonic time T, we may publish
+from time P); readers — the HTTP handler, the file and label publishers — ask for a
+*claim* and get one only if the facts still prove leadership *now*. A process that was
+frozen and resumes therefore answers "not leader" before the elector has even run.
+
+Every claim handed out expires at ``min(lease validity, now + claim_horizon)``; the
+latest such expiry is remembered so the elector can wait it out before releasing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def wall(self) -> float: ...
+
+
+class SystemClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the elector knows; replaced whole on every change (one version each)."""
+
+    version: int = 0
+    holding: bool = False  # the backend granted us the lease
+    claim_from: float = 0.0  # monotonic: no claim before (advisory-lock handover)
+    valid_until: float = 0.0  # monotonic: the backend's guarantee ends
+    fencing_token: int | None = None
+    holder: str | None = None
+    since: float = 0.0  # wall time the current role began
+    backend_ok: bool = False
+    released: bool = False  # unpublished: no claims from here on, even while holding
+    reason: str = "starting"
+
+
+@dataclass(frozen=True)
+class Claim:
+    leader: bool
+    valid_until: float | None  # monotonic
+    facts: Facts
+
+
+def rfc3339(wall: float | None) -> str | None:
+    if wall is None:
+        return None
+    return datetime.fromtimestamp(wall, tz=UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+@dataclass
+class LeaseState:
+    lease: str
+    identity: str
+    role: str
+    claim_horizon: float
+    clock: Clock = field(default_factory=SystemClock)
+    facts: Facts = field(default_factory=Facts)
+    # The latest monotonic expiry of any claim handed out.
+    claims_until: float = 0.0
+    transitions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
+    event_counts: dict[str, int] = field(default_factory=dict)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.facts = replace(self.facts, since=self.clock.wall())
+
+    # -- written by the elector ------------------------------------------------------
+    def update(self, event: str | None = None, **changes: Any) -> Facts:
+        old = self.facts
+        new = replace(old, version=old.version + 1, **changes)
+        if new.holding != old.holding:
+            new = replace(new, since=self.clock.wall())
+        self.facts = new
+        if event:
+            self.event_counts[event] = self.event_counts.get(event, 0) + 1
+            self.transitions.append({
+                "at": rfc3339(self.clock.wall()), "event": event,
+                "fencing_token": new.fencing_token, "holder": new.holder,
+                "reason": new.reason,
+            })
+        # Wake every waiter of the old version, then arm a fresh event for the next.
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return new
+
+    # -- read by publishers ----------------------------------------------------------
+    def claim(self) -> Claim:
+        """Leadership as of now; hands out (and remembers) a claim when we lead."""
+        facts = self.facts
+        now = self.clock.monotonic()
+        if (
+            facts.holding and not facts.released
+            and facts.claim_from <= now < facts.valid_until
+        ):
+            until = min(facts.valid_until, now + self.claim_horizon)
+            self.claims_until = max(self.claims_until, until)
+            return Claim(True, until, facts)
+        return Claim(False, None, facts)
+
+    def outstanding_claims(self) -> float:
+        """Seconds until every claim handed out so far has expired."""
+        return max(0.0, self.claims_until - self.clock.monotonic())
+
+    def to_wall(self, monotonic: float | None) -> float | None:
+        if monotonic is None:
+            return None
+        return self.clock.wall() + (monotonic - self.clock.monotonic())
+
+    def body(self, claim: Claim) -> dict[str, Any]:
+        """The JSON of ``GET /leader`` and of the leader file."""
+        facts = claim.facts
+        return {
+            "leader": claim.leader,
+            "lease": self.lease,
+            "identity": self.identity,
+            "holder": self.identity if claim.leader else facts.holder,
+            "fencing_token": facts.fencing_token if claim.leader else None,
+            "since": rfc3339(facts.since),
+            "valid_until": rfc3339(self.to_wall(claim.valid_until)),
+            "role": self.role,
+        }
+
+    async def wait_for_change(self, version: int, timeout: float) -> None:
+        """Block while the state still has ``version``, at most ``timeout`` seconds."""
+        if self.facts.version != version or timeout <= 0:
+            return
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
