@@ -1,0 +1,3 @@
+"""Shared fixtures. Test-bed plugins (real PostgreSQL, real kube-apiserver) register here."""
+
+pytest_plugins: list[str] = []

@@ -1,0 +1,127 @@
+"""Helpers for tests and benchmarks that run real sidecar processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 2.0,
+             headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    """GET ``url``; (status, parsed JSON or text, headers). Status 0 when unreachable."""
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, _parse(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, _parse(err.read()), dict(err.headers)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return 0, None, {}
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+@dataclass
+class SidecarProcess:
+    """One ``lease-sidecar`` process with its own port and state dir."""
+
+    workdir: Path
+    identity: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    command: str = "run"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def state_dir(self) -> Path:
+        return self.workdir / f"state-{self.identity}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.identity}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> SidecarProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        cmd = [sys.executable, "-m", "sidecar", self.command,
+               "--identity", self.identity,
+               "--http-addr", f"127.0.0.1:{self.port}",
+               "--state-dir", str(self.state_dir), *self.args]
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=self.log,
+                                     cwd=REPO)
+        return self
+
+    def wait_http(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.identity} exited early:\n{self.logs()}")
+            if get_json(self.url + "/healthz", timeout=0.5)[0] in (200, 503):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.identity} did not serve HTTP:\n{self.logs()}")
+
+    def leader(self, timeout: float = 1.0) -> int:
+        """Status of GET /leader: 200, 503, or 0 if the process does not answer."""
+        return get_json(self.url + "/leader", timeout=timeout)[0]
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02):  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` until it returns something truthy; return it or raise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"condition not met within {timeout}s")
+        time.sleep(interval)
