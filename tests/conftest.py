@@ -1,3 +1,5 @@
 """Shared fixtures. Test-bed plugins (real PostgreSQL, real kube-apiserver) register here."""
 
-pytest_plugins: list[str] = []
+pytest_plugins: list[str] = [
+    "tests.testbed.pg_fixtures",
+]
