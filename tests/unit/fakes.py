@@ -1,0 +1,81 @@
+"""In-memory stand-ins used only by unit tests of the timing rules (no sleeping on time)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from sidecar.lease import BackendError, Grant, Holder
+
+
+@dataclass
+class FakeClock:
+    now: float = 1000.0
+    wall_offset: float = 1_700_000_000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.now + self.wall_offset
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class FakeLease:
+    """Grants per a script; records every call with the fake time it happened."""
+
+    clock: FakeClock
+    name: str = "default"
+    publish_delay: float = 0.0
+    valid_for: float = 10.0
+    round_trip: float = 0.0  # fake seconds each call "takes"
+    grant: bool = True
+    fail: bool = False
+    token: int = 7
+    calls: list[tuple[str, float]] = field(default_factory=list)
+
+    async def _call(self, what: str) -> Grant:
+        self.calls.append((what, self.clock.now))
+        self.clock.advance(self.round_trip)
+        await asyncio.sleep(0)
+        if self.fail:
+            raise BackendError("database unreachable")
+        if not self.grant:
+            return Grant(held=False, holder="someone-else", reason="held by someone-else")
+        return Grant(held=True, valid_for=self.valid_for, fencing_token=self.token,
+                     holder="me")
+
+    async def try_acquire(self) -> Grant:
+        return await self._call("acquire")
+
+    async def try_renew(self) -> Grant:
+        return await self._call("renew")
+
+    async def release(self) -> None:
+        self.calls.append(("release", self.clock.now))
+
+    async def describe(self) -> Holder:
+        return Holder(holder="me")
+
+    async def wait_for_change(self, timeout: float) -> None:
+        await asyncio.sleep(timeout)
+
+
+@dataclass
+class RecordingPublisher:
+    events: list[tuple[str, bool]] = field(default_factory=list)
+    sink: list[tuple[str, float]] | None = None
+    clock: FakeClock | None = None
+
+    async def start(self) -> None: ...
+
+    async def changed(self, state) -> None:  # type: ignore[no-untyped-def]
+        leader = state.claim().leader
+        self.events.append(("changed", leader))
+        if self.sink is not None and self.clock is not None:
+            self.sink.append(("publish" if leader else "unpublish", self.clock.now))
+
+    async def stop(self) -> None: ...

@@ -1,0 +1,159 @@
+"""The elector's rules with a scripted lease and a fake clock.
+
+The lease is an in-memory stand-in (tests/unit/fakes.py) so the timing rules can be
+checked exactly; the real backends are exercised by the integration tests.
+"""
+
+import asyncio
+import contextlib
+import logging
+
+import pytest
+
+from sidecar.config import Settings
+from sidecar.elector import Elector
+from sidecar.state import LeaseState
+from tests.unit.fakes import FakeClock, FakeLease, RecordingPublisher
+
+FAST = Settings(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,
+                safety_margin=0.1, claim_horizon=0.05, identity="me")
+
+
+def make(clock: FakeClock, lease: FakeLease, sink=None):  # type: ignore[no-untyped-def]
+    state = LeaseState(lease="default", identity="me", role="all",
+                       claim_horizon=FAST.claim_horizon, clock=clock)
+    publisher = RecordingPublisher(sink=sink, clock=clock)
+    return Elector(lease, state, FAST, [publisher]), state, publisher
+
+
+async def until(predicate, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def stop(task: asyncio.Task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_validity_counts_from_the_send_time():
+    clock = FakeClock()
+    lease = FakeLease(clock, round_trip=3.0, valid_for=10.0)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    sent = lease.calls[0][1]
+    assert state.facts.holding
+    assert state.facts.valid_until == sent + 10.0  # not reply time + 10
+    assert state.facts.fencing_token == 7
+
+
+async def test_unpublish_then_wait_out_claims_then_release():
+    clock = FakeClock()
+    sink: list[tuple[str, float]] = []
+    lease = FakeLease(clock)
+    lease.calls = sink  # one timeline for publisher and lease
+    elector, state, _ = make(clock, lease, sink=sink)
+    await elector._acquire_once()
+    assert state.claim().leader  # a claim is handed out: 50 ms outstanding
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await elector.shutdown()
+    waited = loop.time() - started
+    order = [what for what, _ in sink]
+    assert order.index("unpublish") < order.index("release")
+    assert waited >= FAST.claim_horizon * 0.9  # the outstanding claim was waited out
+    assert not state.facts.holding
+    assert not state.claim().leader
+
+
+async def test_a_lost_renew_steps_down_without_releasing():
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    lease.grant = False
+    await elector._renew_once()
+    assert not state.facts.holding
+    assert "release" not in [what for what, _ in lease.calls]
+    assert state.transitions[-1]["event"] == "lost"
+
+
+async def test_validity_running_out_steps_down_even_when_renews_error():
+    clock = FakeClock()
+    lease = FakeLease(clock, valid_for=1.0)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    lease.fail = True
+    await elector._renew_once()  # fails, but time is left: still holding
+    assert state.facts.holding
+    clock.advance(1.0)
+    assert not state.claim().leader  # fail closed before the elector even runs
+    await elector._renew_once()
+    assert not state.facts.holding
+
+
+async def test_publish_waits_for_the_publish_delay():
+    clock = FakeClock()
+    lease = FakeLease(clock, publish_delay=0.02)
+    elector, state, publisher = make(clock, lease)
+    await elector._acquire_once()
+    assert state.facts.holding
+    assert not state.claim().leader  # fake time has not moved past claim_from
+    clock.advance(0.02)
+    assert state.claim().leader
+    assert publisher.events  # publishers were told after the delay
+
+
+async def test_unreachable_backend_logs_once_per_change(caplog):
+    clock = FakeClock()
+    lease = FakeLease(clock, fail=True)
+    elector, state, _ = make(clock, lease)
+    caplog.set_level(logging.INFO, logger="sidecar.elector")
+    task = asyncio.create_task(elector.run())
+    await until(lambda: len(lease.calls) >= 4)
+    assert not state.facts.backend_ok
+    assert not state.claim().leader
+    lease.fail = False
+    await until(lambda: state.facts.holding)
+    await stop(task)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages.count("backend unreachable") == 1
+    assert messages.count("backend reachable again") == 1
+
+
+async def test_standby_reports_the_holder():
+    clock = FakeClock()
+    lease = FakeLease(clock, grant=False)
+    elector, state, _ = make(clock, lease)
+    task = asyncio.create_task(elector.run())
+    await until(lambda: state.facts.holder == "someone-else")
+    await stop(task)
+    assert not state.claim().leader
+
+
+async def test_release_request_steps_down_and_sits_out():
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    elector, state, _ = make(clock, lease)
+    task = asyncio.create_task(elector.run())
+    await until(lambda: state.facts.holding)
+    elector.request_release()
+    await until(lambda: not state.facts.holding)
+    acquires = sum(1 for what, _ in lease.calls if what == "acquire")
+    await asyncio.sleep(0.1)  # far less than the one-lease-duration sit-out
+    await stop(task)
+    assert sum(1 for what, _ in lease.calls if what == "acquire") == acquires
+    assert ("release" in [what for what, _ in lease.calls])
+
+
+@pytest.mark.parametrize("spread", [0.1, 0.2])
+def test_jitter_stays_in_bounds(spread):
+    from sidecar.elector import jittered
+
+    values = [jittered(2.0, spread) for _ in range(1000)]
+    assert min(values) >= 2.0 * (1 - spread)
+    assert max(values) <= 2.0 * (1 + spread)
