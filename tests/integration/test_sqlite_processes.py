@@ -1,0 +1,250 @@
+"""Real `lease-sidecar` processes on one SQLite file, with real signals."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.support import SidecarProcess, get_json, wait_until
+
+FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
+        "--safety-margin", "300ms", "--claim-horizon", "100ms"]
+LEASE_DURATION = 2.0
+
+
+@pytest.fixture
+def trio(tmp_path: Path):  # type: ignore[no-untyped-def]
+    procs = [SidecarProcess(tmp_path, f"node-{i}",
+                            args=["--dsn", str(tmp_path / "leases.db"), *FAST]).start()
+             for i in range(3)]
+    for proc in procs:
+        proc.wait_http()
+    yield procs
+    for proc in procs:
+        proc.stop()
+
+
+def leaders(procs: list[SidecarProcess]) -> list[SidecarProcess]:
+    return [p for p in procs if p.proc and p.proc.poll() is None and p.leader() == 200]
+
+
+def one_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
+    found = leaders(procs)
+    return found[0] if len(found) == 1 else None
+
+
+def test_exactly_one_of_three_leads(trio):
+    leader = wait_until(lambda: one_leader(trio), timeout=10)
+    statuses = sorted(p.leader() for p in trio)
+    assert statuses == [200, 503, 503]
+    body = json.loads((leader.state_dir / "leader").read_text())
+    assert body["identity"] == leader.identity and body["leader"] is True
+    for other in trio:
+        if other is not leader:
+            assert not (other.state_dir / "leader").exists()
+            assert get_json(other.url + "/leader")[1]["holder"] == leader.identity
+
+
+def test_sigkill_leader_is_replaced_within_lease_duration(trio):
+    leader = wait_until(lambda: one_leader(trio), timeout=10)
+    leader.signal(signal.SIGKILL)
+    killed = time.monotonic()
+    rest = [p for p in trio if p is not leader]
+    wait_until(lambda: one_leader(rest), timeout=LEASE_DURATION + 1.0)
+    assert time.monotonic() - killed <= LEASE_DURATION + 1.0
+
+
+def test_sigterm_leader_hands_over_at_once(trio):
+    leader = wait_until(lambda: one_leader(trio), timeout=10)
+    token = get_json(leader.url + "/leader")[1]["fencing_token"]
+    leader.signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    rest = [p for p in trio if p is not leader]
+    successor = wait_until(lambda: one_leader(rest), timeout=1.0)
+    assert time.monotonic() - stopped <= 1.0
+    assert leader.proc.wait(5) == 0
+    assert not (leader.state_dir / "leader").exists()
+    assert get_json(successor.url + "/leader")[1]["fencing_token"] > token
+
+
+class ClaimRecorder:
+    """Polls every sidecar every ~10 ms; keeps each 200 as a claim [seen, valid_until]."""
+
+    def __init__(self, procs: list[SidecarProcess]) -> None:
+        self.procs = procs
+        self.claims: list[tuple[str, float, float]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._poll, args=(p,), daemon=True)
+                         for p in procs]
+
+    def __enter__(self) -> ClaimRecorder:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+
+    def _poll(self, proc: SidecarProcess) -> None:
+        while not self._stop.is_set():
+            sent = time.time()
+            status, body, _ = get_json(proc.url + "/leader", timeout=0.5)
+            if status == 200:
+                until = dt.datetime.fromisoformat(body["valid_until"]).timestamp()
+                self.claims.append((proc.identity, sent, until))
+            time.sleep(0.01)
+
+    def overlaps(self) -> list[tuple[tuple[str, float, float], tuple[str, float, float]]]:
+        found = []
+        ordered = sorted(self.claims, key=lambda c: c[1])
+        for i, first in enumerate(ordered):
+            for second in ordered[i + 1:]:
+                if second[1] >= first[2]:
+                    break
+                if second[0] != first[0]:
+                    found.append((first, second))
+        return found
+
+
+def test_sigstop_leader_never_publishes_stale_leader(trio):
+    leader = wait_until(lambda: one_leader(trio), timeout=10)
+    rest = [p for p in trio if p is not leader]
+    with ClaimRecorder(trio) as recorder:
+        time.sleep(0.3)
+        leader.signal(signal.SIGSTOP)
+        wait_until(lambda: one_leader(rest), timeout=LEASE_DURATION + 2)
+        time.sleep(0.5)
+        leader.signal(signal.SIGCONT)
+        first_answer = get_json(leader.url + "/leader", timeout=3)[0]
+        time.sleep(1.0)
+    assert first_answer == 503
+    assert recorder.overlaps() == []
+    assert {c[0] for c in recorder.claims} >= {leader.identity}
+    assert len({c[0] for c in recorder.claims}) >= 2
+
+
+def test_exec_kills_its_child_when_the_lease_is_lost(tmp_path: Path):
+    db = tmp_path / "leases.db"
+    marker = tmp_path / "child-ran"
+    child_script = (f"import signal,sys,time,pathlib; pathlib.Path({str(marker)!r}).touch();"
+                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); time.sleep(60)")
+    runner = SidecarProcess(tmp_path, "exec-1", command="exec",
+                            args=["--dsn", str(db), *FAST, "--grace", "1s", "--",
+                                  sys.executable, "-c", child_script]).start()
+    try:
+        wait_until(marker.exists, timeout=10)
+        # Steal the lease: rewrite the row's owner, as if another holder took it over.
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE leases SET owner = 'thief'")
+        code = runner.proc.wait(timeout=LEASE_DURATION + 5)
+        assert code == 143  # the child's own exit code after our SIGTERM
+        assert "stopping command" in runner.logs()
+    finally:
+        runner.stop()
+
+
+def test_exec_releases_when_the_command_exits_and_mirrors_its_code(tmp_path: Path):
+    db = tmp_path / "leases.db"
+    runner = SidecarProcess(tmp_path, "exec-2", command="exec",
+                            args=["--dsn", str(db), *FAST, "--",
+                                  sys.executable, "-c", "raise SystemExit(7)"]).start()
+    assert runner.proc.wait(timeout=15) == 7
+    runner.stop()
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM leases").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--lease-duration", "soon"], "LEASE_DURATION / --lease-duration"),
+    (["--backend", "oracle"], "LEASE_BACKEND / --backend"),
+    (["--renew-interval", "30s"], "LEASE_RENEW_INTERVAL / --renew-interval"),
+    (["--backend", "postgres"], "LEASE_DSN / --dsn"),
+])
+def test_bad_settings_exit_2_naming_the_setting(args, named, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "sidecar", "run", *args,
+                             "--state-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=20)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0]
+
+
+def test_bad_env_setting_exits_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "sidecar", "run"],
+                            env={"LEASE_CLAIM_HORIZON": "forever", "PATH": "/usr/bin"},
+                            capture_output=True, text=True, timeout=20)
+    assert result.returncode == 2
+    assert "LEASE_CLAIM_HORIZON / --claim-horizon" in result.stderr
+
+
+def test_unreachable_backend_keeps_running_and_recovers(tmp_path: Path):
+    blocker = tmp_path / "db-dir"
+    blocker.write_text("a file where a directory should be")
+    proc = SidecarProcess(tmp_path, "lonely",
+                          args=["--dsn", str(blocker / "leases.db"), *FAST]).start()
+    try:
+        proc.wait_http()
+        time.sleep(2.0)  # several retries
+        assert proc.proc.poll() is None
+        assert proc.leader() == 503
+        assert get_json(proc.url + "/readyz")[0] == 503
+        assert get_json(proc.url + "/healthz")[0] == 200
+        blocker.unlink()
+        wait_until(lambda: proc.leader() == 200, timeout=LEASE_DURATION * 3)
+        assert get_json(proc.url + "/readyz")[0] == 200
+        lines = [json.loads(line) for line in proc.logs().splitlines() if line.startswith("{")]
+        unreachable = [line for line in lines if line["msg"] == "backend unreachable"]
+        assert len(unreachable) == 1  # one line per state change, not one per retry
+        assert any(line["msg"] == "backend reachable again" for line in lines)
+    finally:
+        proc.stop()
+
+
+def test_release_endpoint_hands_over(trio):
+    leader = wait_until(lambda: one_leader(trio), timeout=10)
+    request = urllib.request.Request(leader.url + "/release", method="POST")
+    with urllib.request.urlopen(request, timeout=2) as response:
+        assert response.status == 202
+    rest = [p for p in trio if p is not leader]
+    wait_until(lambda: one_leader(rest), timeout=2.0)
+    assert leader.leader() == 503
+
+
+def test_api_role_never_contends(tmp_path: Path):
+    proc = SidecarProcess(tmp_path, "api-1",
+                          args=["--dsn", str(tmp_path / "l.db"), "--role", "api"]).start()
+    try:
+        proc.wait_http()
+        status, body, _ = get_json(proc.url + "/leader")
+        assert status == 503 and body["role"] == "api"
+        assert "acquired lease" not in proc.logs()
+        assert not (tmp_path / "l.db").exists()  # never touched the backend
+    finally:
+        proc.stop()
+
+
+def test_several_names_each_with_their_own_file(tmp_path: Path):
+    proc = SidecarProcess(tmp_path, "multi",
+                          args=["--dsn", str(tmp_path / "l.db"), "--name", "sweep,mail",
+                                *FAST]).start()
+    try:
+        proc.wait_http()
+        wait_until(lambda: get_json(proc.url + "/leader/mail")[0] == 200, timeout=10)
+        assert get_json(proc.url + "/leader")[1]["lease"] == "sweep"
+        for name in ("leader", "sweep", "mail"):
+            wait_until((proc.state_dir / name).exists, timeout=2)
+    finally:
+        assert proc.stop() == 0
+    assert not any((proc.state_dir / n).exists() for n in ("leader", "sweep", "mail"))
