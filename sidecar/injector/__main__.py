@@ -1,0 +1,114 @@
+"""``python -m sidecar.injector``: serve the sidecar-injection webhook.
+
+Two ways to get the serving certificate:
+
+* ``--tls-secret NS/NAME --host HOST ...`` (what the chart does): keep a CA and serving
+  certificate in that Secret, renewing them when needed, and with ``--webhook-config``
+  keep the webhook's ``caBundle`` pointing at the CA (see :mod:`sidecar.injector.tls`);
+* ``--tls-file PEM``: a key + certificate file managed elsewhere (cert-manager, tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import kopf
+
+from sidecar import jsonlog
+from sidecar.config import parse_addr
+from sidecar.injector import tls, webhook
+from sidecar.injector.inject import InjectionSpec
+
+log = logging.getLogger("sidecar.injector")
+
+RENEW_EVERY = 6 * 3600.0  # far below the 30-day renewal margin; cheap when nothing changes
+_background: set[asyncio.Task[None]] = set()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sidecar.injector",
+                                     description="Inject the lease sidecar into opted-in Pods.")
+    parser.add_argument("--spec", required=True,
+                        help="the chart-rendered sidecar spec (JSON)")
+    parser.add_argument("--listen", default="0.0.0.0:8443", help="HTTPS host:port")
+    parser.add_argument("--health", default="0.0.0.0:8080",
+                        help="host:port of the liveness endpoint (/healthz)")
+    parser.add_argument("--tls-file", help="PEM file with the serving key and certificate")
+    parser.add_argument("--tls-secret", help="NAMESPACE/NAME of the Secret holding the TLS")
+    parser.add_argument("--host", action="append", default=[],
+                        help="DNS name or IP the serving certificate must name (repeatable)")
+    parser.add_argument("--webhook-config",
+                        help="MutatingWebhookConfiguration whose caBundle to keep current")
+    parser.add_argument("--cert-dir", default=None,
+                        help="private directory for the serving PEM (default: under /tmp)")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+    return parser
+
+
+def _refresh_tls(args: argparse.Namespace, cert_dir: Path) -> Path:
+    namespace, _, name = args.tls_secret.partition("/")
+    api = tls.api_client()
+    try:
+        bundle = tls.ensure_secret(api, namespace, name, args.host)
+        if args.webhook_config:
+            tls.ensure_ca_bundle(api, args.webhook_config, bundle.ca_cert)
+    finally:
+        api.close()
+    return tls.write_pem(bundle, cert_dir)
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if bool(args.tls_file) == bool(args.tls_secret):
+        parser.error("give exactly one of --tls-file and --tls-secret")
+    if args.tls_secret and ("/" not in args.tls_secret or not args.host):
+        parser.error("--tls-secret needs NAMESPACE/NAME and at least one --host")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
+    jsonlog.setup(args.log_level)
+    try:
+        spec = InjectionSpec.load(args.spec)
+        host, port = parse_addr(args.listen)
+        health_host, health_port = parse_addr(args.health)
+    except ValueError as exc:
+        print(f"lease-sidecar-injector: error: {exc}", file=sys.stderr)
+        return 2
+    cert_dir = Path(args.cert_dir or tempfile.mkdtemp(prefix="lease-injector-tls-"))
+    pem = Path(args.tls_file) if args.tls_file else _refresh_tls(args, cert_dir)
+
+    registry = webhook.build_registry(spec)
+    if args.tls_secret:
+        @kopf.on.startup(registry=registry)
+        async def keep_tls_fresh(**_: Any) -> None:
+            async def loop() -> None:
+                while True:
+                    await asyncio.sleep(RENEW_EVERY)
+                    try:
+                        await asyncio.to_thread(_refresh_tls, args, cert_dir)
+                    except Exception:  # keep serving the current certificate; retry later
+                        log.exception("TLS renewal failed")
+
+            # A task, not an awaited loop: startup handlers must finish for kopf to serve.
+            # The set keeps a reference so the task is not garbage-collected.
+            _background.add(asyncio.get_running_loop().create_task(loop()))
+
+    # kopf reloads the PEM when it changes (checked every file_check_interval seconds).
+    server = kopf.WebhookServer(addr=host, port=port, certfile=pem, pkeyfile=pem,
+                                file_check_interval=60.0)
+    kopf.run(registry=registry, settings=webhook.settings(server), clusterwide=True,
+             standalone=True, liveness_endpoint=f"http://{health_host}:{health_port}/healthz")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
