@@ -1,0 +1,417 @@
+"""``postgres``: a session-level advisory lock on a dedicated, non-pooled connection.
+
+Each lease name gets its own ``asyncpg.connect`` connection (never a pool: a pooled or
+PgBouncer-multiplexed session could hand the lock to someone else's code, or lose it).
+The lock lives exactly as long as that session, so:
+
+- no schema and no rows; the lock id is the first 8 bytes of
+  SHA-256(``{key_prefix}.{name}``) as a signed big-endian bigint (:func:`lock_id`),
+  stable across processes and versions, unlike Python's ``hash()``;
+- a crashed holder's lock passes on the moment PostgreSQL ends its session; standbys wait
+  for it *inside the server* (``pg_advisory_lock`` under ``lock_timeout``), so they get
+  it within milliseconds without polling. Because of that, the new holder waits one
+  ``claim_horizon`` (``publish_delay``) before it publishes, letting the dead holder's
+  last claims run out;
+- the holder heartbeats (checks ``pg_locks`` for its own pid) every renew interval; a
+  heartbeat that has not succeeded within ``renew_deadline`` ends the claim
+  (``Grant.valid_for``), and a dropped connection (asyncpg termination listener) ends
+  it at once: ``try_renew`` then answers "not held" without a round trip and
+  :attr:`AdvisoryLease.lost` is set for an elector that wants to wake up;
+- the session's own settings make the *server* wait longer than the client before it
+  ends a silent session (TCP keepalives and ``tcp_user_timeout`` beyond
+  ``renew_deadline + claim_horizon``), and ``idle_session_timeout`` (PostgreSQL 14+) of
+  about the lease duration frees the lock of a frozen holder while the heartbeat keeps
+  a healthy session busy. On PostgreSQL 13 and older there is no such setting: a frozen
+  (SIGSTOPped) holder keeps the lock until it resumes or dies, because the kernel
+  keeps answering TCP keepalives for a stopped process;
+- fencing token: a transaction id drawn right after the lock was granted
+  (``pg_current_xact_id()``, ``txid_current()`` before 13). Transaction ids are 64-bit
+  (with epoch) and assigned in increasing order per cluster, so the next holder, who
+  can only get the lock after this one let go, always draws a larger one.
+
+Uncertain lock state never survives: when a lock-changing call fails or times out
+half-way (did the server grant it or not?), the connection is dropped, which frees any
+lock it may hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+from typing import Any
+
+import asyncpg
+
+from sidecar.config import Settings, redact_dsn
+from sidecar.lease import BackendError, Grant, Holder
+
+log = logging.getLogger("sidecar.lease.postgres")
+
+# Ways an asyncpg call fails because of the server or the connection (not a bug here).
+_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+# Our own session still holds the lock (a transaction pooler in between would fail this).
+_HOLDS = """select exists(select 1 from pg_locks where locktype = 'advisory' and granted
+            and pid = pg_backend_pid() and classid = $1::int8::oid
+            and objid = $2::int8::oid and objsubid = 1)"""
+# Who holds a lock in this database (application_name is visible even across roles).
+_HOLDER = """select a.application_name from pg_locks l join pg_stat_activity a on a.pid = l.pid
+             where l.locktype = 'advisory' and l.granted and l.classid = $1::int8::oid
+             and l.objid = $2::int8::oid and l.objsubid = 1
+             and l.database = (select oid from pg_database where datname = current_database())"""
+_ALL_HOLDERS = """select l.classid::int8, l.objid::int8, a.application_name, a.pid,
+                  a.backend_start
+                  from pg_locks l join pg_stat_activity a on a.pid = l.pid
+                  where l.locktype = 'advisory' and l.granted and l.objsubid = 1
+                  and l.database = (select oid from pg_database
+                                    where datname = current_database())"""
+_UNLOCK = "select bool_and(pg_advisory_unlock($1)) from generate_series(1, $2)"
+_APPLY = "select set_config(name, value, false) from unnest($1::text[], $2::text[]) s(name, value)"
+
+
+def lock_id(key_prefix: str, name: str) -> int:
+    """First 8 bytes of SHA-256(``{key_prefix}.{name}``) as a signed big-endian bigint."""
+    digest = hashlib.sha256(f"{key_prefix}.{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def lock_halves(key: int) -> tuple[int, int]:
+    """``(classid, objid)`` as pg_locks shows a bigint advisory key."""
+    unsigned = key & 0xFFFF_FFFF_FFFF_FFFF
+    return unsigned >> 32, unsigned & 0xFFFF_FFFF
+
+
+def key_from_halves(classid: int, objid: int) -> int:
+    """The signed bigint key back from pg_locks' ``classid``/``objid``."""
+    return int.from_bytes(((classid << 32) | objid).to_bytes(8, "big"), "big", signed=True)
+
+
+def application_name(identity: str) -> str:
+    """The identity cut to PostgreSQL's 63-byte limit (on a character boundary)."""
+    return identity.encode()[:63].decode(errors="ignore")
+
+
+def session_settings(settings: Settings, server_version: int) -> dict[str, str]:
+    """Per-session settings so the server outlasts the client's own step-down.
+
+    The client stops claiming ``renew_deadline`` after its last successful heartbeat was
+    sent, and no claim outlives that; the server must not end the session (freeing the
+    lock) sooner. ``server_version`` is ``server_version_num`` (e.g. 150004).
+    """
+    silent = math.ceil(settings.renew_deadline + settings.claim_horizon + 1.0)
+    values = {
+        # Keepalive probes start after this much silence; the session dies after
+        # idle + interval * count seconds without an answer.
+        "tcp_keepalives_idle": str(max(1, silent - 3)),
+        "tcp_keepalives_interval": "1",
+        "tcp_keepalives_count": "3",
+    }
+    if server_version >= 120000:
+        # Unacknowledged data (e.g. a heartbeat reply) for this long ends the session.
+        values["tcp_user_timeout"] = str(silent * 1000)
+    if server_version >= 140000:
+        idle = max(settings.lease_duration, settings.renew_deadline + settings.claim_horizon
+                   + 0.5)
+        values["idle_session_timeout"] = f"{round(idle * 1000)}ms"
+    return values
+
+
+class _Conn:
+    """Connecting with the session settings; errors become one redacted line."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.where = redact_dsn(settings.dsn) or "postgres"
+        # Connecting and ordinary queries must answer well within the renew deadline.
+        self.timeout = max(1.0, settings.renew_deadline)
+
+    def error(self, what: str, exc: BaseException) -> BackendError:
+        detail = " ".join((str(exc) or type(exc).__name__).split())
+        return BackendError(f"postgres {self.where}: {what}: {detail}")
+
+    async def open(self) -> asyncpg.Connection:
+        try:
+            conn = await asyncpg.connect(
+                self.settings.dsn, timeout=self.timeout, command_timeout=self.timeout,
+                server_settings={"application_name": application_name(
+                    self.settings.identity)})
+        except (*_DB_ERRORS, ValueError) as exc:
+            raise self.error("cannot connect", exc) from None
+        try:
+            values = session_settings(self.settings, _version_num(conn))
+            await conn.execute(_APPLY, list(values), list(values.values()))
+        except _DB_ERRORS as exc:
+            conn.terminate()
+            raise self.error("cannot apply session settings", exc) from None
+        return conn
+
+
+def _version_num(conn: asyncpg.Connection) -> int:
+    v = conn.get_server_version()
+    return v.major * 10000 + v.minor
+
+
+class AdvisoryLease:
+    """One lease name: one dedicated connection, one advisory lock."""
+
+    def __init__(self, settings: Settings, name: str) -> None:
+        self.name = name
+        self.publish_delay = settings.claim_horizon
+        # Set the moment the connection holding the lock drops; cleared on acquisition.
+        self.lost = asyncio.Event()
+        self.key = lock_id(settings.key_prefix, name)
+        self._halves = lock_halves(self.key)
+        self._settings = settings
+        self._db = _Conn(settings)
+        self._conn: asyncpg.Connection | None = None
+        # Session-level advisory locks stack: each grant needs one unlock.
+        self._levels = 0
+        self._token: int | None = None
+        # One operation at a time on the connection; the in-server wait holds it too.
+        self._busy = asyncio.Lock()
+        self._waiter: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """Backend pid of the dedicated connection (what pg_locks shows as the holder)."""
+        conn = self._conn
+        return conn.get_server_pid() if conn is not None and not conn.is_closed() else None
+
+    # -- the Lease protocol ----------------------------------------------------------
+    async def try_acquire(self) -> Grant:
+        await self._settle_waiter()
+        async with self._busy:
+            if self._levels and self._alive():
+                return self._held()
+            for attempt in (1, 2):
+                reused = self._conn is not None
+                conn = await self._connection()
+                try:
+                    token = await conn.fetchval(self._try_lock_sql(conn), self.key)
+                except _DB_ERRORS as exc:
+                    self._drop()  # granted or not, a dropped session holds nothing
+                    # An idle session the server ended (idle_session_timeout): reconnect once.
+                    if attempt == 1 and reused and conn.is_closed():
+                        continue
+                    raise self._db.error("acquire", exc) from None
+                break
+            if token is None:
+                holder = await self._holder(conn)
+                return Grant(held=False, holder=holder,
+                             reason=f"held by {holder}" if holder else "held by another session")
+            self._granted(token)
+            return self._held()
+
+    async def try_renew(self) -> Grant:
+        async with self._busy:
+            if not self._levels or not self._alive():
+                return self._gone()
+            conn = self._conn
+            assert conn is not None
+            try:
+                holds = await conn.fetchval(_HOLDS, *self._halves)
+            except _DB_ERRORS as exc:
+                if conn.is_closed():
+                    return self._gone()
+                raise self._db.error("heartbeat", exc) from None
+            if not holds:
+                # Only our own session can unlock; a different backend pid means a pooler.
+                self._drop()
+                return Grant(held=False, reason="the session no longer holds the lock "
+                                                "(is a transaction pooler in between?)")
+            return self._held()
+
+    async def release(self) -> None:
+        await self._settle_waiter()
+        async with self._busy:
+            levels, self._levels, self._token = self._levels, 0, None
+            conn = self._conn
+            if not levels or conn is None or conn.is_closed():
+                return
+            try:
+                await conn.fetchval(_UNLOCK, self.key, levels)
+            except _DB_ERRORS as exc:
+                self._drop()  # closing the session frees the lock as well
+                raise self._db.error("release", exc) from None
+
+    async def describe(self) -> Holder:
+        conn = await self._db.open()
+        try:
+            return Holder(holder=await self._holder(conn))
+        finally:
+            await _close(conn)
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Block in the server until the lock is ours or ``timeout`` passes.
+
+        The in-server wait runs as its own task: cancelling this call (the elector does
+        when its sleep ends) leaves that wait to finish by its ``lock_timeout``, so a
+        grant that races the cancel is still counted, never lost.
+        """
+        if self._levels:
+            await asyncio.sleep(timeout)
+            return
+        if self._waiter is None or self._waiter.done():
+            self._waiter = asyncio.create_task(self._wait_lock(timeout),
+                                               name=f"pg-advisory-wait-{self.name}")
+        await asyncio.shield(self._waiter)
+
+    async def close(self) -> None:
+        with contextlib.suppress(BackendError):
+            await self.release()
+        async with self._busy:
+            conn, self._conn = self._conn, None
+            if conn is not None:
+                await _close(conn)
+
+    # -- internals -------------------------------------------------------------------
+    async def _wait_lock(self, timeout: float) -> None:
+        async with self._busy:
+            if self._levels:
+                return
+            try:
+                conn = await self._connection()
+            except BackendError:
+                return  # the elector's next try_acquire reports it
+            wait_ms = max(1, round(timeout * 1000))
+            try:
+                # Simple-query protocol: one round trip. lock_timeout ends the wait in the
+                # server; the client timeout only guards against a hung server.
+                await conn.execute(f"SET lock_timeout = {wait_ms}; "
+                                   f"SELECT pg_advisory_lock({self.key}); RESET lock_timeout",
+                                   timeout=timeout + self._db.timeout)
+            except asyncpg.LockNotAvailableError:
+                return  # still held by someone else
+            except _DB_ERRORS:
+                self._drop()  # timed out or broken: whether it was granted is unknown
+                return
+            try:
+                token = await conn.fetchval(self._token_sql(conn))
+            except _DB_ERRORS:
+                self._drop()
+                return
+            self._granted(token)
+
+    async def _settle_waiter(self) -> None:
+        """Let a pending in-server wait finish (it ends by its own lock_timeout)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            await asyncio.shield(waiter)
+
+    async def _connection(self) -> asyncpg.Connection:
+        if self._conn is None or self._conn.is_closed():
+            self._drop()
+            conn = await self._db.open()
+            conn.add_termination_listener(self._terminated)
+            self._conn = conn
+        return self._conn
+
+    def _terminated(self, conn: asyncpg.Connection) -> None:
+        """The session ended (server restart, pg_terminate_backend, network)."""
+        if conn is not self._conn:
+            return
+        if self._levels:
+            log.warning("lost the PostgreSQL session holding the lock", extra={
+                "lease": self.name, "lock_id": self.key, "pid": conn.get_server_pid()})
+            self.lost.set()
+        self._levels, self._token, self._conn = 0, None, None
+
+    def _drop(self) -> None:
+        """Forget the connection; closing the socket ends the session and its locks."""
+        conn, self._conn = self._conn, None
+        if self._levels:
+            self.lost.set()
+        self._levels, self._token = 0, None
+        if conn is not None and not conn.is_closed():
+            conn.terminate()
+
+    def _alive(self) -> bool:
+        return self._conn is not None and not self._conn.is_closed()
+
+    def _granted(self, token: int) -> None:
+        self._levels += 1
+        self._token = int(token)
+        self.lost.clear()
+        log.debug("advisory lock granted", extra={"lease": self.name, "lock_id": self.key,
+                                                  "pid": self.pid, "fencing_token": token})
+
+    def _held(self) -> Grant:
+        return Grant(held=True, valid_for=self._settings.renew_deadline,
+                     fencing_token=self._token, holder=self._settings.identity)
+
+    def _gone(self) -> Grant:
+        self._levels, self._token = 0, None
+        return Grant(held=False, reason="connection to PostgreSQL lost")
+
+    async def _holder(self, conn: asyncpg.Connection) -> str | None:
+        try:
+            return await conn.fetchval(_HOLDER, *self._halves)
+        except _DB_ERRORS as exc:
+            raise self._db.error("look up the holder", exc) from None
+
+    def _try_lock_sql(self, conn: asyncpg.Connection) -> str:
+        # CASE evaluates the lock first, so the xid is drawn only after the grant.
+        return f"select case when pg_try_advisory_lock($1) then {self._token_expr(conn)} end"
+
+    def _token_sql(self, conn: asyncpg.Connection) -> str:
+        return f"select {self._token_expr(conn)}"
+
+    @staticmethod
+    def _token_expr(conn: asyncpg.Connection) -> str:
+        if _version_num(conn) >= 130000:
+            return "pg_current_xact_id()::text::int8"
+        return "txid_current()"
+
+
+async def _close(conn: asyncpg.Connection) -> None:
+    try:
+        await asyncio.wait_for(conn.close(), 2.0)
+    except (*_DB_ERRORS, asyncio.CancelledError):
+        conn.terminate()
+
+
+class AdvisoryBackend:
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._leases: dict[str, AdvisoryLease] = {}
+
+    def lease(self, name: str) -> AdvisoryLease:
+        if name not in self._leases:
+            self._leases[name] = AdvisoryLease(self._settings, name)
+        return self._leases[name]
+
+    async def close(self) -> None:
+        for lease in self._leases.values():
+            await lease.close()
+
+
+async def list_holders(settings: Settings) -> list[dict[str, Any]]:
+    """For ``lease-sidecar status``: who holds each configured lease, from pg_locks."""
+    db = _Conn(settings)
+    conn = await db.open()
+    try:
+        rows = await conn.fetch(_ALL_HOLDERS)
+    except _DB_ERRORS as exc:
+        raise db.error("list holders", exc) from None
+    finally:
+        await _close(conn)
+    held = {key_from_halves(r[0], r[1]): r for r in rows}
+    result = []
+    for name in settings.names:
+        key = lock_id(settings.key_prefix, name)
+        row = held.get(key)
+        result.append({
+            "lease": name, "lock_id": key,
+            "holder": row["application_name"] if row else None,
+            "pid": row["pid"] if row else None,
+            "backend_start": row["backend_start"].isoformat()
+            if row and row["backend_start"] else None,
+        })
+    return result
+
+
+def create(settings: Settings) -> AdvisoryBackend:
+    return AdvisoryBackend(settings)
