@@ -1,0 +1,55 @@
+"""``postgres-row``: the TTL row lease (the SQL Server design) in PostgreSQL, over asyncpg.
+
+Guarantees (see sidecar.lease.rowlease): a holder is granted ``lease_duration -
+safety_margin`` from the send time of its acquire/renew; expiry is set and compared by
+the server's ``now()``; the fencing token is drawn from a sequence, so it only grows
+across holders even though release deletes the row. A release (and the acquire-time
+sweep of expired rows) sends NOTIFY, so standbys LISTENing take over at once; NOTIFY is a
+best-effort wake-up only — without it standbys notice on their next retry.
+
+No statement keeps session state, so the backend works behind a transaction-pooling
+proxy (PgBouncer ``pool_mode=transaction``); LISTEN does not, which only costs wake-ups.
+"""
+
+from __future__ import annotations
+
+from sidecar.config import Settings
+from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
+from sidecar.lease.sql.dialect import PostgresDialect
+from sidecar.lease.sql.store import SqlRowBackend, SqlRowStore, request_timeout
+from sidecar.lease.sql.store import list_holders as _list_holders
+
+
+def _dialect(settings: Settings) -> PostgresDialect:
+    return PostgresDialect(settings.schema, settings.table_name)
+
+
+def _store(settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
+    driver = AsyncpgDriver(dsn, timeout=request_timeout(settings),
+                           label="postgres-row replica" if replica else "postgres-row")
+    return SqlRowStore(_dialect(settings), driver, replica=replica)
+
+
+def create(settings: Settings) -> SqlRowBackend:
+    replica = _store(settings, settings.replica_dsn, replica=True) if settings.replica_dsn else None
+    return SqlRowBackend(settings, _store(settings, settings.dsn or ""), replica)
+
+
+def schema_sql(settings: Settings) -> str:
+    return _dialect(settings).schema_script()
+
+
+async def apply_schema(settings: Settings) -> None:
+    store = _store(settings, settings.dsn or "")
+    try:
+        # Several sidecars may start at once; CREATE … IF NOT EXISTS alone can still race
+        # on the catalog, so provisioning holds a transaction-scoped advisory lock.
+        lock = f"lease-sidecar schema {store.dialect.channel}"
+        await store.driver.script(f"SELECT pg_advisory_xact_lock(hashtext('{lock}'));\n"
+                                  + store.dialect.schema_script())
+    finally:
+        await store.close()
+
+
+async def list_holders(settings: Settings) -> list[dict]:
+    return await _list_holders(settings, _store(settings, settings.dsn or ""))

@@ -1,0 +1,149 @@
+"""Statements over asyncpg: a small pool for lease statements, one LISTEN connection.
+
+Each lease statement is one prepared statement per pooled connection; after the first
+use a call is one Bind/Execute/Sync exchange — one round trip. Nothing depends on
+session state, so a transaction-pooling proxy (PgBouncer) may sit in between; there,
+either run PgBouncer ≥ 1.21 with ``max_prepared_statements`` or accept that LISTEN (a
+session feature) does not work and standbys fall back to their retry interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+
+import asyncpg
+
+from sidecar.config import redact_dsn
+from sidecar.lease import BackendError
+from sidecar.lease.sql.dialect import Statement
+
+log = logging.getLogger("sidecar.lease.sql")
+
+
+class AsyncpgDriver:
+    def __init__(self, dsn: str, *, timeout: float, label: str = "postgres-row",
+                 max_size: int = 4) -> None:
+        self._dsn = dsn
+        self._timeout = timeout
+        self._label = label
+        self._max_size = max_size
+        self._pool: asyncpg.Pool | None = None
+        self._pool_lock = asyncio.Lock()
+        self._listener: asyncpg.Connection | None = None
+        self._listening: set[str] = set()
+        self._events: dict[str, asyncio.Event] = {}
+        self._last_notify: dict[str, float] = {}
+
+    # -- statements ----------------------------------------------------------------------
+    async def fetch(self, statement: Statement, params: Mapping[str, object]) -> list[tuple]:
+        text, names = statement.numeric()
+        pool = await self._get_pool()
+        try:
+            records = await pool.fetch(text, *(params[n] for n in names),
+                                       timeout=self._timeout)
+        except Exception as exc:
+            raise self._error(exc) from None
+        return [tuple(record) for record in records]
+
+    async def script(self, sql: str) -> None:
+        """Run a parameterless script (DDL) in one transaction."""
+        pool = await self._get_pool()
+        try:
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute(sql)
+        except Exception as exc:
+            raise self._error(exc) from None
+
+    async def _get_pool(self) -> asyncpg.Pool:
+        async with self._pool_lock:
+            if self._pool is None:
+                try:
+                    self._pool = await asyncpg.create_pool(
+                        self._dsn, min_size=1, max_size=self._max_size,
+                        timeout=self._timeout, command_timeout=self._timeout)
+                except Exception as exc:
+                    raise self._error(exc) from None
+            return self._pool
+
+    # -- wake-ups ------------------------------------------------------------------------
+    async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None:
+        """Return on a NOTIFY on ``channel``, or at once if one arrived after ``since``.
+
+        Best effort: if the LISTEN connection cannot be had, this just sleeps, and the
+        caller's retry interval bounds how late a standby notices a free lease.
+        """
+        if not await self._ensure_listener(channel, timeout):
+            await asyncio.sleep(timeout)
+            return
+        event = self._events.setdefault(channel, asyncio.Event())
+        if self._last_notify.get(channel, float("-inf")) > since:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    async def _ensure_listener(self, channel: str, timeout: float) -> bool:
+        try:
+            if self._listener is None or self._listener.is_closed():
+                self._listening = set()
+                self._listener = await asyncpg.connect(self._dsn,
+                                                       timeout=min(timeout, self._timeout))
+                self._listener.add_termination_listener(self._listener_lost)
+            if channel not in self._listening:
+                await self._listener.add_listener(channel, self._on_notify)
+                self._listening.add(channel)
+        except Exception as exc:
+            # Quiet: wake-ups are an optimisation; the lease statements report real trouble.
+            log.debug("LISTEN unavailable", extra={"error": str(self._error(exc))})
+            await self._drop_listener()
+            return False
+        return True
+
+    def _on_notify(self, conn: object, pid: int, channel: str, payload: str) -> None:
+        self._last_notify[channel] = asyncio.get_running_loop().time()
+        # A fresh event per wake-up, so every current waiter wakes and later ones wait.
+        event = self._events.pop(channel, None)
+        if event is not None:
+            event.set()
+
+    async def _drop_listener(self) -> None:
+        conn, self._listener = self._listener, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 2.0)
+
+    def _listener_lost(self, conn: object) -> None:
+        # Reconnected quietly by the next wait.
+        self._listener = None
+
+    async def close(self) -> None:
+        await self._drop_listener()
+        if self._pool is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._pool.close(), 5.0)
+            self._pool = None
+
+    # -- errors --------------------------------------------------------------------------
+    def _error(self, exc: BaseException) -> BackendError:
+        return BackendError(f"{self._label} {redact_dsn(self._dsn)}: {describe_error(exc)}")
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line: login failed, network unreachable, missing table, or the server's words."""
+    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
+        return f"login failed ({exc.__class__.__name__}: {first_line(str(exc))})"
+    if isinstance(exc, asyncpg.UndefinedTableError):
+        return (f"{first_line(str(exc))}; run `lease-sidecar schema --apply` to create the "
+                "lease table")
+    if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError | asyncpg.ConnectionDoesNotExistError
+                  | asyncpg.CannotConnectNowError):
+        return f"network unreachable ({first_line(str(exc)) or type(exc).__name__})"
+    return first_line(str(exc)) or type(exc).__name__
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""

@@ -1,0 +1,251 @@
+"""SQL text of the row lease for PostgreSQL and for SQL Server (T-SQL).
+
+Statements use ``:name`` placeholders; each driver compiles them to its own parameter
+style (``$1`` for asyncpg, ``?`` for ODBC), so the SQL stays independent of the driver.
+Every statement a lease operation runs is one statement or one batch: one round trip.
+
+Both dialects take every time from the server (``now()``, ``SYSDATETIMEOFFSET()``), never
+from the client, so client clock skew cannot move an expiry.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import cached_property
+
+from sidecar.lease.rowlease import Row, validate_identifier
+
+# ``:name`` but not the ``::`` of a PostgreSQL cast.
+_PLACEHOLDER = re.compile(r"(?<![:\w]):([a-z_]+)\b")
+
+
+@dataclass(frozen=True)
+class Statement:
+    text: str
+
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        """Parameter names in order of appearance (repeats included)."""
+        return tuple(match.group(1) for match in _PLACEHOLDER.finditer(self.text))
+
+    def qmark(self) -> tuple[str, tuple[str, ...]]:
+        """ODBC style: one ``?`` per occurrence, values passed in that order."""
+        return _PLACEHOLDER.sub("?", self.text), self.names
+
+    def numeric(self) -> tuple[str, tuple[str, ...]]:
+        """asyncpg style: ``$n`` per distinct name, values passed once each."""
+        order: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            if match.group(1) not in order:
+                order.append(match.group(1))
+            return f"${order.index(match.group(1)) + 1}"
+
+        return _PLACEHOLDER.sub(number, self.text), tuple(order)
+
+
+class Dialect:
+    """What a :class:`~sidecar.lease.sql.store.SqlRowStore` needs from a dialect."""
+
+    # NOTIFY channel that release and the expiry sweep signal; None where there is none.
+    channel: str | None
+    acquire: Statement
+    renew: Statement
+    release: Statement
+    read: Statement
+    read_replica: Statement
+    list_live: Statement
+
+    def schema_script(self) -> str:
+        raise NotImplementedError
+
+    def decode(self, row: tuple) -> Row:
+        raise NotImplementedError
+
+
+class PostgresDialect(Dialect):
+    """Table ``{schema}.{table}``; the version comes from a sequence, so the fencing token
+    keeps growing across holders even though release deletes the row."""
+
+    def __init__(self, schema: str = "lease", table: str = "leases") -> None:
+        self.schema = validate_identifier("schema", schema)
+        self.table = validate_identifier("table", table)
+        t = f'"{schema}"."{table}"'
+        seq = f'"{schema}"."{table}_version_seq"'
+        # pg_notify takes any text as a channel; LISTEN needs it under 64 bytes.
+        self.channel = f"{schema}.{table}"[:63]
+        raw = "owner_instance_id, version, expires_at"
+        row = "owner_instance_id, version, extract(epoch FROM expires_at)::float8"
+        duration = "make_interval(secs => CAST(:duration AS float8))"
+        self._ddl = f"""CREATE SCHEMA IF NOT EXISTS "{schema}";
+CREATE SEQUENCE IF NOT EXISTS {seq};
+CREATE TABLE IF NOT EXISTS {t} (
+    lease_name        varchar(200)  PRIMARY KEY,
+    owner_instance_id varchar(128)  NOT NULL,
+    acquired_at       timestamptz   NOT NULL,
+    renewed_at        timestamptz   NOT NULL,
+    expires_at        timestamptz   NOT NULL,
+    metadata          varchar(1024),
+    version           bigint        NOT NULL
+);
+CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
+        # One statement. The sweep skips our own name on purpose: a data-modifying CTE
+        # and the INSERT run on the same snapshot, so if the sweep deleted the very row
+        # the upsert conflicts with, the outcome would hang on execution order. Our own
+        # expired row is instead taken over by the upsert's WHERE (expired → take over).
+        # The last SELECT returns the live foreign row when we lose, so the caller learns
+        # who holds it; the CROSS JOIN forces the NOTIFY for swept rows to be evaluated.
+        self.acquire = Statement(f"""WITH sweep AS (
+    DELETE FROM {t} WHERE expires_at <= now() AND lease_name <> CAST(:name AS varchar)
+    RETURNING lease_name
+), won AS (
+    INSERT INTO {t} AS l (lease_name, owner_instance_id, acquired_at, renewed_at,
+                          expires_at, metadata, version)
+    VALUES (CAST(:name AS varchar), CAST(:owner AS varchar), now(), now(),
+            now() + {duration}, CAST(:metadata AS varchar), nextval('{seq}'))
+    ON CONFLICT (lease_name) DO UPDATE SET
+        owner_instance_id = excluded.owner_instance_id,
+        acquired_at = CASE WHEN l.owner_instance_id = excluded.owner_instance_id
+                           THEN l.acquired_at ELSE excluded.acquired_at END,
+        renewed_at = excluded.renewed_at,
+        expires_at = excluded.expires_at,
+        metadata = excluded.metadata,
+        version = excluded.version
+    WHERE l.owner_instance_id = excluded.owner_instance_id OR l.expires_at <= now()
+    RETURNING {raw}
+), woken AS (
+    SELECT count(pg_notify('{self.channel}', lease_name)) AS n FROM sweep
+)
+SELECT {row} FROM (
+    SELECT {raw} FROM won
+    UNION ALL
+    SELECT {raw} FROM {t}
+    WHERE lease_name = CAST(:name AS varchar) AND NOT EXISTS (SELECT 1 FROM won)
+) AS r CROSS JOIN woken""")
+        # Like ROWVERSION, every write draws a new version, so a replica showing the
+        # version proves it has this exact write.
+        self.renew = Statement(f"""UPDATE {t}
+SET renewed_at = now(), expires_at = now() + {duration},
+    version = nextval('{seq}')
+WHERE lease_name = CAST(:name AS varchar) AND owner_instance_id = CAST(:owner AS varchar)
+  AND expires_at > now()
+RETURNING {row}""")
+        self.release = Statement(f"""WITH gone AS (
+    DELETE FROM {t}
+    WHERE lease_name = CAST(:name AS varchar) AND owner_instance_id = CAST(:owner AS varchar)
+    RETURNING lease_name
+)
+SELECT pg_notify('{self.channel}', lease_name) FROM gone""")
+        self.read = Statement(
+            f"SELECT {row} FROM {t} WHERE lease_name = CAST(:name AS varchar) "
+            "AND expires_at > now()")
+        # A standby's clock is not the primary's: compare versions, not expiry.
+        self.read_replica = Statement(
+            f"SELECT {row} FROM {t} WHERE lease_name = CAST(:name AS varchar)")
+        self.list_live = Statement(
+            f"SELECT lease_name, {row} FROM {t} WHERE expires_at > now() ORDER BY lease_name")
+
+    def schema_script(self) -> str:
+        return self._ddl
+
+    def decode(self, row: tuple) -> Row:
+        owner, version, expires = row
+        return Row(owner=owner, version=int(version),
+                   expires_at=datetime.fromtimestamp(float(expires), tz=UTC))
+
+
+class TsqlDialect(Dialect):
+    """``[schema].[table]`` exactly per DESIGN.md; ROWVERSION is the fencing token."""
+
+    channel = None
+
+    def __init__(self, schema: str = "lease", table: str = "Leases") -> None:
+        self.schema = validate_identifier("schema", schema)
+        self.table = validate_identifier("table", table)
+        t = f"[{schema}].[{table}]"
+        out = "inserted.OwnerInstanceId, inserted.ExpiresAtUtc, inserted.RowVersion"
+        expiry = "DATEADD(millisecond, :duration_ms, SYSDATETIMEOFFSET())"
+        # CREATE SCHEMA must be alone in its batch, hence sp_executesql.
+        self._ddl = f"""IF SCHEMA_ID(N'{schema}') IS NULL
+BEGIN
+    EXEC sp_executesql N'CREATE SCHEMA [{schema}]';
+END;
+IF OBJECT_ID(N'{t}', N'U') IS NULL
+BEGIN
+    CREATE TABLE {t} (
+        LeaseName       NVARCHAR(200)     NOT NULL CONSTRAINT [PK_{table}] PRIMARY KEY,
+        OwnerInstanceId NVARCHAR(128)     NOT NULL,
+        AcquiredAtUtc   DATETIMEOFFSET(7) NOT NULL,
+        RenewedAtUtc    DATETIMEOFFSET(7) NOT NULL,
+        ExpiresAtUtc    DATETIMEOFFSET(7) NOT NULL,
+        Metadata        NVARCHAR(1024)    NULL,
+        RowVersion      ROWVERSION        NOT NULL
+    );
+END;
+IF NOT EXISTS (SELECT 1 FROM sys.indexes
+               WHERE name = N'IX_{table}_ExpiresAtUtc' AND object_id = OBJECT_ID(N'{t}'))
+BEGIN
+    CREATE INDEX [IX_{table}_ExpiresAtUtc] ON {t} (ExpiresAtUtc);
+END;"""
+        # One batch, one round trip. SYSDATETIMEOFFSET() is a runtime constant within a
+        # statement. The sweep and the MERGE are separate statements run in order, so
+        # (unlike PostgreSQL's CTEs) the MERGE sees the sweep's deletes. The lock hints
+        # make MERGE's read-then-write atomic against a competing caller. The winner's
+        # row goes to @won; when we lose, the live row is read instead, so one result set
+        # always names the holder.
+        self.acquire = Statement(f"""SET NOCOUNT ON;
+DECLARE @won TABLE (OwnerInstanceId NVARCHAR(128), ExpiresAtUtc DATETIMEOFFSET(7),
+                    RowVersion BINARY(8));
+DELETE FROM {t} WHERE ExpiresAtUtc <= SYSDATETIMEOFFSET();
+MERGE {t} WITH (UPDLOCK, HOLDLOCK, ROWLOCK) AS target
+USING (SELECT :name AS LeaseName, :owner AS OwnerInstanceId, :metadata AS Metadata) AS source
+ON target.LeaseName = source.LeaseName
+WHEN MATCHED AND (target.OwnerInstanceId = source.OwnerInstanceId
+                  OR target.ExpiresAtUtc <= SYSDATETIMEOFFSET()) THEN
+    UPDATE SET OwnerInstanceId = source.OwnerInstanceId,
+               AcquiredAtUtc = CASE WHEN target.OwnerInstanceId = source.OwnerInstanceId
+                                    THEN target.AcquiredAtUtc ELSE SYSDATETIMEOFFSET() END,
+               RenewedAtUtc = SYSDATETIMEOFFSET(),
+               ExpiresAtUtc = {expiry},
+               Metadata = source.Metadata
+WHEN NOT MATCHED THEN
+    INSERT (LeaseName, OwnerInstanceId, AcquiredAtUtc, RenewedAtUtc, ExpiresAtUtc, Metadata)
+    VALUES (source.LeaseName, source.OwnerInstanceId, SYSDATETIMEOFFSET(),
+            SYSDATETIMEOFFSET(), {expiry}, source.Metadata)
+OUTPUT {out} INTO @won;
+IF EXISTS (SELECT 1 FROM @won)
+    SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion FROM @won;
+ELSE
+    SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion FROM {t}
+    WHERE LeaseName = :name;""")
+        self.renew = Statement(f"""UPDATE {t}
+SET RenewedAtUtc = SYSDATETIMEOFFSET(), ExpiresAtUtc = {expiry}
+OUTPUT {out}
+WHERE LeaseName = :name AND OwnerInstanceId = :owner AND ExpiresAtUtc > SYSDATETIMEOFFSET();""")
+        self.release = Statement(
+            f"DELETE FROM {t} WHERE LeaseName = :name AND OwnerInstanceId = :owner;")
+        self.read = Statement(
+            f"SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion FROM {t} "
+            "WHERE LeaseName = :name AND ExpiresAtUtc > SYSDATETIMEOFFSET();")
+        # Dirty reads on purpose: an AG secondary must not block on the redo thread, and
+        # only a RowVersion byte-equal to the primary's counts anyway.
+        self.read_replica = Statement(
+            f"SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion FROM {t} WITH (READUNCOMMITTED) "
+            "WHERE LeaseName = :name;")
+        self.list_live = Statement(
+            f"SELECT LeaseName, OwnerInstanceId, ExpiresAtUtc, RowVersion FROM {t} "
+            "WHERE ExpiresAtUtc > SYSDATETIMEOFFSET() ORDER BY LeaseName;")
+
+    def schema_script(self) -> str:
+        return self._ddl
+
+    def decode(self, row: tuple) -> Row:
+        owner, expires, version = row
+        return Row(owner=owner, version=rowversion_to_int(version), expires_at=expires)
+
+
+def rowversion_to_int(value: bytes) -> int:
+    """ROWVERSION is 8 bytes, big-endian, and only grows within a database."""
+    return int.from_bytes(bytes(value), "big")

@@ -1,0 +1,131 @@
+"""A RowStore over any (dialect, driver) pair, and the backend that hands out leases."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Protocol
+
+from sidecar.config import ConfigError, Settings
+from sidecar.lease.rowlease import ReplicaCheck, Row, RowLease
+from sidecar.lease.sql.dialect import Dialect, Statement
+
+# Column sizes of the table (DESIGN.md): names and owners longer than this cannot be stored.
+MAX_ROW_NAME = 200
+MAX_OWNER = 128
+
+
+class Driver(Protocol):
+    """How statements reach a server. Errors are raised as one-line BackendErrors."""
+
+    async def fetch(self, statement: Statement, params: Mapping[str, object]) -> list[tuple]: ...
+
+    async def script(self, sql: str) -> None: ...
+
+    async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class SqlRowStore:
+    """The row-lease statements of ``dialect`` run by ``driver``.
+
+    ``replica=True`` makes :meth:`read` the replica read (no expiry filter, dirty read on
+    SQL Server), for :class:`~sidecar.lease.rowlease.ReplicaCheck`.
+    """
+
+    def __init__(self, dialect: Dialect, driver: Driver, replica: bool = False) -> None:
+        self.dialect = dialect
+        self.driver = driver
+        self._read = dialect.read_replica if replica else dialect.read
+        # When the last acquire was sent: a release notified after it must wake us even
+        # if it arrived before we started waiting.
+        self._last_acquire = float("-inf")
+
+    async def _one(self, statement: Statement, params: Mapping[str, object]) -> Row | None:
+        rows = await self.driver.fetch(statement, params)
+        return self.dialect.decode(rows[0]) if rows else None
+
+    async def acquire(self, name: str, owner: str, duration: float, metadata: str) -> Row | None:
+        self._last_acquire = asyncio.get_running_loop().time()
+        return await self._one(self.dialect.acquire, {
+            "name": name, "owner": owner, "duration": duration,
+            "duration_ms": round(duration * 1000), "metadata": metadata})
+
+    async def renew(self, name: str, owner: str, duration: float) -> Row | None:
+        return await self._one(self.dialect.renew, {
+            "name": name, "owner": owner, "duration": duration,
+            "duration_ms": round(duration * 1000)})
+
+    async def release(self, name: str, owner: str) -> None:
+        await self.driver.fetch(self.dialect.release, {"name": name, "owner": owner})
+
+    async def read(self, name: str) -> Row | None:
+        return await self._one(self._read, {"name": name})
+
+    async def list_live(self) -> list[tuple[str, Row]]:
+        rows = await self.driver.fetch(self.dialect.list_live, {})
+        return [(row[0], self.dialect.decode(tuple(row[1:]))) for row in rows]
+
+    async def wait_for_release(self, timeout: float) -> None:
+        if self.dialect.channel is None:
+            # No wake-up channel (SQL Server): standbys notice on their next retry.
+            await asyncio.sleep(timeout)
+            return
+        await self.driver.wait_for_notify(self.dialect.channel, timeout, self._last_acquire)
+
+    async def apply_schema(self) -> None:
+        await self.driver.script(self.dialect.schema_script())
+
+    async def close(self) -> None:
+        await self.driver.close()
+
+
+def request_timeout(settings: Settings) -> float:
+    """Login and query timeout: a stuck call must end well within one lease duration."""
+    return max(2.0, min(settings.renew_interval * 2, settings.lease_duration / 3, 10.0))
+
+
+def check_names(settings: Settings) -> None:
+    """Names that would not fit the table columns are a configuration error, not a crash."""
+    for name in settings.names:
+        if len(settings.row_name(name)) > MAX_ROW_NAME:
+            raise ConfigError(f"LEASE_NAME / --name: {settings.row_name(name)!r} (with the key "
+                              f"prefix) is longer than {MAX_ROW_NAME} characters")
+    if len(settings.identity) > MAX_OWNER:
+        raise ConfigError(f"LEASE_IDENTITY / --identity: longer than {MAX_OWNER} characters")
+
+
+class SqlRowBackend:
+    """Hands out one :class:`RowLease` per name over a shared store (and replica store)."""
+
+    def __init__(self, settings: Settings, store: SqlRowStore,
+                 replica: SqlRowStore | None = None) -> None:
+        check_names(settings)
+        self._settings = settings
+        self.store = store
+        self.replica = replica
+
+    def lease(self, name: str) -> RowLease:
+        s = self._settings
+        check = ReplicaCheck(self.replica, s.replica_timeout) if self.replica else None
+        return RowLease(self.store, name=name, row_name=s.row_name(name), owner=s.identity,
+                        duration=s.lease_duration, safety_margin=s.safety_margin,
+                        replica=check)
+
+    async def close(self) -> None:
+        await self.store.close()
+        if self.replica is not None:
+            await self.replica.close()
+
+
+async def list_holders(settings: Settings, store: SqlRowStore) -> list[dict]:
+    """Live rows under this key prefix, for ``lease-sidecar status``."""
+    prefix = settings.row_name("")
+    try:
+        rows = await store.list_live()
+    finally:
+        await store.close()
+    return [{"lease": name[len(prefix):], "holder": row.owner, "fencing_token": row.version,
+             "expires_at": row.expires_at.isoformat() if row.expires_at else None}
+            for name, row in rows if name.startswith(prefix)]
