@@ -51,7 +51,9 @@ from sidecar.lease import BackendError, Grant, Holder
 log = logging.getLogger("sidecar.lease.postgres")
 
 # Ways an asyncpg call fails because of the server or the connection (not a bug here).
-_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+# InternalClientError: asyncpg's protocol state after the server ended the session unasked.
+_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError,
+              asyncpg.exceptions.InternalClientError, OSError, TimeoutError)
 
 # Our own session still holds the lock (a transaction pooler in between would fail this).
 _HOLDS = """select exists(select 1 from pg_locks where locktype = 'advisory' and granted
@@ -68,6 +70,17 @@ _ALL_HOLDERS = """select l.classid::int8, l.objid::int8, a.application_name, a.p
                   where l.locktype = 'advisory' and l.granted and l.objsubid = 1
                   and l.database = (select oid from pg_database
                                     where datname = current_database())"""
+def _durable(param: str) -> str:
+    """SQL that makes the token's transaction commit synchronously.
+
+    A transaction that only drew an xid commits asynchronously (nothing to flush), so a
+    crash right after an acquisition could hand the same xid — the same fencing token —
+    to the next holder. A transactional WAL message gives the commit something to flush
+    (and to wait for synchronous replicas, where configured).
+    """
+    return f"pg_logical_emit_message(true, 'lease-sidecar', {param}::text)"
+
+
 _UNLOCK = "select bool_and(pg_advisory_unlock($1)) from generate_series(1, $2)"
 _APPLY = "select set_config(name, value, false) from unnest($1::text[], $2::text[]) s(name, value)"
 
@@ -172,6 +185,7 @@ class AdvisoryLease:
         self._token: int | None = None
         # One operation at a time on the connection; the in-server wait holds it too.
         self._busy = asyncio.Lock()
+        self._message = f"{settings.identity} acquired {name}"
         self._waiter: asyncio.Task[None] | None = None
 
     @property
@@ -190,7 +204,8 @@ class AdvisoryLease:
                 reused = self._conn is not None
                 conn = await self._connection()
                 try:
-                    token = await conn.fetchval(self._try_lock_sql(conn), self.key)
+                    token = await conn.fetchval(self._try_lock_sql(conn), self.key,
+                                                self._message)
                 except _DB_ERRORS as exc:
                     self._drop()  # granted or not, a dropped session holds nothing
                     # An idle session the server ended (idle_session_timeout): reconnect once.
@@ -260,6 +275,12 @@ class AdvisoryLease:
         await asyncio.shield(self._waiter)
 
     async def close(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            # Ending the session ends the in-server wait (and frees a lock it may just
+            # have been granted) instead of letting it run out its lock_timeout.
+            self._drop()
+            await waiter
         with contextlib.suppress(BackendError):
             await self.release()
         async with self._busy:
@@ -289,7 +310,8 @@ class AdvisoryLease:
                 self._drop()  # timed out or broken: whether it was granted is unknown
                 return
             try:
-                token = await conn.fetchval(self._token_sql(conn))
+                token = await conn.fetchval(
+                    f"select {_token_expr(conn)}, {_durable('$1')}", self._message)
             except _DB_ERRORS:
                 self._drop()
                 return
@@ -353,17 +375,16 @@ class AdvisoryLease:
             raise self._db.error("look up the holder", exc) from None
 
     def _try_lock_sql(self, conn: asyncpg.Connection) -> str:
-        # CASE evaluates the lock first, so the xid is drawn only after the grant.
-        return f"select case when pg_try_advisory_lock($1) then {self._token_expr(conn)} end"
+        # The volatile CTE runs first and once, so the xid is drawn only after the grant.
+        return (f"with lock as (select pg_try_advisory_lock($1) as got) "
+                f"select case when got then {_token_expr(conn)} end, "
+                f"case when got then {_durable('$2')} end from lock")
 
-    def _token_sql(self, conn: asyncpg.Connection) -> str:
-        return f"select {self._token_expr(conn)}"
 
-    @staticmethod
-    def _token_expr(conn: asyncpg.Connection) -> str:
-        if _version_num(conn) >= 130000:
-            return "pg_current_xact_id()::text::int8"
-        return "txid_current()"
+def _token_expr(conn: asyncpg.Connection) -> str:
+    if _version_num(conn) >= 130000:
+        return "pg_current_xact_id()::text::int8"
+    return "txid_current()"
 
 
 async def _close(conn: asyncpg.Connection) -> None:
