@@ -400,6 +400,9 @@ class ControlPlane:
             f"--etcd-servers=http://{HOST}:{self.etcd_port}",
             f"--bind-address={HOST}",
             f"--advertise-address={HOST}",
+            # Since 1.37 the endpoint reconciler refuses a loopback advertise address; it
+            # only maintains the `kubernetes` Service endpoints, which no pod here uses.
+            "--endpoint-reconciler-type=none",
             f"--secure-port={self.apiserver_port}",
             f"--cert-dir={self.pki}",
             f"--tls-cert-file={self._serving.cert}",
