@@ -1,0 +1,502 @@
+"""``kubernetes``: a ``coordination.k8s.io/v1`` Lease, the way client-go's leader election
+uses one — no database at all.
+
+The Lease object is named ``{key_prefix}.{name}`` (it must be a DNS subdomain) and lives
+in ``POD_NAMESPACE`` (else the kubeconfig's namespace, else ``default``). Its spec:
+
+- ``holderIdentity``: the holder, ``""`` once released;
+- ``leaseDurationSeconds``: how long others must wait after they last saw it change;
+- ``acquireTime`` / ``renewTime``: MicroTime, informative only (see below);
+- ``leaseTransitions``: the fencing token. It is incremented by every acquisition
+  (every new term, also when the same identity takes the lease again), so it only grows
+  for as long as the Lease object exists. The sidecar never deletes the object (its Role
+  has no ``delete``); deleting it by hand resets the count.
+
+Every write carries the ``resourceVersion`` it was based on, so two contenders cannot both
+win: the apiserver answers ``409 Conflict`` to the slower one, which means "lost the
+race", not an error.
+
+Expiry follows client-go's skew-tolerant rule and never compares wall clocks: a contender
+notes, on its *own monotonic clock*, when it last saw the record change (any new
+``resourceVersion``), and may take the lease over only once ``leaseDurationSeconds`` have
+passed since then without a change. The holder's claim ends ``lease_duration -
+safety_margin`` after it *sent* its last successful write. A standby can only have seen
+that write after it was sent, so its wait starts later and lasts longer than the holder's
+claim: the two never overlap as long as the two clocks' *rates* differ by less than
+``safety_margin / lease_duration`` — their offsets do not matter at all.
+
+Standbys watch the Lease, so a release (``holderIdentity`` cleared and
+``leaseDurationSeconds`` set to 1, like client-go's ``ReleaseOnCancel``) is taken over at
+once, and a holder that died is taken over the moment its lease runs out on the standby's
+clock — not at the next retry.
+
+The official ``kubernetes`` client is synchronous; every call runs in a worker thread with
+a request timeout, so the event loop never blocks and a hung apiserver fails a call
+instead of parking it. The watch runs in its own daemon thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+from sidecar.config import ConfigError, Settings
+from sidecar.kube import REQUEST_TIMEOUT, KubeAccess, connect, one_line, request
+from sidecar.lease import BackendError, Grant, Holder
+from sidecar.state import Clock, SystemClock
+
+log = logging.getLogger("sidecar.lease.kubernetes")
+
+T = TypeVar("T")
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# A watch request ends after this many seconds and is re-opened; re-opening without a
+# resourceVersion replays the current object, so a missed event heals within one period.
+WATCH_SECONDS = 60
+WATCH_RETRY_MAX = 5.0
+
+
+def object_name(settings: Settings, name: str) -> str:
+    """The Lease object's name; ``ConfigError`` (exit 2) unless it is a DNS subdomain."""
+    candidate = settings.row_name(name)
+    if len(candidate) > 253 or not _DNS_SUBDOMAIN.match(candidate):
+        raise ConfigError(
+            f"LEASE_NAME / --name: {candidate!r} (key prefix + name) is not a valid Kubernetes "
+            "object name: lowercase letters, digits, '-' and '.', starting and ending with a "
+            "letter or digit, at most 253 characters")
+    return candidate
+
+
+def micro_time(wall: float) -> str:
+    """RFC 3339 with exactly six fractional digits: the apiserver's MicroTime format.
+
+    (The generated client's ``datetime.isoformat()`` drops the fraction when it is zero,
+    which MicroTime then rejects, so we send strings we formatted ourselves.)
+    """
+    return datetime.fromtimestamp(wall, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class Record:
+    """The parts of a Lease object the election reads."""
+
+    holder: str  # "" when released
+    duration: int  # leaseDurationSeconds
+    transitions: int  # leaseTransitions: the fencing token
+    version: str  # metadata.resourceVersion
+    acquire_time: str | None = None
+    renew_time: str | None = None
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> Record:
+        spec = obj.get("spec") or {}
+        return cls(holder=spec.get("holderIdentity") or "",
+                   duration=int(spec.get("leaseDurationSeconds") or 0),
+                   transitions=int(spec.get("leaseTransitions") or 0),
+                   version=str(obj["metadata"]["resourceVersion"]),
+                   acquire_time=spec.get("acquireTime"), renew_time=spec.get("renewTime"))
+
+    def body(self, name: str) -> dict[str, Any]:
+        """The object to PUT; ``version`` makes the apiserver refuse a stale write."""
+        metadata: dict[str, Any] = {"name": name}
+        if self.version:
+            metadata["resourceVersion"] = self.version
+        return {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata,
+            "spec": {"holderIdentity": self.holder, "leaseDurationSeconds": self.duration,
+                     "leaseTransitions": self.transitions, "acquireTime": self.acquire_time,
+                     "renewTime": self.renew_time},
+        }
+
+    def expires_at(self) -> datetime | None:
+        """The holder's own idea of its expiry (wall clock): for ``status`` only."""
+        if not self.holder or not self.renew_time:
+            return None
+        renewed = datetime.fromisoformat(self.renew_time.replace("Z", "+00:00"))
+        return renewed + timedelta(seconds=self.duration)
+
+
+def _newer(version: str, than: str) -> bool:
+    """Whether ``version`` is a later write than ``than``.
+
+    resourceVersions are opaque, but they are etcd revisions in practice; comparing them
+    numerically lets a lagging watch event (older than what a GET already showed) be
+    ignored instead of restarting the wait. Non-numeric versions: any difference counts.
+    """
+    if version.isdigit() and than.isdigit():
+        return int(version) > int(than)
+    return version != than
+
+
+class Observer:
+    """client-go's skew-tolerant expiry rule, on an injectable monotonic clock.
+
+    Remembers the last record seen and *when this contender saw it change*; the lease is
+    free for us once ``leaseDurationSeconds`` have passed since then on our own clock —
+    whatever ``renewTime`` says, so a wrong wall clock anywhere cannot shorten the wait.
+    """
+
+    def __init__(self, monotonic: Callable[[], float]) -> None:
+        self._monotonic = monotonic
+        self.seen = False  # nothing observed yet: the caller must look first
+        self.record: Record | None = None
+        self.changed_at = 0.0
+
+    def observe(self, record: Record | None) -> bool:
+        """Note what we read (``None``: no Lease object); True if it changed."""
+        if self.seen:
+            if record is None and self.record is None:
+                return False
+            if (record is not None and self.record is not None
+                    and not _newer(record.version, self.record.version)):
+                return False
+        self.seen = True
+        self.record = record
+        self.changed_at = self._monotonic()
+        return True
+
+    def free_in(self, identity: str) -> float:
+        """Seconds until ``identity`` may take the lease; 0 when it may now."""
+        record = self.record
+        if not self.seen or record is None or not record.holder or record.holder == identity:
+            return 0.0
+        return max(0.0, self.changed_at + record.duration - self._monotonic())
+
+
+class Conflict(Exception):
+    """409: somebody else wrote first (or the object already exists)."""
+
+
+class LeaseApi:
+    """The Lease calls, each run in a worker thread and mapped to our errors."""
+
+    def __init__(self, access: KubeAccess, pool: ThreadPoolExecutor) -> None:
+        self.access = access
+        self.namespace = access.namespace
+        self._pool = pool
+        self._base = f"/apis/coordination.k8s.io/v1/namespaces/{access.namespace}/leases"
+
+    async def _run(self, what: str, call: Callable[[], T]) -> T:
+        def guarded() -> T:
+            try:
+                return call()
+            except ApiException as exc:
+                if exc.status == 409:
+                    raise Conflict(one_line(exc)) from None
+                raise BackendError(f"kubernetes: {what}: {one_line(exc)}") from None
+            except Exception as exc:
+                raise BackendError(f"kubernetes: {what}: {one_line(exc)}") from None
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, guarded)
+
+    def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        return request(self.access.api, method, path, body)
+
+    async def get(self, name: str) -> Record | None:
+        def call() -> Record | None:
+            try:
+                return Record.from_object(self._call("GET", f"{self._base}/{name}"))
+            except ApiException as exc:
+                if exc.status == 404:
+                    return None
+                raise
+
+        return await self._run(f"get lease {self.namespace}/{name}", call)
+
+    async def create(self, name: str, record: Record) -> Record:
+        return await self._run(f"create lease {self.namespace}/{name}", lambda: Record.from_object(
+            self._call("POST", self._base, record.body(name))))
+
+    async def replace(self, name: str, record: Record) -> Record:
+        return await self._run(f"update lease {self.namespace}/{name}", lambda: Record.from_object(
+            self._call("PUT", f"{self._base}/{name}", record.body(name))))
+
+    async def list(self) -> list[dict[str, Any]]:
+        return await self._run(f"list leases in {self.namespace}",
+                               lambda: self._call("GET", self._base)["items"])
+
+
+class LeaseWatch:
+    """A daemon thread that watches one Lease and hands every record to ``deliver``."""
+
+    def __init__(self, access: KubeAccess, name: str,
+                 deliver: Callable[[Record | None], None]) -> None:
+        self._api = client.CoordinationV1Api(access.api)
+        self._namespace = access.namespace
+        self._name = name
+        self._deliver = deliver
+        self._stopped = threading.Event()
+        self._watch: watch.Watch | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"lease-watch-{name}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._watch is not None:
+            with contextlib.suppress(Exception):
+                self._watch.stop()
+
+    def _run(self) -> None:
+        delay = 0.2
+        while not self._stopped.is_set():
+            self._watch = watch.Watch()
+            try:
+                for event in self._watch.stream(
+                        self._api.list_namespaced_lease, self._namespace,
+                        field_selector=f"metadata.name={self._name}",
+                        timeout_seconds=WATCH_SECONDS, deserialize=False,
+                        _request_timeout=(REQUEST_TIMEOUT[0], WATCH_SECONDS + 10)):
+                    if self._stopped.is_set():
+                        return
+                    kind = event.get("type")
+                    if kind in ("ADDED", "MODIFIED"):
+                        self._deliver(Record.from_object(event["object"]))
+                    elif kind == "DELETED":
+                        self._deliver(None)
+                delay = 0.2
+            except Exception as exc:
+                # The elector's own reads report unreachability; here we only retry.
+                log.debug("lease watch failed", extra={"lease": self._name,
+                                                       "error": one_line(exc)})
+                self._stopped.wait(delay)
+                delay = min(delay * 2, WATCH_RETRY_MAX)
+
+
+class KubeLease:
+    """One Lease object as seen by one contender."""
+
+    publish_delay = 0.0  # a Lease passes on only after the holder's claim ran out
+
+    def __init__(self, backend: KubeBackend, name: str, object_name: str) -> None:
+        settings = backend.settings
+        self.name = name
+        self._backend = backend
+        self._object = object_name
+        self._identity = settings.identity
+        self._clock = backend.clock
+        # Whole seconds on the wire; rounding up only makes others wait longer.
+        self._duration = max(1, math.ceil(settings.lease_duration))
+        self._valid_for = settings.lease_duration - settings.safety_margin
+        self._observer = Observer(self._clock.monotonic)
+        self._mine: Record | None = None  # our last successful write in this term
+        self._changed = asyncio.Event()
+        self._watch: LeaseWatch | None = None
+
+    # -- the Lease protocol ------------------------------------------------------------
+    async def try_acquire(self) -> Grant:
+        api = await self._backend.api()
+        current = await self._read(api)
+        if current is not None:
+            wait = self._observer.free_in(self._identity)
+            if wait > 0:
+                return Grant(held=False, holder=current.holder,
+                             reason=f"held by {current.holder} (free in {wait:.1f}s "
+                                    "unless renewed)")
+        # A new term every time — also when the record names us (a restarted process
+        # with the same identity): the token must change with every acquisition.
+        now = micro_time(self._clock.wall())
+        wanted = Record(holder=self._identity, duration=self._duration,
+                        transitions=(current.transitions + 1) if current else 1,
+                        version=current.version if current else "",
+                        acquire_time=now, renew_time=now)
+        try:
+            if current is None:
+                written = await api.create(self._object, wanted)
+            else:
+                written = await api.replace(self._object, wanted)
+        except Conflict:
+            # Lost the race: read the winner's record so our wait counts from it.
+            winner = await self._read(api)
+            holder = winner.holder if winner else None
+            return Grant(held=False, holder=holder or None,
+                         reason=f"lost the race to {holder or 'another contender'}")
+        return self._holding(written)
+
+    async def try_renew(self) -> Grant:
+        mine = self._mine
+        if mine is None:
+            return Grant(held=False, reason="not holding")
+        api = await self._backend.api()
+        try:
+            written = await api.replace(self._object, self._renewed(mine))
+        except Conflict:
+            # Something else wrote the object; it is still ours only if it still names
+            # us in the same term.
+            current = await self._read(api)
+            if not self._is_ours(current, mine):
+                self._mine = None
+                holder = current.holder if current else None
+                return Grant(held=False, holder=holder or None,
+                             reason=f"taken over by {holder}" if holder else "lease released "
+                             "or deleted by someone else")
+            assert current is not None
+            try:
+                written = await api.replace(self._object, self._renewed(current))
+            except Conflict:
+                self._mine = None
+                return Grant(held=False, reason="lost the race while renewing")
+        return self._holding(written)
+
+    async def release(self) -> None:
+        """Clear the holder so standbys take over at once (client-go's ReleaseOnCancel)."""
+        mine, self._mine = self._mine, None
+        if mine is None:
+            return
+        api = await self._backend.api()
+        for _ in range(2):
+            released = Record(holder="", duration=1, transitions=mine.transitions,
+                              version=mine.version, acquire_time=mine.acquire_time,
+                              renew_time=micro_time(self._clock.wall()))
+            try:
+                self._observer.observe(await api.replace(self._object, released))
+                return
+            except Conflict:
+                current = await self._read(api)
+                if not self._is_ours(current, mine):
+                    return  # already someone else's: nothing of ours to give back
+                assert current is not None
+                mine = current
+
+    async def describe(self) -> Holder:
+        record = await self._read(await self._backend.api())
+        if record is None:
+            return Holder(holder=None)
+        return Holder(holder=record.holder or None, fencing_token=record.transitions,
+                      expires_at=record.expires_at())
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Return when the lease may be ours: released, gone, or run out on our clock."""
+        self._ensure_watch()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            left = deadline - loop.time()
+            free_in = self._observer.free_in(self._identity)
+            if left <= 0 or free_in <= 0:
+                return
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(left, free_in))
+
+    # -- internals ---------------------------------------------------------------------
+    async def _read(self, api: LeaseApi) -> Record | None:
+        record = await api.get(self._object)
+        self._observe(record)
+        return record
+
+    def _observe(self, record: Record | None) -> None:
+        if self._observer.observe(record):
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def _holding(self, written: Record) -> Grant:
+        self._observe(written)
+        self._mine = written
+        return Grant(held=True, valid_for=self._valid_for, fencing_token=written.transitions,
+                     holder=self._identity)
+
+    def _renewed(self, base: Record) -> Record:
+        return Record(holder=self._identity, duration=self._duration,
+                      transitions=base.transitions, version=base.version,
+                      acquire_time=base.acquire_time,
+                      renew_time=micro_time(self._clock.wall()))
+
+    def _is_ours(self, current: Record | None, mine: Record) -> bool:
+        return (current is not None and current.holder == self._identity
+                and current.transitions == mine.transitions)
+
+    def _ensure_watch(self) -> None:
+        if self._watch is not None or self._backend.access is None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def deliver(record: Record | None) -> None:
+            # Runs in the watch thread; the observer belongs to the event loop.
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                loop.call_soon_threadsafe(self._observe, record)
+
+        self._watch = LeaseWatch(self._backend.access, self._object, deliver)
+        self._watch.start()
+
+    def stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+
+
+class KubeBackend:
+    """Lease objects in one namespace; connects lazily so a bad config is a backend error
+    (reported on ``/readyz`` and in the log) rather than a crash."""
+
+    def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.access: KubeAccess | None = None
+        self._api: LeaseApi | None = None
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kube-lease")
+        self._leases: list[KubeLease] = []
+        # Validate every name up front: a bad name is a settings error (exit 2).
+        self._objects = {name: object_name(settings, name) for name in settings.names}
+
+    async def api(self) -> LeaseApi:
+        if self._api is None:
+            loop = asyncio.get_running_loop()
+            access = await loop.run_in_executor(self._pool, connect, self.settings)
+            self.access = access
+            self._api = LeaseApi(access, self._pool)
+            log.info("kubernetes backend connected", extra={
+                "namespace": access.namespace, "credentials": access.source})
+        return self._api
+
+    def lease(self, name: str) -> KubeLease:
+        lease = KubeLease(self, name, self._objects.get(name) or object_name(self.settings,
+                                                                             name))
+        self._leases.append(lease)
+        return lease
+
+    async def close(self) -> None:
+        for lease in self._leases:
+            lease.stop_watch()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.access is not None:
+            self.access.api.close()
+
+
+def create(settings: Settings, clock: Clock | None = None) -> KubeBackend:
+    return KubeBackend(settings, clock)
+
+
+async def list_holders(settings: Settings) -> list[dict[str, Any]]:
+    """``lease-sidecar status``: every Lease of this key prefix in the namespace."""
+    backend = KubeBackend(settings)
+    try:
+        api = await backend.api()
+        prefix = f"{settings.key_prefix}." if settings.key_prefix else ""
+        rows = []
+        for obj in await api.list():
+            name = obj["metadata"]["name"]
+            if not name.startswith(prefix):
+                continue
+            record = Record.from_object(obj)
+            expires = record.expires_at()
+            rows.append({"lease": name[len(prefix):], "object": f"{api.namespace}/{name}",
+                         "holder": record.holder or None,
+                         "fencing_token": record.transitions,
+                         "expires_at": expires.isoformat() if expires else None})
+        return rows
+    finally:
+        await backend.close()
