@@ -2,4 +2,5 @@
 
 pytest_plugins: list[str] = [
     "tests.testbed.pg_fixtures",
+    "tests.testbed.kube_fixtures",
 ]
