@@ -1,0 +1,167 @@
+"""The kubernetes backend's expiry rule (client-go's skew-tolerant rule) on a fake clock.
+
+Pure logic, no apiserver: the rule decides from what this contender observed and when,
+on its own monotonic clock, so a hand-driven clock tests it without sleeping. The real
+Lease round trips are covered by tests/integration/test_kubernetes_backend.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.config import ConfigError, Settings
+from sidecar.lease.kubernetes import Observer, Record, micro_time, object_name
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(holder: str, version: str, duration: int = 10, transitions: int = 1,
+           renew_time: str | None = None) -> Record:
+    return Record(holder=holder, duration=duration, transitions=transitions, version=version,
+                  renew_time=renew_time)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_nothing_observed_yet_means_look_first(clock: FakeClock) -> None:
+    assert Observer(clock).free_in("me") == 0.0
+
+
+def test_standby_waits_a_full_duration_from_when_it_saw_the_record(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(record("other", "5", duration=10))
+    clock.now += 9.9
+    assert observer.free_in("me") == pytest.approx(0.1)
+    clock.now += 0.1
+    assert observer.free_in("me") == 0.0
+
+
+def test_a_renewal_restarts_the_wait(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(record("other", "5"))
+    clock.now += 8
+    assert observer.observe(record("other", "6"))  # the holder renewed
+    clock.now += 8
+    assert observer.free_in("me") == pytest.approx(2.0)
+
+
+def test_seeing_the_same_record_again_does_not_restart_the_wait(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(record("other", "5"))
+    clock.now += 8
+    assert not observer.observe(record("other", "5"))  # a dead holder's record, re-read
+    clock.now += 2
+    assert observer.free_in("me") == 0.0
+
+
+def test_wall_clock_times_in_the_record_are_ignored(clock: FakeClock) -> None:
+    """A renewTime far in the past (holder's clock behind) or future changes nothing."""
+    observer = Observer(clock)
+    observer.observe(record("other", "5", renew_time="1999-01-01T00:00:00.000000Z"))
+    assert observer.free_in("me") == pytest.approx(10.0)
+    observer.observe(record("other", "6", renew_time="2999-01-01T00:00:00.000000Z"))
+    clock.now += 10
+    assert observer.free_in("me") == 0.0
+
+
+def test_the_record_duration_counts_not_ours(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(record("other", "5", duration=30))
+    clock.now += 15
+    assert observer.free_in("me") == pytest.approx(15.0)
+
+
+def test_a_released_lease_is_free_at_once(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(record("other", "5"))
+    observer.observe(record("", "6", duration=1))
+    assert observer.free_in("me") == 0.0
+
+
+def test_a_missing_object_is_free(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(None)
+    assert observer.free_in("me") == 0.0
+
+
+def test_our_own_record_is_ours(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(record("me", "5"))
+    assert observer.free_in("me") == 0.0
+    assert observer.free_in("other") == pytest.approx(10.0)
+
+
+def test_a_lagging_watch_event_does_not_restart_the_wait(clock: FakeClock) -> None:
+    """A GET already showed version 7; the watch then delivers the older version 6."""
+    observer = Observer(clock)
+    observer.observe(record("other", "7"))
+    clock.now += 5
+    assert not observer.observe(record("other", "6"))
+    assert observer.free_in("me") == pytest.approx(5.0)
+
+
+def test_a_deleted_then_recreated_object_counts_as_a_change(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(record("other", "7"))
+    assert observer.observe(None)
+    clock.now += 3
+    assert observer.observe(record("third", "9"))
+    assert observer.free_in("me") == pytest.approx(10.0)
+
+
+def test_opaque_versions_compare_by_difference(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(record("other", "abc"))
+    clock.now += 5
+    assert observer.observe(record("other", "abd"))
+    assert observer.free_in("me") == pytest.approx(10.0)
+
+
+def test_micro_time_always_has_six_fraction_digits() -> None:
+    assert micro_time(0.0) == "1970-01-01T00:00:00.000000Z"
+    assert micro_time(1.5) == "1970-01-01T00:00:01.500000Z"
+
+
+def test_record_round_trips_through_the_wire_format() -> None:
+    obj = {"metadata": {"name": "lease-sidecar.x", "resourceVersion": "42"},
+           "spec": {"holderIdentity": "pod-a", "leaseDurationSeconds": 15,
+                    "leaseTransitions": 3, "acquireTime": "2024-01-01T00:00:00.000000Z",
+                    "renewTime": "2024-01-01T00:00:05.000000Z"}}
+    parsed = Record.from_object(obj)
+    assert parsed == Record("pod-a", 15, 3, "42", "2024-01-01T00:00:00.000000Z",
+                            "2024-01-01T00:00:05.000000Z")
+    assert parsed.body("lease-sidecar.x")["spec"] == obj["spec"]
+    assert parsed.body("lease-sidecar.x")["metadata"]["resourceVersion"] == "42"
+    assert parsed.expires_at() is not None
+    assert parsed.expires_at().isoformat() == "2024-01-01T00:00:20+00:00"
+
+
+def test_a_fresh_object_has_no_holder_fields() -> None:
+    parsed = Record.from_object({"metadata": {"resourceVersion": "1"}, "spec": {}})
+    assert (parsed.holder, parsed.transitions, parsed.expires_at()) == ("", 0, None)
+
+
+@pytest.mark.parametrize("name", ["default", "jobs.nightly", "a-b-c", "x9"])
+def test_valid_object_names(name: str) -> None:
+    assert object_name(Settings(), name) == f"lease-sidecar.{name}"
+
+
+@pytest.mark.parametrize("name", ["Upper", "under_score", "trailing-", "-leading", "a..b"])
+def test_invalid_object_names_are_a_settings_error(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"LEASE_NAME / --name: .* not a valid Kubernetes"):
+        object_name(Settings(), name)
+
+
+def test_the_key_prefix_is_part_of_the_name() -> None:
+    with pytest.raises(ConfigError):
+        object_name(Settings(key_prefix="My_App"), "default")
+    assert object_name(Settings(key_prefix=""), "default") == "default"
