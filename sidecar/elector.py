@@ -3,14 +3,16 @@
 What it guarantees
 - Fail closed: this contender claims leadership only while
   ``monotonic now < send time of the last successful acquire/renew + grant.valid_for``
-  (and, after a fresh acquisition, not before ``publish_delay`` has passed). The claim
+  (and, after a fresh acquisition, not before one claim horizon has passed). The claim
   is evaluated by :class:`~sidecar.state.LeaseState` at the moment it is asked for, so a
   frozen process never publishes a stale "leader" when it resumes.
-- Unpublish, then release: on step-down the state stops handing out claims, every
-  publisher is told (file removed, label changed), the elector waits until every claim
-  already handed out has expired, and only then gives the lease back. A standby that
-  takes over at once therefore never overlaps a claim of ours.
-- Acquire, then publish.
+- Unpublish, then release: on step-down the state stops handing out claims and every
+  publisher is told (file removed, label changed) before the lease is given back.
+- Acquire, wait one claim horizon, then publish. A claim handed out before the previous
+  holder unpublished lasts at most one horizon, and the lease can pass on at once after
+  a release (or a crashed advisory-lock session), so the first claim of a new term waits
+  that horizon out: no two contenders' claims ever overlap, while the lease itself
+  passes in milliseconds.
 
 What it does not guarantee
 - That the application stops its work when a claim expires: applications must honour
@@ -100,16 +102,14 @@ class Elector:
             await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
 
     async def _became_holder(self, sent: float, grant: Grant) -> None:
-        delay = self.lease.publish_delay
+        delay = self.settings.claim_horizon
         self.state.update(
             "acquired", holding=True, released=False, claim_from=sent + delay,
             valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
             holder=self.settings.identity, reason="holding")
         log.info("acquired lease", extra=self._fields(grant.fencing_token))
-        if delay > 0:
-            # The lock can pass on before the previous holder's claims expired; wait
-            # out one claim horizon before our first claim.
-            await self._sleep_or_wake(delay, watch_lease=False)
+        # The previous holder's last claims may still run for up to one horizon.
+        await self._sleep_or_wake(delay, watch_lease=False)
         await self._notify()
 
     async def _renew_once(self) -> None:
@@ -147,11 +147,6 @@ class Elector:
         token = self.state.facts.fencing_token
         self.state.update(released=True, reason=reason)
         await self._notify()
-        # Claims already handed out are promises; let them run out before the lease
-        # can pass to someone else.
-        wait = self.state.outstanding_claims()
-        if wait > 0:
-            await asyncio.sleep(wait)
         if release:
             try:
                 await asyncio.wait_for(self.lease.release(),

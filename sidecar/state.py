@@ -5,8 +5,9 @@ from time P); readers — the HTTP handler, the file and label publishers — as
 *claim* and get one only if the facts still prove leadership *now*. A process that was
 frozen and resumes therefore answers "not leader" before the elector has even run.
 
-Every claim handed out expires at ``min(lease validity, now + claim_horizon)``; the
-latest such expiry is remembered so the elector can wait it out before releasing.
+Every claim handed out expires at ``min(lease validity, now + claim_horizon)``, so a
+claim outlives the moment we stop handing them out by at most one horizon — which is
+what a new holder waits before its first claim.
 """
 
 from __future__ import annotations
@@ -72,8 +73,6 @@ class LeaseState:
     claim_horizon: float
     clock: Clock = field(default_factory=SystemClock)
     facts: Facts = field(default_factory=Facts)
-    # The latest monotonic expiry of any claim handed out.
-    claims_until: float = 0.0
     transitions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
     event_counts: dict[str, int] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -102,21 +101,15 @@ class LeaseState:
 
     # -- read by publishers ----------------------------------------------------------
     def claim(self) -> Claim:
-        """Leadership as of now; hands out (and remembers) a claim when we lead."""
+        """Leadership as of now, as a claim valid for at most one horizon."""
         facts = self.facts
         now = self.clock.monotonic()
         if (
             facts.holding and not facts.released
             and facts.claim_from <= now < facts.valid_until
         ):
-            until = min(facts.valid_until, now + self.claim_horizon)
-            self.claims_until = max(self.claims_until, until)
-            return Claim(True, until, facts)
+            return Claim(True, min(facts.valid_until, now + self.claim_horizon), facts)
         return Claim(False, None, facts)
-
-    def outstanding_claims(self) -> float:
-        """Seconds until every claim handed out so far has expired."""
-        return max(0.0, self.claims_until - self.clock.monotonic())
 
     def to_wall(self, monotonic: float | None) -> float | None:
         if monotonic is None:

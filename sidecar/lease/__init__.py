@@ -53,10 +53,6 @@ class Lease(Protocol):
     """One named lease as seen by one contender."""
 
     name: str
-    # Seconds to wait after acquiring before publishing a claim. Zero where the lease
-    # cannot pass on before the previous holder's claims expired (TTL backends); one
-    # claim horizon where it can (advisory locks pass on the moment a session ends).
-    publish_delay: float
 
     async def try_acquire(self) -> Grant: ...
 

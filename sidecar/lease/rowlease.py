@@ -75,8 +75,6 @@ class ReplicaCheck:
 class RowLease:
     """A :class:`~sidecar.lease.Lease` over any :class:`RowStore`."""
 
-    publish_delay = 0.0
-
     def __init__(
         self,
         store: RowStore,

@@ -29,7 +29,6 @@ class FakeLease:
 
     clock: FakeClock
     name: str = "default"
-    publish_delay: float = 0.0
     valid_for: float = 10.0
     round_trip: float = 0.0  # fake seconds each call "takes"
     grant: bool = True

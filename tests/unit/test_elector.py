@@ -46,26 +46,24 @@ async def test_validity_counts_from_the_send_time():
     elector, state, _ = make(clock, lease)
     await elector._acquire_once()
     sent = lease.calls[0][1]
+    assert state.facts.claim_from == sent + FAST.claim_horizon
     assert state.facts.holding
     assert state.facts.valid_until == sent + 10.0  # not reply time + 10
     assert state.facts.fencing_token == 7
 
 
-async def test_unpublish_then_wait_out_claims_then_release():
+async def test_unpublish_then_release():
     clock = FakeClock()
     sink: list[tuple[str, float]] = []
     lease = FakeLease(clock)
     lease.calls = sink  # one timeline for publisher and lease
     elector, state, _ = make(clock, lease, sink=sink)
     await elector._acquire_once()
-    assert state.claim().leader  # a claim is handed out: 50 ms outstanding
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+    clock.advance(FAST.claim_horizon)
+    assert state.claim().leader
     await elector.shutdown()
-    waited = loop.time() - started
     order = [what for what, _ in sink]
     assert order.index("unpublish") < order.index("release")
-    assert waited >= FAST.claim_horizon * 0.9  # the outstanding claim was waited out
     assert not state.facts.holding
     assert not state.claim().leader
 
@@ -96,16 +94,21 @@ async def test_validity_running_out_steps_down_even_when_renews_error():
     assert not state.facts.holding
 
 
-async def test_publish_waits_for_the_publish_delay():
+async def test_first_claim_waits_one_horizon_after_acquiring():
+    """The previous holder's last claim may run one horizon past its release."""
     clock = FakeClock()
-    lease = FakeLease(clock, publish_delay=0.02)
+    lease = FakeLease(clock)
     elector, state, publisher = make(clock, lease)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     await elector._acquire_once()
+    assert loop.time() - started >= FAST.claim_horizon * 0.9  # publishers told after it
+    assert publisher.events
     assert state.facts.holding
+    assert state.facts.claim_from == lease.calls[0][1] + FAST.claim_horizon
     assert not state.claim().leader  # fake time has not moved past claim_from
-    clock.advance(0.02)
+    clock.advance(FAST.claim_horizon)
     assert state.claim().leader
-    assert publisher.events  # publishers were told after the delay
 
 
 async def test_unreachable_backend_logs_once_per_change(caplog):

@@ -56,17 +56,6 @@ def test_released_state_stops_claiming_while_still_holding():
     assert not state.claim().leader
 
 
-def test_outstanding_claims_are_remembered():
-    clock = FakeClock()
-    state = make_state(clock)
-    state.update(holding=True, claim_from=clock.now, valid_until=clock.now + 10)
-    state.claim()
-    clock.advance(0.1)
-    assert abs(state.outstanding_claims() - 0.15) < 1e-9
-    clock.advance(0.2)
-    assert state.outstanding_claims() == 0.0
-
-
 def test_versions_and_transitions():
     clock = FakeClock()
     state = make_state(clock)
