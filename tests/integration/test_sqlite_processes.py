@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -248,3 +249,28 @@ def test_several_names_each_with_their_own_file(tmp_path: Path):
     finally:
         assert proc.stop() == 0
     assert not any((proc.state_dir / n).exists() for n in ("leader", "sweep", "mail"))
+
+
+def test_runs_with_no_settings_at_all(tmp_path: Path):
+    """`lease-sidecar run` on the embedded default: port 8099, /run/lease, sqlite."""
+    if get_json("http://127.0.0.1:8099/healthz", timeout=0.5)[0]:
+        pytest.skip("something already listens on 127.0.0.1:8099")
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", "run"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        status = wait_until(lambda: get_json("http://127.0.0.1:8099/leader")[0] == 200,
+                            timeout=20)
+        assert status
+        body = get_json("http://127.0.0.1:8099/status")[1]
+        state_dir = Path(body["settings"]["state_dir"])
+        assert body["settings"]["backend"] == "sqlite"
+        started = [json.loads(line) for line in proc.stdout.readline().decode().splitlines()]
+        published = Path(started[0]["state_dir"]) / "leader"
+        wait_until(published.exists, timeout=1)
+        assert json.loads(published.read_text())["leader"] is True
+        assert state_dir == Path("/run/lease") or published.parent != state_dir
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
+    assert not published.exists()
