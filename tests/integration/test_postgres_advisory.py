@@ -1,0 +1,257 @@
+"""The ``postgres`` backend against a real PostgreSQL: library calls and real sidecar
+processes with real signals, a real ``pg_terminate_backend`` and a real crash of the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from sidecar.config import Settings
+from sidecar.lease.postgres_advisory import create, lock_halves, lock_id
+from tests.integration.test_sqlite_processes import ClaimRecorder
+from tests.support import REPO, SidecarProcess, get_json, wait_until
+from tests.testbed.postgres import PgServer
+
+pytestmark = pytest.mark.postgres
+
+LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
+FAST = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
+        "--renew-deadline", f"{DEADLINE}s", "--claim-horizon", f"{HORIZON}s"]
+# idle_session_timeout the backend sets for these settings (max(lease, deadline+horizon+.5)).
+IDLE_SESSION_TIMEOUT = max(LEASE, DEADLINE + HORIZON + 0.5)
+
+
+def settings(dsn: str, identity: str) -> Settings:
+    return Settings(backend="postgres", dsn=dsn, identity=identity, names=("jobs",),
+                    lease_duration=LEASE, renew_interval=RENEW, renew_deadline=DEADLINE,
+                    claim_horizon=HORIZON)
+
+
+def lock_holder_pid(pg: PgServer, dbname: str, name: str = "jobs") -> int | None:
+    classid, objid = lock_halves(lock_id("lease-sidecar", name))
+    out = pg.psql(f"select pid from pg_locks where locktype = 'advisory' and granted "
+                  f"and classid = {classid} and objid = {objid} and objsubid = 1", dbname=dbname)
+    return int(out) if out else None
+
+
+def sessions_of(pg: PgServer, identity: str) -> list[int]:
+    out = pg.psql(f"select pid from pg_stat_activity where application_name = '{identity}'")
+    return [int(line) for line in out.split()]
+
+
+# -- library level ------------------------------------------------------------------------
+async def test_dedicated_connection_holds_the_lock(pg: PgServer, pg_dsn: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pid in pg_locks is the lease's own connection; one session, no pool."""
+
+    def no_pool(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the postgres backend must not use a connection pool")
+
+    # A spy on the pool constructor, on top of the real check (one session per identity).
+    monkeypatch.setattr(asyncpg, "create_pool", no_pool)
+    dbname = pg_dsn.rsplit("/", 1)[1]
+    a, b = create(settings(pg_dsn, "lib-a")), create(settings(pg_dsn, "lib-b"))
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        grant = await la.try_acquire()
+        assert grant.held and grant.valid_for == DEADLINE and grant.fencing_token
+        assert lock_holder_pid(pg, dbname) == la.pid
+        assert sessions_of(pg, "lib-a") == [la.pid]
+        refused = await lb.try_acquire()
+        assert not refused.held and refused.holder == "lib-a"
+        await lb.wait_for_change(0.2)  # times out in the server: still not ours
+        for _ in range(3):
+            assert (await la.try_renew()).held
+        assert sessions_of(pg, "lib-a") == [la.pid]
+        assert sessions_of(pg, "lib-b") == [lb.pid]
+        assert lock_holder_pid(pg, dbname) == la.pid
+    finally:
+        await a.close()
+        await b.close()
+    assert lock_holder_pid(pg, dbname) is None
+    assert sessions_of(pg, "lib-a") == []
+
+
+async def test_cancelled_wait_never_loses_a_grant(pg: PgServer, pg_dsn: str) -> None:
+    """The elector cancels wait_for_change when its sleep ends; a grant racing the cancel
+    must still be counted (and released), never left held by an unknowing session."""
+    dbname = pg_dsn.rsplit("/", 1)[1]
+    a, b = create(settings(pg_dsn, "w-a")), create(settings(pg_dsn, "w-b"))
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        assert (await la.try_acquire()).held
+        wait = asyncio.create_task(lb.wait_for_change(2.0))
+        await asyncio.sleep(0.1)  # b is now waiting inside the server
+        await la.release()
+        wait.cancel()
+        grant = await lb.try_acquire()
+        assert grant.held
+        assert lock_holder_pid(pg, dbname) == lb.pid
+        await lb.release()
+        assert lock_holder_pid(pg, dbname) is None
+        assert (await la.try_acquire()).held
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_fencing_token_grows_across_holders_and_a_crash(pg: PgServer, pg_dsn: str) -> None:
+    a, b = create(settings(pg_dsn, "f-a")), create(settings(pg_dsn, "f-b"))
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        first = (await la.try_acquire()).fencing_token
+        await la.release()
+        second = (await lb.try_acquire()).fencing_token
+        assert first is not None and second is not None and second > first
+        # A crash right after an acquisition must not hand out the same token again.
+        pg.stop("immediate")
+        try:
+            assert not (await lb.try_renew()).held
+        finally:
+            pg.start()
+        third = (await la.try_acquire()).fencing_token
+        assert third is not None and third > second
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_unreachable_server_is_one_redacted_backend_error(pg: PgServer) -> None:
+    from sidecar.lease import BackendError
+
+    dsn = pg.dsn.replace(f":{pg.port}/", ":1/")
+    backend = create(settings(dsn, "nobody"))
+    try:
+        with pytest.raises(BackendError) as err:
+            await backend.lease("jobs").try_acquire()
+    finally:
+        await backend.close()
+    message = str(err.value)
+    assert "\n" not in message and pg.password not in message and "***" in message
+
+
+# -- real processes -----------------------------------------------------------------------
+@pytest.fixture
+def trio(tmp_path: Path, pg: PgServer, pg_dsn: str) -> Iterator[list[SidecarProcess]]:
+    procs = [SidecarProcess(tmp_path, f"pg-node-{i}",
+                            args=["--backend", "postgres", "--dsn", pg_dsn, "--name", "jobs",
+                                  *FAST]).start()
+             for i in range(3)]
+    for proc in procs:
+        proc.wait_http()
+    yield procs
+    for proc in procs:
+        proc.stop()
+    for proc in procs:
+        assert pg.password not in proc.logs(), f"{proc.identity} logged the password"
+
+
+def live(procs: list[SidecarProcess]) -> list[SidecarProcess]:
+    return [p for p in procs if p.proc and p.proc.poll() is None]
+
+
+def one_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
+    found = [p for p in live(procs) if p.leader() == 200]
+    return found[0] if len(found) == 1 else None
+
+
+def test_exactly_one_of_three_leads(trio: list[SidecarProcess], pg: PgServer,
+                                    pg_dsn: str) -> None:
+    leader = wait_until(lambda: one_leader(trio), timeout=10)
+    assert sorted(p.leader() for p in trio) == [200, 503, 503]
+    body = get_json(leader.url + "/leader")[1]
+    assert body["holder"] == leader.identity and body["fencing_token"] > 0
+    dbname = pg_dsn.rsplit("/", 1)[1]
+    holder_pid = lock_holder_pid(pg, dbname)
+    assert sessions_of(pg, leader.identity) == [holder_pid]
+    for other in trio:
+        if other is not leader:
+            assert get_json(other.url + "/leader")[1]["holder"] == leader.identity
+    status = subprocess.run(
+        [sys.executable, "-m", "sidecar", "status", "--backend", "postgres", "--dsn", pg_dsn,
+         "--name", "jobs"], capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert status.returncode == 0, status.stderr
+    row = json.loads(status.stdout.splitlines()[0])
+    assert row["lease"] == "jobs" and row["holder"] == leader.identity
+    assert row["pid"] == holder_pid and row["lock_id"] == lock_id("lease-sidecar", "jobs")
+    assert pg.password not in status.stdout + status.stderr
+
+
+def test_terminated_session_unpublishes_at_once(trio: list[SidecarProcess], pg: PgServer,
+                                                pg_dsn: str) -> None:
+    leader = wait_until(lambda: one_leader(trio), timeout=10)
+    token = get_json(leader.url + "/leader")[1]["fencing_token"]
+    dbname = pg_dsn.rsplit("/", 1)[1]
+    with ClaimRecorder(trio) as recorder:
+        time.sleep(0.3)
+        pg.psql(f"select pg_terminate_backend({lock_holder_pid(pg, dbname)})")
+        killed = time.monotonic()
+        wait_until(lambda: leader.leader() != 200, timeout=1.0)
+        assert time.monotonic() - killed <= 1.0
+        successor = wait_until(lambda: one_leader(trio), timeout=5)
+        time.sleep(0.3)
+    # The documented window: the server frees the lock at once, but the old holder only
+    # stops claiming when its elector next looks at the lease (one renew interval), while
+    # the new holder waits one claim horizon. An elector that wakes on ``lease.lost``
+    # shrinks this to the termination notice's latency (milliseconds).
+    overlap = max((first[2] - second[1] for first, second in recorder.overlaps()),
+                  default=0.0)
+    assert overlap <= RENEW * 1.1 + 0.05, f"claims overlapped by {overlap:.3f}s"
+    assert get_json(successor.url + "/leader")[1]["fencing_token"] > token
+    assert leader.proc is not None and leader.proc.poll() is None
+
+
+def test_server_crash_and_restart(trio: list[SidecarProcess], pg: PgServer) -> None:
+    leader = wait_until(lambda: one_leader(trio), timeout=10)
+    assert all(get_json(p.url + "/readyz")[0] == 200 for p in trio)
+    pg.stop("immediate")
+    try:
+        crashed = time.monotonic()
+        wait_until(lambda: leader.leader() != 200, timeout=DEADLINE)
+        assert time.monotonic() - crashed <= DEADLINE
+        # Down for a while: nobody leads, every process stays up and says not ready.
+        wait_until(lambda: all(get_json(p.url + "/readyz")[0] == 503 for p in trio), timeout=5)
+        for _ in range(10):
+            assert all(p.proc is not None and p.proc.poll() is None for p in trio)
+            assert all(p.leader() == 503 for p in trio)
+            assert all(get_json(p.url + "/healthz")[0] == 200 for p in trio)
+            time.sleep(0.1)
+    finally:
+        pg.start()
+    restarted = time.monotonic()
+    wait_until(lambda: one_leader(trio), timeout=5)
+    assert time.monotonic() - restarted <= 5
+    wait_until(lambda: all(get_json(p.url + "/readyz")[0] == 200 for p in trio), timeout=10)
+    logs = "".join(p.logs() for p in trio)
+    assert "backend unreachable" in logs and pg.password not in logs
+
+
+def test_frozen_holder_loses_the_lock_after_idle_session_timeout(
+        trio: list[SidecarProcess]) -> None:
+    leader = wait_until(lambda: one_leader(trio), timeout=10)
+    rest = [p for p in trio if p is not leader]
+    with ClaimRecorder(trio) as recorder:
+        leader.signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            successor = wait_until(lambda: one_leader(rest), timeout=IDLE_SESSION_TIMEOUT + 5)
+            took = time.monotonic() - stopped
+            # The server frees the lock only once the frozen session has been idle that long.
+            assert IDLE_SESSION_TIMEOUT - RENEW <= took <= IDLE_SESSION_TIMEOUT + 3
+            time.sleep(LEASE - took if took < LEASE else 0)
+        finally:
+            leader.signal(signal.SIGCONT)
+        assert leader.leader() == 503
+        time.sleep(0.5)
+        assert one_leader(trio) is successor
+    assert not recorder.overlaps()
