@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 import signal
@@ -18,7 +17,7 @@ from collections.abc import Sequence
 
 from sidecar import config, jsonlog
 from sidecar.config import ConfigError, Settings
-from sidecar.lease import create_backend
+from sidecar.lease import backend_module, create_backend
 from sidecar.runtime import Sidecar
 
 log = logging.getLogger("sidecar.cli")
@@ -178,14 +177,8 @@ async def _wait_any(*waitables) -> None:  # type: ignore[no-untyped-def]
             task.cancel()
 
 
-def _backend_module(settings: Settings):  # type: ignore[no-untyped-def]
-    from sidecar.lease import _MODULES
-
-    return importlib.import_module(f"sidecar.lease.{_MODULES[settings.backend]}")
-
-
 async def _schema(settings: Settings, apply: bool) -> int:
-    module = _backend_module(settings)
+    module = backend_module(settings.backend)
     if not hasattr(module, "schema_sql"):
         return _fail(f"LEASE_BACKEND / --backend: {settings.backend} has no table to provision")
     if not apply:
@@ -197,7 +190,7 @@ async def _schema(settings: Settings, apply: bool) -> int:
 
 
 async def _status(settings: Settings) -> int:
-    module = _backend_module(settings)
+    module = backend_module(settings.backend)
     if hasattr(module, "list_holders"):
         rows = await module.list_holders(settings)
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from datetime import datetime
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -98,6 +99,11 @@ _MODULES = {
 BACKENDS = tuple(_MODULES)
 
 
+def backend_module(backend: str) -> ModuleType:
+    """The module of one backend; optional extras: ``schema_sql``, ``apply_schema``,
+    ``list_holders`` (used by ``lease-sidecar schema`` and ``status``)."""
+    return importlib.import_module(f"sidecar.lease.{_MODULES[backend]}")
+
+
 def create_backend(settings: Settings) -> Backend:
-    module = importlib.import_module(f"sidecar.lease.{_MODULES[settings.backend]}")
-    return module.create(settings)
+    return backend_module(settings.backend).create(settings)
