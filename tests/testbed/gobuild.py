@@ -52,6 +52,13 @@ class BuildError(RuntimeError):
     """A tool could not be built; the message says why and where the log is."""
 
 
+class CompileError(BuildError):
+    """The sources were fetched but do not compile or run: retrying will not help.
+
+    Other BuildErrors (module download, `go mod tidy`) may be transient network trouble.
+    """
+
+
 @dataclass(frozen=True)
 class Recipe:
     """How to build one tool at one version."""
@@ -263,7 +270,7 @@ def _compile(
                 elapsed = time.monotonic() - started
                 log(f"{r.tool} {r.version}: {count} packages compiled ({elapsed:.0f}s)")
         if proc.wait() != 0:
-            raise BuildError(
+            raise CompileError(
                 f"go build of {r.package} failed (log: {logfile}):\n" + "\n".join(tail)
             )
 
@@ -274,7 +281,7 @@ def _smoke_test(r: Recipe, binary: Path) -> str:
     )
     output = (proc.stdout + proc.stderr).strip()
     if proc.returncode != 0:
-        raise BuildError(f"built {r.tool} does not run: {output[-2000:]}")
+        raise CompileError(f"built {r.tool} does not run: {output[-2000:]}")
     return output
 
 
@@ -312,18 +319,17 @@ def _failed_marker(tool: str, version: str) -> Path:
 
 
 def _kubernetes_version() -> str:
-    """The Kubernetes release to use: the newest one cached, else the newest that builds.
+    """The Kubernetes release to use: the newest candidate that is cached or builds.
 
-    A release that failed to build is remembered (``FAILED`` marker) so later runs skip
-    it quickly; delete ``<cache>/build`` or set LEASE_TESTBED_RETRY=1 to try it again.
+    A release whose sources failed to compile is remembered (``FAILED`` marker) so later
+    runs go straight to the next one; delete the marker or set LEASE_TESTBED_RETRY=1 to
+    try it again.  Download errors are not remembered: they may be transient.
     """
-    candidates = candidate_versions("kube-apiserver")
-    for version in candidates:
-        if binary_path("kube-apiserver", version).exists():
-            return version
     retry = os.environ.get("LEASE_TESTBED_RETRY") == "1"
     errors = []
-    for version in candidates:
+    for version in candidate_versions("kube-apiserver"):
+        if binary_path("kube-apiserver", version).exists():
+            return version
         marker = _failed_marker("kube-apiserver", version)
         if marker.exists() and not retry:
             errors.append(f"{version}: failed before (see {marker})")
@@ -331,7 +337,7 @@ def _kubernetes_version() -> str:
         try:
             build("kube-apiserver", version)
             return version
-        except BuildError as exc:
+        except CompileError as exc:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(str(exc))
             errors.append(f"{version}: {exc}")

@@ -43,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -301,13 +301,14 @@ class ControlPlane:
 
     def start(self) -> None:
         """Build (if needed) and start etcd and kube-apiserver; wait until ready."""
-        for tool in ("etcd", "kube-apiserver", "kubectl"):
+        # kube-apiserver first: it is the slowest and likeliest build to fail.
+        for tool in ("kube-apiserver", "kubectl", "etcd"):
             self._binaries[tool] = gobuild.ensure_binary(tool)
         self.version = gobuild.tool_version("kube-apiserver")
         self._make_pki()
         try:
-            self._start_etcd()
-            self._start_apiserver()
+            self._with_port_retry(self._start_etcd)
+            self._with_port_retry(self._start_apiserver)
         except BaseException:
             self.stop()
             raise
@@ -357,6 +358,19 @@ class ControlPlane:
         # system:masters is the bootstrap superuser group (bypasses RBAC), as kubeadm does.
         self._admin = issue_cert(ca, self.pki, "admin", cn="testbed-admin", org="system:masters")
         self._sa_keys = make_service_account_keys(self.pki)
+
+    def _with_port_retry(self, start: Callable[[], None], attempts: int = 3) -> None:
+        """free_port() only reserves a port until it returns; another process may grab it
+        before our server binds, so a start that lost that race is retried."""
+        for attempt in range(attempts):
+            try:
+                start()
+                return
+            except ControlPlaneError as exc:
+                if "address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                name, proc = self._procs.pop()
+                self._terminate(name, proc)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         logfile = self.workdir / f"{name}.log"
@@ -439,9 +453,17 @@ class ControlPlane:
         )
         self.kubeconfig.chmod(0o600)
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """TLS context that trusts the test CA and presents no client cert.
+
+        Use it with a bearer token: a client cert, if presented, would authenticate the
+        request first and the token would be ignored.
+        """
+        return ssl.create_default_context(cafile=str(self.ca_cert))
+
     def admin_ssl_context(self) -> ssl.SSLContext:
         """TLS context trusting the test CA and presenting the admin client cert."""
-        ctx = ssl.create_default_context(cafile=str(self.ca_cert))
+        ctx = self.ssl_context()
         ctx.load_cert_chain(str(self._admin.cert), str(self._admin.key))
         return ctx
 

@@ -35,18 +35,20 @@ def kube_apiserver_extra_args() -> list[str]:
 def control_plane(kube_apiserver_extra_args: list[str]) -> Iterator[ControlPlane]:
     """One control plane for the whole session (startup costs several seconds)."""
     cp = ControlPlane(apiserver_extra_args=kube_apiserver_extra_args)
+    failure = ""
     try:
         cp.start()
     except gobuild.BuildError as exc:
-        cp.stop()
-        pytest.fail(
+        failure = (
             "kube test bed: building the tools failed (fix the build or prebuild with "
-            f"scripts/build-testbed-tools; cache: {gobuild.cache_root()}):\n{exc}",
-            pytrace=False,
+            f"scripts/build-testbed-tools; cache: {gobuild.cache_root()}):\n{exc}"
         )
     except ControlPlaneError as exc:
+        failure = f"kube test bed: control plane did not start:\n{exc}"
+    if failure:
+        # Outside the except block, so the report shows the message, not a chained trace.
         cp.stop()
-        pytest.fail(f"kube test bed: control plane did not start:\n{exc}", pytrace=False)
+        pytest.fail(failure, pytrace=False)
     try:
         yield cp
     finally:

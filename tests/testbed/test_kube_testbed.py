@@ -72,9 +72,9 @@ def _can_i(cp: ControlPlane, kubeconfig: Path, namespace: str) -> str:
 
 def _raw_get_status(cp: ControlPlane, path: str, token: str) -> int:
     req = urllib.request.Request(cp.server + path, headers={"Authorization": f"Bearer {token}"})
-    ctx = cp.admin_ssl_context()  # trusts the CA; the bearer token is what authenticates
+    # No client cert: it would take precedence and the request would run as admin.
     try:
-        with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
+        with urllib.request.urlopen(req, timeout=10, context=cp.ssl_context()) as resp:
             return resp.status
     except urllib.error.HTTPError as exc:
         return exc.code
