@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from sidecar import config, jsonlog
 from sidecar.config import ConfigError, Settings
-from sidecar.lease import backend_module, create_backend
+from sidecar.lease import BackendError, backend_module, create_backend
 from sidecar.runtime import Sidecar
 
 log = logging.getLogger("sidecar.cli")
@@ -77,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_status(settings))
     except ConfigError as exc:
         return _fail(str(exc))
+    except BackendError as exc:
+        return _fail(str(exc), code=1)
     except ValueError as exc:
         return _fail(f"--acquire-timeout: {exc}")
 

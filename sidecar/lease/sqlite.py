@@ -106,7 +106,7 @@ class SqliteStore:
         def call() -> T:
             try:
                 return work(self._connect())
-            except sqlite3.Error as exc:
+            except (sqlite3.Error, OSError) as exc:
                 # A broken handle is reopened next time instead of failing forever.
                 if self._conn is not None:
                     self._conn.close()
