@@ -179,6 +179,8 @@ class PodLabelPublisher:
     def _run_kopf(self) -> None:
         import kopf
 
+        # kopf warns that it leaves signals alone in a thread: that is why it runs here.
+        logging.getLogger("kopf._core.reactor.running").setLevel(logging.ERROR)
         registry = kopf.OperatorRegistry()
         settings = kopf.OperatorSettings()
         settings.posting.enabled = False  # would need events/create
