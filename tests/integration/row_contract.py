@@ -1,0 +1,137 @@
+"""The row-lease contract every SQL store must meet, run against real servers.
+
+A test module subclasses :class:`RowStoreContract` and provides a ``make_store`` fixture:
+a callable returning a fresh :class:`~sidecar.lease.sql.store.SqlRowStore` on the same
+database, with the schema already applied. The same tests then run over asyncpg on
+PostgreSQL, over pyodbc (psqlODBC) on PostgreSQL, and over pyodbc on a live SQL Server.
+Lease names are random, so a shared database (the live SQL Server) needs no cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+from sidecar.lease.rowlease import RowLease
+from sidecar.lease.sql.store import SqlRowStore
+
+MakeStore = Callable[..., SqlRowStore]
+SHORT = 0.6  # seconds: a lease that expires within the test
+LONG = 30.0
+
+
+def fresh() -> str:
+    return f"contract.{uuid.uuid4().hex[:12]}"
+
+
+class RowStoreContract:
+    @pytest.fixture
+    def store(self, make_store: MakeStore) -> SqlRowStore:
+        return make_store()
+
+    async def test_first_acquire_wins_and_a_rival_learns_the_holder(
+            self, store: SqlRowStore) -> None:
+        name = fresh()
+        mine = await store.acquire(name, "a", LONG, "meta")
+        assert mine is not None and mine.owner == "a" and mine.version > 0
+        theirs = await store.acquire(name, "b", LONG, "")
+        assert theirs is not None and theirs.owner == "a"
+        assert theirs.version == mine.version  # the loser changed nothing
+        assert (await store.read(name)).owner == "a"
+
+    async def test_reacquire_by_the_owner_refreshes_its_row(self, store: SqlRowStore) -> None:
+        name = fresh()
+        first = await store.acquire(name, "a", SHORT, "")
+        again = await store.acquire(name, "a", LONG, "")
+        assert again is not None and again.owner == "a"
+        assert again.expires_at > first.expires_at
+        assert again.version > first.version  # a new write, a new version
+
+    async def test_renew_only_by_the_owner_and_only_while_live(self, store: SqlRowStore) -> None:
+        name = fresh()
+        first = await store.acquire(name, "a", SHORT, "")
+        assert await store.renew(name, "b", LONG) is None
+        renewed = await store.renew(name, "a", SHORT)
+        assert renewed is not None and renewed.owner == "a"
+        assert renewed.expires_at >= first.expires_at and renewed.version > first.version
+        await asyncio.sleep(SHORT + 0.4)
+        assert await store.renew(name, "a", LONG) is None, "renewed an expired row"
+
+    async def test_release_only_by_the_owner(self, store: SqlRowStore) -> None:
+        name = fresh()
+        await store.acquire(name, "a", LONG, "")
+        await store.release(name, "b")
+        assert (await store.read(name)).owner == "a"
+        await store.release(name, "a")
+        assert await store.read(name) is None
+        assert (await store.acquire(name, "b", LONG, "")).owner == "b"
+
+    async def test_an_expired_row_is_taken_over_with_a_larger_version(
+            self, store: SqlRowStore) -> None:
+        name = fresh()
+        old = await store.acquire(name, "a", SHORT, "")
+        assert (await store.acquire(name, "b", LONG, "")).owner == "a"
+        await asyncio.sleep(SHORT + 0.4)
+        assert await store.read(name) is None  # expired rows do not count as held
+        new = await store.acquire(name, "b", LONG, "")
+        assert new is not None and new.owner == "b" and new.version > old.version
+        assert await store.renew(name, "a", LONG) is None
+
+    async def test_the_token_grows_across_holders_even_though_release_deletes(
+            self, store: SqlRowStore) -> None:
+        name = fresh()
+        versions = []
+        for owner in ("a", "b", "a", "c"):
+            row = await store.acquire(name, owner, LONG, "")
+            assert row is not None and row.owner == owner
+            versions.append(row.version)
+            await store.release(name, owner)
+        assert versions == sorted(set(versions))
+
+    async def test_acquire_sweeps_other_expired_rows(self, make_store: MakeStore) -> None:
+        store, replica_view = make_store(), make_store(replica=True)
+        abandoned, other = fresh(), fresh()
+        await store.acquire(abandoned, "crashed", SHORT, "")
+        await asyncio.sleep(SHORT + 0.4)
+        assert await replica_view.read(abandoned) is not None  # still there, just expired
+        await store.acquire(other, "b", LONG, "")
+        assert await replica_view.read(abandoned) is None
+
+    async def test_concurrent_contenders_have_exactly_one_winner(
+            self, make_store: MakeStore) -> None:
+        name = fresh()
+        stores = [make_store() for _ in range(8)]
+        rows = await asyncio.gather(*(s.acquire(name, f"c{i}", LONG, "")
+                                      for i, s in enumerate(stores)))
+        owners = {row.owner for row in rows if row is not None}
+        winners = [i for i, row in enumerate(rows) if row is not None and row.owner == f"c{i}"]
+        assert len(winners) == 1 and owners <= {f"c{winners[0]}"}
+
+    async def test_concurrent_takeover_of_an_expired_row_has_one_winner(
+            self, make_store: MakeStore) -> None:
+        name = fresh()
+        stores = [make_store() for _ in range(8)]
+        await stores[0].acquire(name, "old", SHORT, "")
+        await asyncio.sleep(SHORT + 0.4)
+        rows = await asyncio.gather(*(s.acquire(name, f"c{i}", LONG, "")
+                                      for i, s in enumerate(stores)))
+        winners = [i for i, row in enumerate(rows) if row is not None and row.owner == f"c{i}"]
+        assert len(winners) == 1
+
+    async def test_row_lease_grants_tokens_and_names_the_holder(
+            self, make_store: MakeStore) -> None:
+        name = fresh()
+        a = RowLease(make_store(), "n", name, "a", duration=LONG, safety_margin=1.0)
+        b = RowLease(make_store(), "n", name, "b", duration=LONG, safety_margin=1.0)
+        held = await a.try_acquire()
+        assert held.held and held.valid_for == LONG - 1.0 and held.fencing_token is not None
+        lost = await b.try_acquire()
+        assert not lost.held and lost.holder == "a"
+        assert (await a.try_renew()).fencing_token == held.fencing_token  # one term, one token
+        assert (await b.describe()).holder == "a"
+        await a.release()
+        taken = await b.try_acquire()
+        assert taken.held and taken.fencing_token > held.fencing_token
