@@ -150,3 +150,22 @@ async def test_release_refused_from_a_non_loopback_peer():
     response = await handler(request)
     assert response.status == 403
     assert released == []
+
+
+async def test_an_unexpected_error_is_a_bare_500():
+    states = [LeaseState(lease="a", identity="me", role="all", claim_horizon=0.25,
+                         clock=FakeClock())]
+
+    def broken_status() -> dict:
+        raise RuntimeError("secret internals")
+
+    app = build_app(states, registry_for(states), status=broken_status, alive=lambda: True,
+                    ready=lambda: True, release=lambda name: True)
+    client = await client_for(app)
+    try:
+        response = await client.get("/status")
+        assert response.status == 500
+        text = await response.text()
+        assert "Traceback" not in text and "secret internals" not in text
+    finally:
+        await client.close()
