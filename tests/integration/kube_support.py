@@ -1,0 +1,163 @@
+"""Helpers for tests and benchmarks of the kubernetes backend and the pod label.
+
+They run real ``lease-sidecar`` processes against the test bed's real kube-apiserver,
+each told its ``POD_NAME`` / ``POD_NAMESPACE`` and authenticated as the ServiceAccount of
+``deploy/rbac.yaml`` (and nothing more). No kubelet runs, so the Pod objects stay Pending:
+they exist so the sidecar has its own pod to label.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config, watch
+
+from tests.support import REPO, SidecarProcess
+from tests.testbed.kube import ControlPlane
+
+RBAC = REPO / "deploy" / "rbac.yaml"
+SERVICE_ACCOUNT = "lease-sidecar"
+# Short timings keep takeovers quick; the rules between them hold (config.validate).
+FAST = ["--lease-duration", "3s", "--renew-interval", "500ms", "--renew-deadline", "2s"]
+
+
+def install_rbac(cp: ControlPlane, namespace: str) -> Path:
+    """Apply deploy/rbac.yaml; return a kubeconfig authenticating as its ServiceAccount."""
+    cp.kubectl("-n", namespace, "apply", "-f", str(RBAC))
+    return cp.service_account_kubeconfig(namespace, SERVICE_ACCOUNT, create=False)
+
+
+def create_pods(cp: ControlPlane, namespace: str, *names: str) -> None:
+    """Pod objects for the sidecars to label (they stay Pending: no kubelet)."""
+    items = [{
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": "lease-test"}},
+        "spec": {"serviceAccountName": SERVICE_ACCOUNT,
+                 "containers": [{"name": "app", "image": "registry.invalid/app:1"}]},
+    } for name in names]
+    cp.kubectl("-n", namespace, "apply", "-f", "-",
+               input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+
+
+def sidecar(workdir: Path, pod: str, namespace: str, kubeconfig: Path, *args: str,
+            lease: str = "jobs") -> SidecarProcess:
+    """A sidecar process that believes it runs in pod ``namespace/pod``."""
+    return SidecarProcess(
+        workdir, pod,
+        args=["--backend", "kubernetes", "--name", lease, *FAST, *args],
+        env={"POD_NAME": pod, "POD_NAMESPACE": namespace, "KUBECONFIG": str(kubeconfig)})
+
+
+def lease_spec(cp: ControlPlane, namespace: str, lease: str = "jobs") -> dict[str, Any]:
+    proc = cp.kubectl("-n", namespace, "get", "lease", f"lease-sidecar.{lease}", "-o", "json",
+                      check=False)
+    return json.loads(proc.stdout)["spec"] if proc.returncode == 0 else {}
+
+
+def role_column(cp: ControlPlane, namespace: str) -> dict[str, str]:
+    """``kubectl get pods -L lease-role`` as {pod: role}, parsed from the printed table."""
+    out = cp.kubectl("-n", namespace, "get", "pods", "-L", "lease-role").stdout
+    lines = out.strip().splitlines()
+    header = lines[0].split()
+    column = header.index("LEASE-ROLE")
+    roles = {}
+    for line in lines[1:]:
+        cells = line.split()
+        # An empty label cell prints as nothing, so the row is one cell short.
+        roles[cells[0]] = cells[column] if len(cells) == len(header) else ""
+    return roles
+
+
+def leaders(processes: list[SidecarProcess]) -> list[SidecarProcess]:
+    return [p for p in processes if p.proc and p.proc.poll() is None and p.leader() == 200]
+
+
+@dataclass
+class Event:
+    at: float  # time.monotonic() when the event arrived here
+    kind: str  # "lease" or "pod"
+    name: str
+    version: int  # resourceVersion (an etcd revision: comparable across objects)
+    holder: str | None = None  # lease: holderIdentity
+    transitions: int | None = None
+    role: str | None = None  # pod: lease-role label
+
+
+@dataclass
+class Recorder:
+    """Watches the Leases and Pods of one namespace as admin and keeps every event.
+
+    Gives the order of writes (resourceVersions share one etcd revision counter) and the
+    arrival times, for ordering assertions and the benchmark's lag figures.
+    """
+
+    kubeconfig: Path
+    namespace: str
+    events: list[Event] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> Recorder:
+        api = config.new_client_from_config(config_file=str(self.kubeconfig))
+        coordination, core = client.CoordinationV1Api(api), client.CoreV1Api(api)
+        for kind, lister in (("lease", coordination.list_namespaced_lease),
+                             ("pod", core.list_namespaced_pod)):
+            thread = threading.Thread(target=self._run, args=(kind, lister), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self, kind: str, lister: Any) -> None:
+        version = None
+        while not self._stop.is_set():
+            stream = watch.Watch()
+            kwargs: dict[str, Any] = {"timeout_seconds": 5, "deserialize": False}
+            if version:
+                kwargs["resource_version"] = version
+            try:
+                for event in stream.stream(lister, self.namespace, **kwargs):
+                    obj = event["object"]
+                    version = obj["metadata"]["resourceVersion"]
+                    self._add(kind, obj)
+                    if self._stop.is_set():
+                        return
+            except Exception:
+                version = None  # 410 Gone or a hiccup: start over from the current state
+                time.sleep(0.1)
+
+    def _add(self, kind: str, obj: dict[str, Any]) -> None:
+        meta = obj["metadata"]
+        found = Event(time.monotonic(), kind, meta["name"], int(meta["resourceVersion"]))
+        if kind == "lease":
+            spec = obj.get("spec") or {}
+            found.holder = spec.get("holderIdentity") or ""
+            found.transitions = spec.get("leaseTransitions")
+        else:
+            found.role = (meta.get("labels") or {}).get("lease-role")
+        with self._lock:
+            self.events.append(found)
+
+    def snapshot(self) -> list[Event]:
+        with self._lock:
+            return list(self.events)
+
+    def first(self, after: float, timeout: float, match: Callable[[Event], bool]) -> Event:
+        """The first event that arrived at or after monotonic ``after`` and matches; waits."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for found in self.snapshot():
+                if found.at >= after and match(found):
+                    return found
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no matching event within {timeout}s")
+            time.sleep(0.005)
