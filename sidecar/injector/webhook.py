@@ -23,8 +23,13 @@ PATH = f"/{HANDLER_ID}"
 
 
 def build_registry(spec: InjectionSpec) -> kopf.OperatorRegistry:
-    """A registry holding only the injection handler (plus kopf's default logins)."""
-    registry = kopf.SmartOperatorRegistry()
+    """A registry holding only the injection handler and the login."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # The kubernetes client's rules: in-cluster ServiceAccount, else $KUBECONFIG.
+        return kopf.login_via_client(**kwargs)
 
     @kopf.on.mutate("pods", id=HANDLER_ID, operations=["CREATE"],
                     labels={OPT_IN_LABEL: "true"}, side_effects=False, registry=registry)

@@ -1,0 +1,296 @@
+"""End to end: the real kube-apiserver calls the injector when an opted-in Pod is created.
+
+Everything the chart renders for the injector is applied to the test bed (ServiceAccount,
+Role, ClusterRole and bindings, the empty TLS Secret, the ConfigMap with the sidecar
+spec) except that the webhook configuration's ``clientConfig`` points at
+``https://127.0.0.1:<port>`` instead of the Service (no pods run here), and its
+namespaceSelector is narrowed to this module's namespace. The injector runs as a local
+process with the chart's own arguments, as the chart's ServiceAccount (a token
+kubeconfig), so the chart's RBAC is what it gets. It makes its certificates, stores them
+in the Secret and sets the caBundle itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+
+from tests.integration.chart_support import documents, env_map, find, template
+from tests.support import REPO, free_port, get_json
+from tests.testbed.kube import ControlPlane, ControlPlaneError
+
+pytestmark = pytest.mark.kube
+
+RELEASE = "inj"
+LABEL = "lease-sidecar/inject"
+START_TIMEOUT = 60.0
+
+
+@dataclass
+class Injector:
+    """``python -m sidecar.injector`` with the chart's args, as the chart's ServiceAccount."""
+
+    args: list[str]
+    kubeconfig: Path
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    health_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = open(self.workdir / "injector.log", "ab")  # noqa: SIM115 - child owns it
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar.injector", *self.args,
+             f"--listen=127.0.0.1:{self.port}", f"--health=127.0.0.1:{self.health_port}",
+             f"--cert-dir={self.workdir / 'tls'}", "--host=127.0.0.1"],
+            stdout=log, stderr=log, env=env, cwd=REPO)
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT
+        while get_json(f"http://127.0.0.1:{self.health_port}/healthz")[0] != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"injector did not start:\n{self.logs()}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def logs(self) -> str:
+        return (self.workdir / "injector.log").read_text(errors="replace")
+
+
+@dataclass
+class Env:
+    cp: ControlPlane
+    namespace: str
+    webhook_config: str
+    secret: str
+    spec: dict[str, Any]
+    injector: Injector
+
+    def pod(self, name: str, labels: dict[str, str] | None = None,
+            annotations: dict[str, str] | None = None,
+            containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": self.namespace,
+                         "labels": labels or {}, "annotations": annotations or {}},
+            "spec": {"containers": containers or [
+                {"name": "app", "image": "example.invalid/app:1",
+                 "volumeMounts": [], "env": [{"name": "APP", "value": "1"}]}]},
+        }
+
+    def create(self, pod: dict[str, Any], *extra: str) -> subprocess.CompletedProcess[str]:
+        return self.cp.kubectl("create", *extra, "-o", "json", "-f", "-",
+                               input=json.dumps(pod), check=False)
+
+    def stored(self, name: str) -> dict[str, Any]:
+        return json.loads(self.cp.kubectl("-n", self.namespace, "get", "pod", name,
+                                          "-o", "json").stdout)
+
+    def wait_until_called(self) -> None:
+        """Until the apiserver has seen the caBundle and reaches the webhook (dry run)."""
+        deadline = time.monotonic() + START_TIMEOUT
+        probe = self.pod("probe", labels={LABEL: "true"})
+        while True:
+            proc = self.create(probe, "--dry-run=server")
+            if proc.returncode == 0 and json.loads(proc.stdout)["spec"].get("initContainers"):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"webhook never answered: {proc.stderr}\n"
+                                     f"{self.injector.logs()}")
+            time.sleep(0.2)
+
+
+def _arg_list(container: dict[str, Any], drop: tuple[str, ...]) -> list[str]:
+    return [a for a in container["args"] if not a.startswith(drop)]
+
+
+@pytest.fixture(scope="module")
+def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    cp = control_plane
+    workdir = tmp_path_factory.mktemp("injector")
+    namespace = cp.create_namespace("inj")
+    docs = documents(template(RELEASE, namespace, ["injector.enabled=true"]).stdout)
+    config = find(docs, "MutatingWebhookConfiguration")
+    rest = [d for d in docs if d is not config]
+    cp.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                                      "items": rest}))
+    deployment = find(docs, "Deployment", "-injector")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", "sidecar.injector"]
+    spec_text = find(docs, "ConfigMap", "-injector")["data"]["sidecar.json"]
+    (workdir / "sidecar.json").write_text(spec_text)
+    args = [*_arg_list(container, ("--spec", "--listen", "--health", "--cert-dir")),
+            f"--spec={workdir / 'sidecar.json'}"]
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    injector = Injector(args, cp.service_account_kubeconfig(namespace, account, create=False),
+                        workdir)
+
+    webhook = config["webhooks"][0]
+    webhook["clientConfig"] = {"url": f"https://127.0.0.1:{injector.port}/lease-sidecar-inject"}
+    webhook["namespaceSelector"] = {
+        "matchLabels": {"kubernetes.io/metadata.name": namespace}}
+    cp.kubectl("apply", "-f", "-", input=json.dumps(config))
+    name = config["metadata"]["name"]
+    secret = next(a.split("/", 1)[1] for a in args if a.startswith("--tls-secret="))
+    result = Env(cp, namespace, name, secret, json.loads(spec_text), injector)
+    try:
+        injector.start()
+        result.wait_until_called()
+        yield result
+    finally:
+        injector.stop()
+        # A Fail-policy webhook must not outlive the module.
+        cp.kubectl("delete", "mutatingwebhookconfiguration", name, check=False)
+
+
+def test_opted_in_pod_is_stored_with_the_sidecar(env: Env) -> None:
+    proc = env.create(env.pod("opted-in", labels={LABEL: "true"}))
+    assert proc.returncode == 0, proc.stderr
+    pod = env.stored("opted-in")
+    spec = pod["spec"]
+    sidecar = spec["initContainers"][0]
+    want = env.spec["container"]
+    assert sidecar["name"] == "lease-sidecar"
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["image"] == want["image"] and sidecar["args"] == ["run"]
+    assert [e["name"] for e in sidecar["env"]] == [e["name"] for e in want["env"]]
+    env_vars = env_map(sidecar)
+    assert env_vars["POD_NAME"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env_vars["LEASE_BACKEND"] == "kubernetes"
+    assert env_vars["LEASE_HTTP_ADDR"] == "0.0.0.0:8099"
+    assert sidecar["securityContext"] == want["securityContext"]
+    mounts = {m["mountPath"]: m for m in sidecar["volumeMounts"]}
+    assert [mounts[m["mountPath"]] for m in want["volumeMounts"]] == want["volumeMounts"]
+    # ServiceAccount admission re-ran after the webhook and gave the injected sidecar the
+    # API token that the kubernetes backend and the lease-role label need.
+    assert "/var/run/secrets/kubernetes.io/serviceaccount" in mounts
+    assert sidecar["startupProbe"]["httpGet"]["path"] == "/healthz"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["lease-state"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}
+    assert "lease-sidecar-tmp" in volumes
+    app = spec["containers"][0]
+    assert {"name": "lease-state", "mountPath": "/run/lease", "readOnly": True} in (
+        app["volumeMounts"])
+    assert env_map(app) == {"APP": "1", "LEASE_LEADER_FILE": "/run/lease/leader",
+                            "LEASE_LEADER_URL": "http://127.0.0.1:8099/leader"}
+    assert pod["metadata"]["annotations"]["lease-sidecar/injected"] == "lease-sidecar"
+
+
+def test_annotations_set_lease_name_and_role(env: Env) -> None:
+    pod = env.pod("tuned", labels={LABEL: "true"},
+                  annotations={"lease-sidecar/name": "sweeps", "lease-sidecar/role": "api"})
+    assert env.create(pod).returncode == 0
+    env_vars = env_map(env.stored("tuned")["spec"]["initContainers"][0])
+    assert env_vars["LEASE_NAME"] == "sweeps"
+    assert env_vars["LEASE_ROLE"] == "api"
+
+
+def test_bad_annotation_refuses_the_pod(env: Env) -> None:
+    pod = env.pod("typo", labels={LABEL: "true"}, annotations={"lease-sidecar/role": "boss"})
+    proc = env.create(pod)
+    assert proc.returncode != 0
+    assert "annotation lease-sidecar/role: 'boss' is not one of all, worker, api" in proc.stderr
+
+
+@pytest.mark.parametrize("labels", [{}, {LABEL: "false"}, {"app": "web"}])
+def test_pod_that_did_not_opt_in_is_untouched(env: Env, labels: dict[str, str]) -> None:
+    name = f"plain-{len(labels)}-{'-'.join(labels.values()) or 'none'}"
+    pod = env.pod(name, labels=labels)
+    assert env.create(pod).returncode == 0
+    stored = env.stored(name)
+    assert "initContainers" not in stored["spec"]
+    assert stored["spec"]["containers"][0]["env"] == [{"name": "APP", "value": "1"}]
+    assert "volumeMounts" not in stored["spec"]["containers"][0] or all(
+        m["name"] != "lease-state" for m in stored["spec"]["containers"][0]["volumeMounts"])
+    assert "lease-sidecar/injected" not in (stored["metadata"].get("annotations") or {})
+
+
+def test_declared_sidecar_is_not_injected_again(env: Env) -> None:
+    declared = {**env.spec["container"], "image": "example.invalid/my-own:2"}
+    pod = env.pod("declared", labels={LABEL: "true"})
+    pod["spec"]["initContainers"] = [declared]
+    pod["spec"]["volumes"] = env.spec["volumes"]
+    assert env.create(pod).returncode == 0
+    stored = env.stored("declared")
+    assert [c["image"] for c in stored["spec"]["initContainers"]] == ["example.invalid/my-own:2"]
+    assert "lease-sidecar/injected" not in (stored["metadata"].get("annotations") or {})
+
+
+def _ca(env: Env) -> bytes:
+    secret = json.loads(env.cp.kubectl("-n", env.namespace, "get", "secret", env.secret,
+                                       "-o", "json").stdout)
+    assert set(secret["data"]) == {"ca.crt", "ca.key", "tls.crt", "tls.key"}
+    return base64.b64decode(secret["data"]["ca.crt"])
+
+
+def test_tls_is_kept_in_the_secret_and_trusted_by_the_webhook(env: Env) -> None:
+    ca = _ca(env)
+    config = json.loads(env.cp.kubectl("get", "mutatingwebhookconfiguration",
+                                       env.webhook_config, "-o", "json").stdout)
+    assert base64.b64decode(config["webhooks"][0]["clientConfig"]["caBundle"]) == ca
+    # The served certificate chains to that CA and names the chart's Service and 127.0.0.1.
+    ctx = ssl.create_default_context(cadata=ca.decode())
+    served = ssl.get_server_certificate(("127.0.0.1", env.injector.port))
+    cert = x509.load_pem_x509_certificate(served.encode())
+    cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert f"inj-lease-sidecar-injector.{env.namespace}.svc" in san.get_values_for_type(
+        x509.DNSName)
+    assert ctx.verify_mode == ssl.CERT_REQUIRED
+
+
+def test_failure_policy_with_the_injector_stopped(env: Env) -> None:
+    """Fail (the default): opted-in Pods are refused, others created; Ignore: created bare."""
+    ca = _ca(env)
+    env.injector.stop()
+    refused = env.create(env.pod("while-down", labels={LABEL: "true"}))
+    assert refused.returncode != 0
+    assert "failed calling webhook" in refused.stderr
+    assert env.cp.kubectl("-n", env.namespace, "get", "pod", "while-down",
+                          check=False).returncode != 0
+    assert env.create(env.pod("plain-while-down")).returncode == 0
+
+    # Back up: the Secret's CA is reused (no caBundle churn) and injection resumes.
+    env.injector.start()
+    env.wait_until_called()
+    assert _ca(env) == ca
+    assert env.create(env.pod("after-restart", labels={LABEL: "true"})).returncode == 0
+    assert env.stored("after-restart")["spec"]["initContainers"][0]["name"] == "lease-sidecar"
+
+    # failurePolicy Ignore: the opted-in Pod is created, without a sidecar (so it never
+    # leads: no file, nothing answers on :8099).
+    env.injector.stop()
+    env.cp.kubectl("patch", "mutatingwebhookconfiguration", env.webhook_config, "--type=json",
+                   "-p", json.dumps([{"op": "replace", "path": "/webhooks/0/failurePolicy",
+                                      "value": "Ignore"}]))
+    deadline = time.monotonic() + 30
+    while (proc := env.create(env.pod("ignored", labels={LABEL: "true"}))).returncode != 0:
+        # The apiserver picks up the changed configuration within moments.
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(proc.stderr)
+        time.sleep(0.2)
+    stored = env.stored("ignored")
+    assert "initContainers" not in stored["spec"]
+    assert "lease-sidecar/injected" not in (stored["metadata"].get("annotations") or {})
