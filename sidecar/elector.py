@@ -113,7 +113,8 @@ class Elector:
         await self._notify()
 
     async def _renew_once(self) -> None:
-        await self._sleep_or_wake(jittered(self.settings.renew_interval, 0.1), watch_lease=False)
+        await self._sleep_or_wake(jittered(self.settings.renew_interval, 0.1), watch_lease=False,
+                                  watch_loss=True)
         if self._release_requested:
             self._release_requested = False
             await self._step_down("released on request", release=True)
@@ -195,12 +196,17 @@ class Elector:
             base = min(base * 2 ** min(self._failures - 1, 10), self.settings.lease_duration)
         return jittered(base)
 
-    async def _sleep_or_wake(self, seconds: float, watch_lease: bool) -> None:
-        """Sleep, but wake for a release request or (standby) a lease change."""
+    async def _sleep_or_wake(self, seconds: float, watch_lease: bool,
+                             watch_loss: bool = False) -> None:
+        """Sleep, but wake for a release request, (standby) a lease change, or (holder)
+        the backend's word that the lease is gone (the optional ``lost`` event)."""
         self._wake.clear()
         waits = [asyncio.ensure_future(self._wake.wait())]
         if watch_lease:
             waits.append(asyncio.ensure_future(self.lease.wait_for_change(seconds)))
+        lost = getattr(self.lease, "lost", None) if watch_loss else None
+        if lost is not None:
+            waits.append(asyncio.ensure_future(lost.wait()))
         try:
             await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:

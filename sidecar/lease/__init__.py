@@ -51,7 +51,12 @@ class Holder:
 
 
 class Lease(Protocol):
-    """One named lease as seen by one contender."""
+    """One named lease as seen by one contender.
+
+    A backend that learns of a loss without being asked (a dropped session) may also
+    expose ``lost: asyncio.Event``; the elector then steps down the moment it is set
+    instead of at the next renew.
+    """
 
     name: str
 

@@ -160,3 +160,20 @@ def test_jitter_stays_in_bounds(spread):
     values = [jittered(2.0, spread) for _ in range(1000)]
     assert min(values) >= 2.0 * (1 - spread)
     assert max(values) <= 2.0 * (1 + spread)
+
+
+async def test_a_lost_event_wakes_the_holder_at_once():
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    lease.lost = asyncio.Event()  # type: ignore[attr-defined]
+    slow = Settings(lease_duration=60.0, renew_interval=30.0, renew_deadline=40.0,
+                    safety_margin=1.0, claim_horizon=0.01, identity="me")
+    state = LeaseState(lease="default", identity="me", role="all", claim_horizon=0.01,
+                       clock=clock)
+    elector = Elector(lease, state, slow, [])
+    task = asyncio.create_task(elector.run())
+    await until(lambda: state.facts.holding)
+    lease.grant = False
+    lease.lost.set()  # type: ignore[attr-defined]
+    await until(lambda: not state.facts.holding, timeout=2.0)  # not after 30 s
+    await stop(task)
