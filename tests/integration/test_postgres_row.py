@@ -55,6 +55,48 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60)
 
 
+async def takeover_in_open_transaction(pg_dsn: str, name: str) -> tuple:
+    """Rival ``b`` takes ``name`` over inside a transaction left open (the row stays locked)."""
+    text, names = PostgresDialect().acquire.numeric()
+    params = {"name": name, "owner": "b", "duration": LONG, "metadata": ""}
+    conn = await asyncpg.connect(pg_dsn)
+    transaction = conn.transaction()
+    await transaction.start()
+    rows = await conn.fetch(text, *(params[n] for n in names))
+    assert rows[0][0] == "b" and rows[0]["won"]
+    return conn, transaction
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["statement", "store"])
+async def test_a_takeover_committed_during_our_acquire_is_never_read_as_ours(
+        pg_dsn: str, make_store, raw: bool) -> None:
+    """Our acquire takes its snapshot, waits on the rival's row lock, then loses; the
+    fallback read still sees the snapshot (our own expired row), so only ``won`` may
+    decide. Found by the stress test."""
+    store = make_store()
+    name = fresh()
+    await store.acquire(name, "a", 0.3, "")
+    await asyncio.sleep(0.6)
+    conn, transaction = await takeover_in_open_transaction(pg_dsn, name)
+    try:
+        params = {"name": name, "owner": "a", "duration": LONG, "metadata": ""}
+        pending = asyncio.ensure_future(
+            store.driver.fetch(store.dialect.acquire, params) if raw
+            else store.acquire(name, "a", LONG, ""))
+        await asyncio.sleep(0.5)
+        assert not pending.done()  # blocked on b's row lock, snapshot taken
+        await transaction.commit()
+        result = await asyncio.wait_for(pending, 5.0)
+    finally:
+        await conn.close()
+    if raw:
+        # The hazard itself: the read row names us, but we did not win.
+        assert [(r[0], r[-1]) for r in result] == [("a", False)]
+    else:
+        assert result is None or result.owner == "b"
+    assert (await store.read(name)).owner == "b"
+
+
 # -- schema -------------------------------------------------------------------------------
 async def test_schema_cli_applies_idempotently_and_prints_ddl(pg, pg_dsn: str) -> None:
     for _ in range(2):

@@ -47,7 +47,11 @@ class Statement:
 
 
 class Dialect:
-    """What a :class:`~sidecar.lease.sql.store.SqlRowStore` needs from a dialect."""
+    """What a :class:`~sidecar.lease.sql.store.SqlRowStore` needs from a dialect.
+
+    ``acquire`` returns the row's columns plus a last ``won`` column: true when this
+    statement inserted, took over or refreshed the row, false when it only read it.
+    """
 
     # NOTIFY channel that release and the expiry sweep signal; None where there is none.
     channel: str | None
@@ -95,8 +99,11 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
         # and the INSERT run on the same snapshot, so if the sweep deleted the very row
         # the upsert conflicts with, the outcome would hang on execution order. Our own
         # expired row is instead taken over by the upsert's WHERE (expired → take over).
-        # The last SELECT returns the live foreign row when we lose, so the caller learns
-        # who holds it; the CROSS JOIN forces the NOTIFY for swept rows to be evaluated.
+        # When we lose, the last SELECT reads the row so the caller learns who holds it,
+        # flagged ``won = false``: that read sees the statement's snapshot, which can
+        # predate a rival's takeover that ON CONFLICT waited for — it may even still show
+        # us as the owner, so only ``won`` decides. The CROSS JOIN forces the NOTIFY for
+        # swept rows to be evaluated.
         self.acquire = Statement(f"""WITH sweep AS (
     DELETE FROM {t} WHERE expires_at <= now() AND lease_name <> CAST(:name AS varchar)
     RETURNING lease_name
@@ -118,10 +125,10 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
 ), woken AS (
     SELECT count(pg_notify('{self.channel}', lease_name)) AS n FROM sweep
 )
-SELECT {row} FROM (
-    SELECT {raw} FROM won
+SELECT {row}, won FROM (
+    SELECT {raw}, true AS won FROM won
     UNION ALL
-    SELECT {raw} FROM {t}
+    SELECT {raw}, false FROM {t}
     WHERE lease_name = CAST(:name AS varchar) AND NOT EXISTS (SELECT 1 FROM won)
 ) AS r CROSS JOIN woken""")
         # Like ROWVERSION, every write draws a new version, so a replica showing the
@@ -194,7 +201,8 @@ END;"""
         # (unlike PostgreSQL's CTEs) the MERGE sees the sweep's deletes. The lock hints
         # make MERGE's read-then-write atomic against a competing caller. The winner's
         # row goes to @won; when we lose, the live row is read instead, so one result set
-        # always names the holder.
+        # names the holder; ``Won`` says which, so the store never mistakes a read row
+        # for a win (see the PostgreSQL acquire).
         self.acquire = Statement(f"""SET NOCOUNT ON;
 DECLARE @won TABLE (OwnerInstanceId NVARCHAR(128), ExpiresAtUtc DATETIMEOFFSET(7),
                     RowVersion BINARY(8));
@@ -216,9 +224,9 @@ WHEN NOT MATCHED THEN
             SYSDATETIMEOFFSET(), {expiry}, source.Metadata)
 OUTPUT {out} INTO @won;
 IF EXISTS (SELECT 1 FROM @won)
-    SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion FROM @won;
+    SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion, CAST(1 AS BIT) AS Won FROM @won;
 ELSE
-    SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion FROM {t}
+    SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion, CAST(0 AS BIT) AS Won FROM {t}
     WHERE LeaseName = :name;""")
         self.renew = Statement(f"""UPDATE {t}
 SET RenewedAtUtc = SYSDATETIMEOFFSET(), ExpiresAtUtc = {expiry}

@@ -48,9 +48,15 @@ class SqlRowStore:
 
     async def acquire(self, name: str, owner: str, duration: float, metadata: str) -> Row | None:
         self._last_acquire = asyncio.get_running_loop().time()
-        return await self._one(self.dialect.acquire, {
+        rows = await self.driver.fetch(self.dialect.acquire, {
             "name": name, "owner": owner, "duration": duration,
             "duration_ms": round(duration * 1000), "metadata": metadata})
+        if not rows:
+            return None
+        *columns, won = rows[0]
+        row = self.dialect.decode(tuple(columns))
+        # A row we only read may be stale and still name us; we hold it only if we won.
+        return row if won or row.owner != owner else None
 
     async def renew(self, name: str, owner: str, duration: float) -> Row | None:
         return await self._one(self.dialect.renew, {
