@@ -1,0 +1,140 @@
+"""The ``lease-role`` pod label against a real kube-apiserver.
+
+Real sidecar processes (kubernetes backend, 3 s lease) label Pending Pod objects as the
+deploy/rbac.yaml ServiceAccount; assertions read ``kubectl get pods -L lease-role`` and,
+for the order of writes, the resourceVersions of a watch (one etcd revision counter
+orders pod and lease writes alike).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.kube_support import (
+    Recorder,
+    create_pods,
+    install_rbac,
+    leaders,
+    lease_spec,
+    role_column,
+    sidecar,
+)
+from tests.support import SidecarProcess, get_json, wait_until
+from tests.testbed.kube import ControlPlane
+
+pytestmark = [pytest.mark.kube, pytest.mark.slow]
+
+PODS = ("web-0", "web-1", "web-2")
+API_POD = "api-0"
+
+
+@pytest.fixture
+def group(control_plane: ControlPlane, kube_namespace: str,
+          tmp_path: Path) -> Iterator[list[SidecarProcess]]:
+    """Three contenders and one ``--role api`` sidecar, each in its own pod."""
+    kubeconfig = install_rbac(control_plane, kube_namespace)
+    create_pods(control_plane, kube_namespace, *PODS, API_POD)
+    procs = [sidecar(tmp_path, pod, kube_namespace, kubeconfig) for pod in PODS]
+    procs.append(sidecar(tmp_path, API_POD, kube_namespace, kubeconfig, "--role", "api"))
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.wait_http()
+        wait_until(lambda: leaders(procs[:3]), timeout=15)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def settled(cp: ControlPlane, ns: str, leader: str, standbys: list[str],
+            timeout: float = 5) -> dict[str, str]:
+    """Wait until the column shows exactly this picture; return it."""
+    want = {leader: "leader", **dict.fromkeys(standbys, "standby"), API_POD: "api"}
+    return wait_until(lambda: (roles := role_column(cp, ns)) == want and roles,
+                      timeout=timeout, interval=0.1)
+
+
+def pod(cp: ControlPlane, ns: str, name: str) -> dict:
+    return json.loads(cp.kubectl("-n", ns, "get", "pod", name, "-o", "json").stdout)
+
+
+def test_kubectl_shows_one_leader_the_standbys_and_the_api_pod(
+    control_plane: ControlPlane, kube_namespace: str, group: list[SidecarProcess]
+) -> None:
+    leader = leaders(group[:3])[0]
+    standbys = [p.identity for p in group[:3] if p is not leader]
+    roles = settled(control_plane, kube_namespace, leader.identity, standbys)
+    assert list(roles.values()).count("leader") == 1
+    # The annotation tells who, which lease and which fencing token.
+    meta = pod(control_plane, kube_namespace, leader.identity)["metadata"]
+    note = json.loads(meta["annotations"]["lease-sidecar/lease"])
+    spec = lease_spec(control_plane, kube_namespace)
+    assert note == {"lease": "jobs", "identity": leader.identity, "role": "leader",
+                    "fencing_token": spec["leaseTransitions"]}
+    assert meta["labels"]["lease-sidecar/group"] == "lease-sidecar.jobs"
+    api = pod(control_plane, kube_namespace, API_POD)["metadata"]
+    assert json.loads(api["annotations"]["lease-sidecar/lease"])["role"] == "api"
+    assert get_json(group[3].url + "/leader")[1]["role"] == "api"
+
+
+def test_sigterm_unpublishes_before_it_releases(
+    control_plane: ControlPlane, kube_namespace: str, group: list[SidecarProcess]
+) -> None:
+    old = leaders(group[:3])[0]
+    rest = [p for p in group[:3] if p is not old]
+    recorder = Recorder(control_plane.kubeconfig, kube_namespace).start()
+    try:
+        time.sleep(0.5)
+        sent = time.monotonic()
+        old.signal(signal.SIGTERM)
+        new = wait_until(lambda: leaders(rest), timeout=5)[0]
+        unlabelled = recorder.first(sent, 5, lambda e: e.kind == "pod"
+                                    and e.name == old.identity and e.role == "standby")
+        released = recorder.first(sent, 5, lambda e: e.kind == "lease" and e.holder == "")
+        labelled = recorder.first(sent, 5, lambda e: e.kind == "pod"
+                                  and e.name == new.identity and e.role == "leader")
+        taken = recorder.first(sent, 5, lambda e: e.kind == "lease"
+                               and e.holder == new.identity)
+    finally:
+        recorder.stop()
+    # Unpublish, then release; acquire, then publish.
+    assert unlabelled.version < released.version < taken.version < labelled.version
+    settled(control_plane, kube_namespace, new.identity,
+            [p.identity for p in group[:3] if p is not new])
+
+
+def test_a_killed_leaders_label_is_demoted_once_the_lease_moved(
+    control_plane: ControlPlane, kube_namespace: str, group: list[SidecarProcess]
+) -> None:
+    old = leaders(group[:3])[0]
+    rest = [p for p in group[:3] if p is not old]
+    old.signal(signal.SIGKILL)
+    time.sleep(1.0)
+    # Nobody cleaned up, and the lease has not moved yet: the stale label stays.
+    assert role_column(control_plane, kube_namespace)[old.identity] == "leader"
+    new = wait_until(lambda: leaders(rest), timeout=8)[0]
+    roles = settled(control_plane, kube_namespace, new.identity,
+                    [p.identity for p in group[:3] if p is not new], timeout=3)
+    assert roles[old.identity] == "standby"
+
+
+def test_labels_changed_by_hand_are_put_back(
+    control_plane: ControlPlane, kube_namespace: str, group: list[SidecarProcess]
+) -> None:
+    cp, ns = control_plane, kube_namespace
+    leader = leaders(group[:3])[0]
+    standbys = [p.identity for p in group[:3] if p is not leader]
+    settled(cp, ns, leader.identity, standbys)
+    # A wrong "leader" on a standby (the leader demotes it, its own sidecar repairs it)
+    # and a wrong "standby" on the leader (its own sidecar repairs it).
+    cp.kubectl("-n", ns, "label", "pod", standbys[0], "lease-role=leader", "--overwrite")
+    cp.kubectl("-n", ns, "label", "pod", leader.identity, "lease-role=standby", "--overwrite")
+    settled(cp, ns, leader.identity, standbys)
