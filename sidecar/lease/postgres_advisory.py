@@ -297,23 +297,18 @@ class AdvisoryLease:
                 conn = await self._connection()
             except BackendError:
                 return  # the elector's next try_acquire reports it
-            wait_ms = max(1, round(timeout * 1000))
+            wait_ms = f"{max(1, round(timeout * 1000))}ms"
             try:
-                # Simple-query protocol: one round trip. lock_timeout ends the wait in the
-                # server; the client timeout only guards against a hung server.
-                await conn.execute(f"SET lock_timeout = {wait_ms}; "
-                                   f"SELECT pg_advisory_lock({self.key}); RESET lock_timeout",
-                                   timeout=timeout + self._db.timeout)
+                # One round trip: lock_timeout (local to this statement's transaction)
+                # ends the wait in the server; the client timeout only guards against a
+                # hung server. The xid is drawn after the CTE granted the lock.
+                token = await conn.fetchval(self._wait_lock_sql(conn), self.key,
+                                            self._message, wait_ms,
+                                            timeout=timeout + self._db.timeout)
             except asyncpg.LockNotAvailableError:
                 return  # still held by someone else
             except _DB_ERRORS:
                 self._drop()  # timed out or broken: whether it was granted is unknown
-                return
-            try:
-                token = await conn.fetchval(
-                    f"select {_token_expr(conn)}, {_durable('$1')}", self._message)
-            except _DB_ERRORS:
-                self._drop()
                 return
             self._granted(token)
 
@@ -379,6 +374,12 @@ class AdvisoryLease:
         return (f"with lock as (select pg_try_advisory_lock($1) as got) "
                 f"select case when got then {_token_expr(conn)} end, "
                 f"case when got then {_durable('$2')} end from lock")
+
+
+    def _wait_lock_sql(self, conn: asyncpg.Connection) -> str:
+        return (f"with t as (select set_config('lock_timeout', $3, true)), "
+                f"lock as (select pg_advisory_lock($1) from t) "
+                f"select {_token_expr(conn)}, {_durable('$2')} from lock")
 
 
 def _token_expr(conn: asyncpg.Connection) -> str:

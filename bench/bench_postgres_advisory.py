@@ -1,0 +1,136 @@
+"""Failover on the ``postgres`` backend (session advisory lock); prints figures, writes JSON.
+
+    flock /tmp/lease-bench.lock python -m bench.bench_postgres_advisory [--trials 20]
+
+Three real sidecar processes contend on a throw-away PostgreSQL (the test bed's
+``PgServer``). Per trial one leader is signalled and replaced by a fresh process:
+
+1. SIGKILL takeover, in two figures:
+   - lock passing: SIGKILL → the standby's "acquired lease" log line (its JSON ``ts``);
+     the session of a killed process ends at once, and a standby waiting inside
+     ``pg_advisory_lock`` is granted the lock by the server;
+   - published claim: SIGKILL → the standby's first ``200`` (lock passing plus the one
+     ``claim_horizon`` the new holder waits before publishing).
+2. SIGTERM handover: SIGTERM → the standby's first ``200`` (the old holder unpublishes,
+   lets its outstanding claims run out, unlocks; the new one waits one horizon).
+
+Targets: lock passing p50 ≤ 25 ms, p99 ≤ 100 ms; published claim p50 ≤ horizon + 50 ms,
+p99 ≤ horizon + 150 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from bench.bench_core import acquired_at, summary
+from sidecar.config import parse_duration
+from tests.support import SidecarProcess, wait_until
+from tests.testbed.postgres import PgServer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def contender_args(dsn: str, lease: float, renew: float, horizon: float) -> list[str]:
+    return ["--backend", "postgres", "--dsn", dsn, "--name", "bench",
+            "--lease-duration", f"{lease}s", "--renew-interval", f"{renew}s",
+            "--renew-deadline", f"{lease * 2 / 3}s", "--claim-horizon", f"{horizon}s"]
+
+
+def single_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
+    found = [p for p in procs if p.leader(timeout=0.5) == 200]
+    return found[0] if len(found) == 1 else None
+
+
+def run_trials(sig: signal.Signals, trials: int, args: list[str],
+               workdir: Path) -> dict[str, list[float]]:
+    name = sig.name.lower()
+    procs = [SidecarProcess(workdir, f"{name}-{i}", args=list(args)).start() for i in range(3)]
+    lock_times: list[float] = []
+    claim_times: list[float] = []
+    try:
+        for proc in procs:
+            proc.wait_http()
+        for trial in range(trials):
+            leader = wait_until(lambda: single_leader(procs), timeout=30)
+            others = [p for p in procs if p is not leader]
+            # Let the standbys settle into their in-server wait, as in steady state.
+            time.sleep(0.3)
+            wall0, mono0 = time.time(), time.monotonic()
+            leader.signal(sig)
+            successor = wait_until(lambda rest=others: single_leader(rest), timeout=30,
+                                   interval=0.001)
+            claim_times.append(time.monotonic() - mono0)
+            at = acquired_at(successor, wall0)
+            if at is not None:
+                lock_times.append(at - wall0)
+            leader.stop()
+            index = procs.index(leader)
+            procs[index] = SidecarProcess(workdir, f"{name}-{index}-{trial}",
+                                          args=list(args)).start()
+            procs[index].wait_http()
+    finally:
+        for proc in procs:
+            proc.stop()
+    return {"lock": lock_times, "claim": claim_times}
+
+
+def verdict(figures: dict[str, float], p50: float, p99: float) -> str:
+    ok = figures["p50_ms"] <= p50 and figures["p99_ms"] <= p99
+    return f"{'meets' if ok else 'MISSES'} p50 <= {p50:g} ms, p99 <= {p99:g} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--lease-duration", default="3s")
+    parser.add_argument("--renew-interval", default="500ms")
+    parser.add_argument("--claim-horizon", default="250ms")
+    args = parser.parse_args()
+    lease = parse_duration(args.lease_duration)
+    renew = parse_duration(args.renew_interval)
+    horizon = parse_duration(args.claim_horizon)
+    horizon_ms = horizon * 1000
+    with tempfile.TemporaryDirectory(prefix="bench-pg-") as tmp, PgServer() as pg:
+        workdir = Path(tmp)
+        server_version = pg.psql("show server_version")
+        common = contender_args(pg.dsn, lease, renew, horizon)
+        kill = run_trials(signal.SIGKILL, args.trials, common, workdir)
+        term = run_trials(signal.SIGTERM, args.trials, common, workdir)
+    result = {
+        "backend": "postgres", "postgres": server_version, "cpus": os.cpu_count(),
+        # Other work on the machine skews these figures; record how busy it was.
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "trials": args.trials, "lease_duration_s": lease, "renew_interval_s": renew,
+        "claim_horizon_s": horizon,
+        "sigkill_lock_passing": summary(kill["lock"]),
+        "sigkill_published_claim": summary(kill["claim"]),
+        "sigterm_handover_claim": summary(term["claim"]),
+        "sigterm_lock_passing": summary(term["lock"]),
+    }
+    result["targets"] = {
+        "sigkill_lock_passing": verdict(result["sigkill_lock_passing"], 25, 100),
+        "sigkill_published_claim": verdict(result["sigkill_published_claim"],
+                                           horizon_ms + 50, horizon_ms + 150),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "postgres_advisory.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"postgres {server_version}, {args.trials} trials each, lease {lease:g}s, "
+          f"renew {renew:g}s, horizon {horizon_ms:g} ms, {os.cpu_count()} cpus, "
+          f"load average {result['load_average_1m']}")
+    print(f"{'figure':<28}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}  target")
+    for key in ("sigkill_lock_passing", "sigkill_published_claim", "sigterm_handover_claim",
+                "sigterm_lock_passing"):
+        row = result[key]
+        print(f"{key:<28}{row['p50_ms']:>10}{row['p99_ms']:>10}{row['max_ms']:>10}  "
+              f"{result['targets'].get(key, '')}")
+    print(f"wrote {RESULTS / 'postgres_advisory.json'}")
+
+
+if __name__ == "__main__":
+    main()
