@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -88,7 +87,3 @@ def rules_set(role: dict[str, Any]) -> set[tuple[str, str, str]]:
             for resource in rule.get("resources", [])
             for verb in rule.get("verbs", [])}
 
-
-def write(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path

