@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check(parser, args)
     jsonlog.setup(args.log_level)
+    # One line per admission call and probe would drown the decisions that matter.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         spec = InjectionSpec.load(args.spec)
         host, port = parse_addr(args.listen)
