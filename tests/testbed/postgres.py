@@ -157,7 +157,7 @@ class PgServer:
         self._run(["initdb", "-D", str(self.data), "-U", SUPERUSER, "-A", "trust",
                    "-E", "UTF8", "--no-sync", "--locale=C"])
         self._configure()
-        self.start()
+        self._start_on_free_port()
         self.psql(f"create role {TEST_ROLE} login password '{self.password}' createdb")
         self.psql(f"create database {TEST_DB} owner {TEST_ROLE}")
         return self
@@ -186,6 +186,19 @@ log_line_prefix = '%m [%p] %u@%d '
             f"host replication {SUPERUSER} {HOST}/32 trust\n"
             f"host all all {HOST}/32 scram-sha-256\n")
         self._chown(self.data, recursive=True)
+
+    def _start_on_free_port(self, attempts: int = 3) -> None:
+        """Start; if another process took our free port meanwhile, pick another one."""
+        for attempt in range(attempts):
+            try:
+                self.start()
+                return
+            except PgError as exc:
+                if attempt == attempts - 1 or "already in use" not in str(exc):
+                    raise
+            self.port = free_port()
+            with open(self.data / "postgresql.conf", "a") as fh:  # later lines win
+                fh.write(f"\nport = {self.port}\n")
 
     def start(self, timeout: float = 60.0) -> None:
         self._run(["pg_ctl", "-D", str(self.data), "-l", str(self.logfile), "-w",
@@ -278,7 +291,7 @@ class PgStandby(PgServer):
         with open(self.data / "postgresql.conf", "a") as fh:
             fh.write(f"\nport = {self.port}\nunix_socket_directories = '{self.sockdir}'\n")
         self._chown(self.data, recursive=True)
-        self.start()
+        self._start_on_free_port()
         return self
 
     def pause_replay(self) -> None:
