@@ -12,11 +12,17 @@ from sidecar.state import rfc3339
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
+_PLAIN = (str, int, float, bool, type(None), dict, list, tuple)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = {"ts": rfc3339(record.created), "level": record.levelname.lower(),
                 "logger": record.name, "msg": record.getMessage()}
-        line.update({k: v for k, v in vars(record).items() if k not in _STANDARD})
+        # Only plain data from ``extra``: libraries (kopf) attach whole objects whose
+        # repr would flood the line.
+        line.update({k: v for k, v in vars(record).items()
+                     if k not in _STANDARD and isinstance(v, _PLAIN)})
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return json.dumps(line, default=str)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -89,7 +91,7 @@ class SidecarProcess:
             time.sleep(0.05)
         raise TimeoutError(f"{self.identity} did not serve HTTP:\n{self.logs()}")
 
-    def leader(self, timeout: float = 1.0) -> int:
+    def leader(self, timeout: float = 3.0) -> int:
         """Status of GET /leader: 200, 503, or 0 if the process does not answer."""
         return get_json(self.url + "/leader", timeout=timeout)[0]
 
@@ -125,3 +127,44 @@ def wait_until(predicate, timeout: float, interval: float = 0.02):  # type: igno
         if time.monotonic() >= deadline:
             raise TimeoutError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+class ClaimRecorder:
+    """Polls every sidecar every ~10 ms; keeps each 200 as a claim [seen, valid_until]."""
+
+    def __init__(self, procs: list[SidecarProcess]) -> None:
+        self.procs = procs
+        self.claims: list[tuple[str, float, float]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._poll, args=(p,), daemon=True)
+                         for p in procs]
+
+    def __enter__(self) -> ClaimRecorder:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+
+    def _poll(self, proc: SidecarProcess) -> None:
+        while not self._stop.is_set():
+            sent = time.time()
+            status, body, _ = get_json(proc.url + "/leader", timeout=0.5)
+            if status == 200:
+                until = dt.datetime.fromisoformat(body["valid_until"]).timestamp()
+                self.claims.append((proc.identity, sent, until))
+            time.sleep(0.01)
+
+    def overlaps(self) -> list[tuple[tuple[str, float, float], tuple[str, float, float]]]:
+        found = []
+        ordered = sorted(self.claims, key=lambda c: c[1])
+        for i, first in enumerate(ordered):
+            for second in ordered[i + 1:]:
+                if second[1] >= first[2]:
+                    break
+                if second[0] != first[0]:
+                    found.append((first, second))
+        return found

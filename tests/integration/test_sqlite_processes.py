@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.support import SidecarProcess, get_json, wait_until
+from tests.support import ClaimRecorder, SidecarProcess, get_json, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -76,47 +74,6 @@ def test_sigterm_leader_hands_over_at_once(trio):
     assert leader.proc.wait(5) == 0
     assert not (leader.state_dir / "leader").exists()
     assert get_json(successor.url + "/leader")[1]["fencing_token"] > token
-
-
-class ClaimRecorder:
-    """Polls every sidecar every ~10 ms; keeps each 200 as a claim [seen, valid_until]."""
-
-    def __init__(self, procs: list[SidecarProcess]) -> None:
-        self.procs = procs
-        self.claims: list[tuple[str, float, float]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._poll, args=(p,), daemon=True)
-                         for p in procs]
-
-    def __enter__(self) -> ClaimRecorder:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(5)
-
-    def _poll(self, proc: SidecarProcess) -> None:
-        while not self._stop.is_set():
-            sent = time.time()
-            status, body, _ = get_json(proc.url + "/leader", timeout=0.5)
-            if status == 200:
-                until = dt.datetime.fromisoformat(body["valid_until"]).timestamp()
-                self.claims.append((proc.identity, sent, until))
-            time.sleep(0.01)
-
-    def overlaps(self) -> list[tuple[tuple[str, float, float], tuple[str, float, float]]]:
-        found = []
-        ordered = sorted(self.claims, key=lambda c: c[1])
-        for i, first in enumerate(ordered):
-            for second in ordered[i + 1:]:
-                if second[1] >= first[2]:
-                    break
-                if second[0] != first[0]:
-                    found.append((first, second))
-        return found
 
 
 def test_sigstop_leader_never_publishes_stale_leader(trio):
