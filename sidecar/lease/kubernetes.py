@@ -280,8 +280,6 @@ class LeaseWatch:
 class KubeLease:
     """One Lease object as seen by one contender."""
 
-    publish_delay = 0.0  # a Lease passes on only after the holder's claim ran out
-
     def __init__(self, backend: KubeBackend, name: str, object_name: str) -> None:
         settings = backend.settings
         self.name = name
