@@ -23,7 +23,9 @@ passed since then without a change. The holder's claim ends ``lease_duration -
 safety_margin`` after it *sent* its last successful write. A standby can only have seen
 that write after it was sent, so its wait starts later and lasts longer than the holder's
 claim: the two never overlap as long as the two clocks' *rates* differ by less than
-``safety_margin / lease_duration`` — their offsets do not matter at all.
+``safety_margin / lease_duration`` — their offsets do not matter at all. After a release
+the lease passes at once; the elector keeps the claims apart (the old holder unpublishes
+before it releases, and a new term waits one claim horizon before its first claim).
 
 Standbys watch the Lease, so a release (``holderIdentity`` cleared and
 ``leaseDurationSeconds`` set to 1, like client-go's ``ReleaseOnCancel``) is taken over at
@@ -447,18 +449,20 @@ class KubeBackend:
         self._api: LeaseApi | None = None
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kube-lease")
         self._leases: list[KubeLease] = []
+        self._connecting = asyncio.Lock()
         # Validate every name up front: a bad name is a settings error (exit 2).
         self._objects = {name: object_name(settings, name) for name in settings.names}
 
     async def api(self) -> LeaseApi:
-        if self._api is None:
-            loop = asyncio.get_running_loop()
-            access = await loop.run_in_executor(self._pool, connect, self.settings)
-            self.access = access
-            self._api = LeaseApi(access, self._pool)
-            log.info("kubernetes backend connected", extra={
-                "namespace": access.namespace, "credentials": access.source})
-        return self._api
+        async with self._connecting:  # several leases start at once; connect only once
+            if self._api is None:
+                loop = asyncio.get_running_loop()
+                access = await loop.run_in_executor(self._pool, connect, self.settings)
+                self.access = access
+                self._api = LeaseApi(access, self._pool)
+                log.info("kubernetes backend connected", extra={
+                    "namespace": access.namespace, "credentials": access.source})
+            return self._api
 
     def lease(self, name: str) -> KubeLease:
         lease = KubeLease(self, name, self._objects.get(name) or object_name(self.settings,
