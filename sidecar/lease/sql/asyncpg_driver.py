@@ -1,7 +1,8 @@
 """Statements over asyncpg: a small pool for lease statements, one LISTEN connection.
 
 Each lease statement is one prepared statement per pooled connection; after the first
-use a call is one Bind/Execute/Sync exchange — one round trip. Nothing depends on
+use a call is one Bind/Execute/Sync exchange — one round trip (the pool's reset query on
+release is skipped, see ``_keep_session``). Nothing depends on
 session state, so a transaction-pooling proxy (PgBouncer) may sit in between; there,
 either run PgBouncer ≥ 1.21 with ``max_prepared_statements`` or accept that LISTEN (a
 session feature) does not work and standbys fall back to their retry interval.
@@ -33,6 +34,7 @@ class AsyncpgDriver:
         self._pool: asyncpg.Pool | None = None
         self._pool_lock = asyncio.Lock()
         self._listener: asyncpg.Connection | None = None
+        self._listen_task: asyncio.Future[None] | None = None
         self._listening: set[str] = set()
         self._events: dict[str, asyncio.Event] = {}
         self._last_notify: dict[str, float] = {}
@@ -63,7 +65,8 @@ class AsyncpgDriver:
                 try:
                     self._pool = await asyncpg.create_pool(
                         self._dsn, min_size=1, max_size=self._max_size,
-                        timeout=self._timeout, command_timeout=self._timeout)
+                        timeout=self._timeout, command_timeout=self._timeout,
+                        reset=_keep_session)
                 except Exception as exc:
                     raise self._error(exc) from None
             return self._pool
@@ -72,10 +75,13 @@ class AsyncpgDriver:
     async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None:
         """Return on a NOTIFY on ``channel``, or at once if one arrived after ``since``.
 
-        Best effort: if the LISTEN connection cannot be had, this just sleeps, and the
-        caller's retry interval bounds how late a standby notices a free lease.
+        Best effort: while the LISTEN connection is not up (it is set up in the
+        background, so a short wait never cancels a half-open connect) this just sleeps,
+        and the caller's retry interval bounds how late a standby notices a free lease.
         """
-        if not await self._ensure_listener(channel, timeout):
+        if not self.is_listening(channel):
+            if self._listen_task is None or self._listen_task.done():
+                self._listen_task = asyncio.ensure_future(self._listen(channel))
             await asyncio.sleep(timeout)
             return
         event = self._events.setdefault(channel, asyncio.Event())
@@ -84,22 +90,22 @@ class AsyncpgDriver:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
 
-    async def _ensure_listener(self, channel: str, timeout: float) -> bool:
+    def is_listening(self, channel: str) -> bool:
+        return (self._listener is not None and not self._listener.is_closed()
+                and channel in self._listening)
+
+    async def _listen(self, channel: str) -> None:
         try:
             if self._listener is None or self._listener.is_closed():
                 self._listening = set()
-                self._listener = await asyncpg.connect(self._dsn,
-                                                       timeout=min(timeout, self._timeout))
+                self._listener = await asyncpg.connect(self._dsn, timeout=self._timeout)
                 self._listener.add_termination_listener(self._listener_lost)
-            if channel not in self._listening:
-                await self._listener.add_listener(channel, self._on_notify)
-                self._listening.add(channel)
+            await self._listener.add_listener(channel, self._on_notify)
+            self._listening.add(channel)
         except Exception as exc:
             # Quiet: wake-ups are an optimisation; the lease statements report real trouble.
             log.debug("LISTEN unavailable", extra={"error": str(self._error(exc))})
             await self._drop_listener()
-            return False
-        return True
 
     def _on_notify(self, conn: object, pid: int, channel: str, payload: str) -> None:
         self._last_notify[channel] = asyncio.get_running_loop().time()
@@ -119,6 +125,10 @@ class AsyncpgDriver:
         self._listener = None
 
     async def close(self) -> None:
+        if self._listen_task is not None:
+            self._listen_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._listen_task
         await self._drop_listener()
         if self._pool is not None:
             with contextlib.suppress(Exception):
@@ -128,6 +138,11 @@ class AsyncpgDriver:
     # -- errors --------------------------------------------------------------------------
     def _error(self, exc: BaseException) -> BackendError:
         return BackendError(f"{self._label} {redact_dsn(self._dsn)}: {describe_error(exc)}")
+
+
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Skip asyncpg's reset query on pool release (``RESET ALL; UNLISTEN *; …``): our
+    statements leave no session state, and the reset would double the round trips."""
 
 
 def describe_error(exc: BaseException) -> str:
