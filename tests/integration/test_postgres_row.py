@@ -364,7 +364,10 @@ async def contend(lease: RowLease, owner: str, name: str, recorder: Recorder,
         else:  # crash: walk away without releasing; the row expires on the server
             recorder.record(name, term_start, claim_end, owner)
             term_start = None
-            await asyncio.sleep(rng.uniform(0.2, 1.5))
+            # The same identity comes back only after its old claims ran out: a
+            # re-entrant acquire followed by a release would otherwise end them early.
+            # (The elector caps a claim at one claim horizon; a restart takes longer.)
+            await asyncio.sleep(max(0.0, claim_end - loop.time()) + rng.uniform(0.05, 1.0))
     if term_start is not None:
         recorder.record(name, term_start, min(claim_end, loop.time()), owner)
 
