@@ -300,7 +300,15 @@ class KubeLease:
     # -- the Lease protocol ------------------------------------------------------------
     async def try_acquire(self) -> Grant:
         api = await self._backend.api()
-        current = await self._read(api)
+        watched = self._observer.record
+        if (self._watch is not None and watched is not None
+                and self._observer.free_in(self._identity) == 0):
+            # The watch just showed the lease free (a release, or it ran out): skip the
+            # GET, saving a round trip on every handover. A stale view costs nothing but
+            # a 409, because the write is guarded by the version we saw.
+            current: Record | None = watched
+        else:
+            current = await self._read(api)
         if current is not None:
             wait = self._observer.free_in(self._identity)
             if wait > 0:
