@@ -11,8 +11,9 @@ What it guarantees
 - Acquire, wait one claim horizon, then publish. A claim handed out before the previous
   holder unpublished lasts at most one horizon, and the lease can pass on at once after
   a release (or a crashed advisory-lock session), so the first claim of a new term waits
-  that horizon out: no two contenders' claims ever overlap, while the lease itself
-  passes in milliseconds.
+  that horizon out, counted from the acquire's *reply* (an acquire can wait inside the
+  server for the release): no two contenders' claims ever overlap, while the lease
+  itself passes in milliseconds.
 
 What it does not guarantee
 - That the application stops its work when a claim expires: applications must honour
@@ -102,9 +103,13 @@ class Elector:
             await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
 
     async def _became_holder(self, sent: float, grant: Grant) -> None:
+        # Validity counts from the send time (the earliest the grant can have been
+        # decided); the first claim waits one horizon from the *reply* (the latest it can
+        # have been decided), since an acquire may wait in the server for the release.
         delay = self.settings.claim_horizon
+        replied = self._clock.monotonic()
         self.state.update(
-            "acquired", holding=True, released=False, claim_from=sent + delay,
+            "acquired", holding=True, released=False, claim_from=replied + delay,
             valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
             holder=self.settings.identity, reason="holding")
         log.info("acquired lease", extra=self._fields(grant.fencing_token))
