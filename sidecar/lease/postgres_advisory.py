@@ -10,8 +10,8 @@ The lock lives exactly as long as that session, so:
 - a crashed holder's lock passes on the moment PostgreSQL ends its session; standbys wait
   for it *inside the server* (``pg_advisory_lock`` under ``lock_timeout``), so they get
   it within milliseconds without polling. Because of that, the new holder waits one
-  ``claim_horizon`` (``publish_delay``) before it publishes, letting the dead holder's
-  last claims run out;
+  ``claim_horizon`` before it publishes (the elector's rule for every backend), letting
+  the dead holder's last claims run out;
 - the holder heartbeats (checks ``pg_locks`` for its own pid) every renew interval; a
   heartbeat that has not succeeded within ``renew_deadline`` ends the claim
   (``Grant.valid_for``), and a dropped connection (asyncpg termination listener) ends
@@ -172,7 +172,6 @@ class AdvisoryLease:
 
     def __init__(self, settings: Settings, name: str) -> None:
         self.name = name
-        self.publish_delay = settings.claim_horizon
         # Set the moment the connection holding the lock drops; cleared on acquisition.
         self.lost = asyncio.Event()
         self.key = lock_id(settings.key_prefix, name)

@@ -38,7 +38,7 @@ def test_no_claim_after_validity_even_if_nobody_updated_the_state():
     assert state.facts.holding
 
 
-def test_no_claim_before_the_publish_delay():
+def test_no_claim_before_claim_from():
     clock = FakeClock()
     state = make_state(clock)
     state.update(holding=True, claim_from=clock.now + 0.25, valid_until=clock.now + 10)
