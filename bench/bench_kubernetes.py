@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -124,7 +125,9 @@ def sidecar_trials(sig: signal.Signals, trials: int, cp: ControlPlane, ns: str,
             others = [p for p in procs if p is not leader]
             wait_until(lambda rest=others, who=leader.identity: all(
                 get_json(p.url + "/leader")[1].get("holder") == who for p in rest), timeout=30)
-            time.sleep(0.3)
+            # A random phase against the 1 s renew cycle: a fixed restart-to-kill delay
+            # would hit the same point of the cycle every trial and skew the takeover.
+            time.sleep(0.3 + random.uniform(0, RETRY))
             t0 = time.monotonic()
             leader.signal(sig)
             successor = wait_until(lambda rest=others: single_sidecar_leader(rest),
@@ -173,7 +176,8 @@ def anchor_trials(sig: signal.Signals, trials: int, ns: str, kubeconfig: Path,
         holder = wait_until(lambda: (found := lease_holder(recorder, ANCHOR_LEASE)) in procs
                             and found, timeout=30)
         for trial in range(trials):
-            time.sleep(1.5)  # the fresh standby has started and polled the Lease
+            # The fresh standby has started and polled the Lease; then a random phase.
+            time.sleep(1.5 + random.uniform(0, RETRY))
             t0 = time.monotonic()
             procs[holder].signal(sig)
             taken = new_holder(recorder, ANCHOR_LEASE, t0, holder, 30)
