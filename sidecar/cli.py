@@ -161,7 +161,8 @@ async def _terminate(child: asyncio.subprocess.Process, exited: asyncio.Future[i
     with contextlib.suppress(ProcessLookupError):
         child.send_signal(signal.SIGTERM)
     try:
-        await asyncio.wait_for(asyncio.shield(exited), grace)
+        async with asyncio.timeout(grace):
+            await asyncio.shield(exited)
     except TimeoutError:
         log.warning("command ignored SIGTERM; killing it", extra={"pid": child.pid})
         with contextlib.suppress(ProcessLookupError):

@@ -61,11 +61,22 @@ class Elector:
         self._release_requested = False
         self._last_tick = self._clock.monotonic()
         self._failures = 0
+        self._stopping = False
 
     # -- control from outside ----------------------------------------------------------
     def request_release(self) -> None:
         """Step down voluntarily (``POST /release``); we sit out one lease duration."""
         self._release_requested = True
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Ask the loop to end; ``run`` then unpublishes and releases.
+
+        A flag as well as the caller's ``cancel()``: on Python 3.11 an inner
+        ``asyncio.wait_for`` can swallow a cancellation that races its completion (the
+        chaos harness saw SIGTERMed sidecars keep leading), so the loop checks this too.
+        """
+        self._stopping = True
         self._wake.set()
 
     def alive(self, now: float) -> bool:
@@ -76,7 +87,7 @@ class Elector:
     # -- the loop ------------------------------------------------------------------------
     async def run(self) -> None:
         try:
-            while True:
+            while not self._stopping:
                 self._last_tick = self._clock.monotonic()
                 if self.state.facts.holding:
                     await self._renew_once()
@@ -133,8 +144,8 @@ class Elector:
             return
         sent = self._clock.monotonic()
         try:
-            grant = await asyncio.wait_for(self._call("renew", self.lease.try_renew()),
-                                           remaining)
+            async with asyncio.timeout(remaining):
+                grant = await self._call("renew", self.lease.try_renew())
         except TimeoutError:
             grant = None
         if grant is not None and grant.held:
@@ -155,8 +166,8 @@ class Elector:
         await self._notify()
         if release:
             try:
-                await asyncio.wait_for(self.lease.release(),
-                                       max(1.0, self.settings.renew_interval))
+                async with asyncio.timeout(max(1.0, self.settings.renew_interval)):
+                    await self.lease.release()
             except Exception as exc:
                 log.warning("release failed; the lease frees itself after its TTL",
                             extra={**self._fields(token), "error": str(exc)})
@@ -167,7 +178,8 @@ class Elector:
     async def _notify(self) -> None:
         for publisher in self.publishers:
             try:
-                await asyncio.wait_for(publisher.changed(self.state), UNPUBLISH_TIMEOUT)
+                async with asyncio.timeout(UNPUBLISH_TIMEOUT):
+                    await publisher.changed(self.state)
             except Exception as exc:
                 log.warning("publisher failed", extra={
                     "lease": self.state.lease, "publisher": type(publisher).__name__,

@@ -117,6 +117,8 @@ class Sidecar:
 
     async def stop(self) -> None:
         """Unpublish and release every lease, then close everything."""
+        for elector in self.electors.values():
+            elector.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -180,3 +180,16 @@ async def test_a_lost_event_wakes_the_holder_at_once():
     lease.lost.set()  # type: ignore[attr-defined]
     await until(lambda: not state.facts.holding, timeout=2.0)  # not after 30 s
     await stop(task)
+
+
+async def test_stop_ends_the_loop_even_without_a_cancel():
+    """Python 3.11's wait_for can swallow a cancel; the stop flag still ends the loop."""
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    elector, state, _ = make(clock, lease)
+    task = asyncio.create_task(elector.run())
+    await until(lambda: state.facts.holding)
+    elector.stop()
+    await asyncio.wait_for(task, 2.0)
+    assert not state.facts.holding
+    assert "release" in [what for what, _ in lease.calls]
