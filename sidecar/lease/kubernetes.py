@@ -148,6 +148,10 @@ class Observer:
     Remembers the last record seen and *when this contender saw it change*; the lease is
     free for us once ``leaseDurationSeconds`` have passed since then on our own clock —
     whatever ``renewTime`` says, so a wrong wall clock anywhere cannot shorten the wait.
+
+    A Lease object that disappears while someone holds it (deleted by hand) is not free
+    at once either: its holder may still be claiming, so we wait out that holder's
+    duration from when we saw it go.
     """
 
     def __init__(self, monotonic: Callable[[], float]) -> None:
@@ -155,6 +159,7 @@ class Observer:
         self.seen = False  # nothing observed yet: the caller must look first
         self.record: Record | None = None
         self.changed_at = 0.0
+        self._vanished_wait = 0  # the duration of a holder whose object was deleted
 
     def observe(self, record: Record | None) -> bool:
         """Note what we read (``None``: no Lease object); True if it changed."""
@@ -164,6 +169,10 @@ class Observer:
             if (record is not None and self.record is not None
                     and not _newer(record.version, self.record.version)):
                 return False
+        if record is None and self.record is not None and self.record.holder:
+            self._vanished_wait = self.record.duration
+        elif record is not None:
+            self._vanished_wait = 0
         self.seen = True
         self.record = record
         self.changed_at = self._monotonic()
@@ -172,13 +181,20 @@ class Observer:
     def free_in(self, identity: str) -> float:
         """Seconds until ``identity`` may take the lease; 0 when it may now."""
         record = self.record
-        if not self.seen or record is None or not record.holder or record.holder == identity:
+        if record is None:
+            wait = self._vanished_wait
+        elif not record.holder or record.holder == identity:
+            wait = 0
+        else:
+            wait = record.duration
+        if not self.seen or not wait:
             return 0.0
-        return max(0.0, self.changed_at + record.duration - self._monotonic())
+        return max(0.0, self.changed_at + wait - self._monotonic())
 
 
 class Conflict(Exception):
-    """409: somebody else wrote first (or the object already exists)."""
+    """A write found the object other than we based it on: 409 (somebody else wrote
+    first, or it already exists) or 404 (it was deleted)."""
 
 
 class LeaseApi:
@@ -195,7 +211,7 @@ class LeaseApi:
             try:
                 return call()
             except ApiException as exc:
-                if exc.status == 409:
+                if exc.status in (404, 409):  # reads map 404 to None before this
                     raise Conflict(one_line(exc)) from None
                 raise BackendError(f"kubernetes: {what}: {one_line(exc)}") from None
             except Exception as exc:
@@ -309,12 +325,14 @@ class KubeLease:
             current: Record | None = watched
         else:
             current = await self._read(api)
-        if current is not None:
-            wait = self._observer.free_in(self._identity)
-            if wait > 0:
-                return Grant(held=False, holder=current.holder,
-                             reason=f"held by {current.holder} (free in {wait:.1f}s "
-                                    "unless renewed)")
+        wait = self._observer.free_in(self._identity)
+        if wait > 0:
+            if current is None:
+                return Grant(held=False, reason=f"lease object deleted while held; free in "
+                                                f"{wait:.1f}s")
+            return Grant(held=False, holder=current.holder,
+                         reason=f"held by {current.holder} (free in {wait:.1f}s unless "
+                                "renewed)")
         # A new term every time — also when the record names us (a restarted process
         # with the same identity): the token must change with every acquisition.
         now = micro_time(self._clock.wall())

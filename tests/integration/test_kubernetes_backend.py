@@ -188,3 +188,21 @@ def test_a_name_that_is_no_kubernetes_object_name_is_a_settings_error(tmp_path: 
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "not a valid Kubernetes object name" in lines[-1], result.stderr
+
+
+def test_a_lease_deleted_by_hand_is_restored_by_its_holder_not_taken_over(
+    control_plane: ControlPlane, kube_namespace: str, trio: list[SidecarProcess]
+) -> None:
+    """Leases allow create-on-update: the holder's next renew writes the object back,
+    with its token. The standbys saw the object vanish while held and wait out that
+    holder's duration instead of creating a new Lease (and a new count) at once."""
+    leader = the_leader(trio)
+    before = lease_spec(control_plane, kube_namespace)
+    control_plane.kubectl("-n", kube_namespace, "delete", "lease", "lease-sidecar.jobs")
+    restored = wait_until(lambda: lease_spec(control_plane, kube_namespace), timeout=3)
+    assert restored["holderIdentity"] == leader.identity
+    assert restored["leaseTransitions"] == before["leaseTransitions"]
+    time.sleep(4.0)  # longer than the lease: a standby that had jumped in would show now
+    assert leaders(trio) == [leader]
+    assert lease_spec(control_plane, kube_namespace)["leaseTransitions"] == \
+        before["leaseTransitions"]

@@ -118,6 +118,26 @@ def test_a_deleted_then_recreated_object_counts_as_a_change(clock: FakeClock) ->
     assert observer.free_in("me") == pytest.approx(10.0)
 
 
+def test_a_held_lease_deleted_by_hand_is_free_only_after_its_holders_term(
+    clock: FakeClock,
+) -> None:
+    """Its holder may still be claiming: deletion must not let us in early."""
+    observer = Observer(clock)
+    observer.observe(record("other", "7", duration=10))
+    clock.now += 4
+    observer.observe(None)
+    assert observer.free_in("me") == pytest.approx(10.0)
+    clock.now += 10
+    assert observer.free_in("me") == 0.0
+
+
+def test_a_released_lease_deleted_by_hand_is_free_at_once(clock: FakeClock) -> None:
+    observer = Observer(clock)
+    observer.observe(record("", "8", duration=1))
+    observer.observe(None)
+    assert observer.free_in("me") == 0.0
+
+
 def test_opaque_versions_compare_by_difference(clock: FakeClock) -> None:
     observer = Observer(clock)
     observer.observe(record("other", "abc"))
