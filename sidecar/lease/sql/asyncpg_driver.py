@@ -75,15 +75,22 @@ class AsyncpgDriver:
     async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None:
         """Return on a NOTIFY on ``channel``, or at once if one arrived after ``since``.
 
-        Best effort: while the LISTEN connection is not up (it is set up in the
-        background, so a short wait never cancels a half-open connect) this just sleeps,
-        and the caller's retry interval bounds how late a standby notices a free lease.
+        Best effort: the first wait sets up the LISTEN connection (in a task of its own,
+        so a short wait never cancels a half-open connect); while it is not up this just
+        sleeps, and the caller's retry interval bounds how late a standby notices.
         """
         if not self.is_listening(channel):
             if self._listen_task is None or self._listen_task.done():
                 self._listen_task = asyncio.ensure_future(self._listen(channel))
-            await asyncio.sleep(timeout)
-            return
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            # Shielded: a wait that ends early must not abort a half-open connect.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._listen_task), timeout)
+            timeout -= loop.time() - started
+            if not self.is_listening(channel):
+                await asyncio.sleep(max(0.0, timeout))
+                return
         event = self._events.setdefault(channel, asyncio.Event())
         if self._last_notify.get(channel, float("-inf")) > since:
             return
