@@ -13,7 +13,11 @@ derived from the timing settings, so a short-lease run has short bounds:
 - backend restart: plus the time the server was down and one capped retry backoff
   (the elector backs off up to one lease duration, ±20 %);
 - advisory locks: plus the renew deadline (a silent holder is detected by deadline and
-  by the server's idle-session timeout rather than by a TTL).
+  by the server's idle-session timeout rather than by a TTL);
+- kubernetes: the lease duration is whole seconds on the wire (rounded up), and a
+  standby counts it on its own clock from when it last saw the Lease change, so ``base``
+  uses the rounded value; an apiserver restart is down time plus the apiserver's own
+  start-up (``ended`` is when /readyz answers again) plus the capped backoff.
 
 Test beds are imported lazily, so a sqlite run never imports asyncpg.
 """
@@ -21,6 +25,7 @@ Test beds are imported lazily, so a sqlite run never imports asyncpg.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +38,7 @@ from bench.chaos.faults import NETWORK_FAULTS, PROCESS_FAULTS, Fault
 from bench.chaos.proxy import Proxy
 
 if TYPE_CHECKING:
+    from tests.testbed.kube import ControlPlane
     from tests.testbed.postgres import PgServer
 
 SLACK = 1.0
@@ -181,9 +187,95 @@ class PostgresEnv(BackendEnv):
         return bound
 
 
-def make_env(backend: str, timing: Timing, server: PgServer | None = None) -> BackendEnv:
+class KubeEnv(BackendEnv):
+    """``kubernetes``: a coordination.k8s.io/v1 Lease on the test bed's real apiserver.
+
+    Uses the given ``ControlPlane`` (the pytest ``control_plane`` fixture) or starts its
+    own. Each run gets a fresh namespace with deploy/rbac.yaml applied, and every sidecar
+    runs as that ServiceAccount with its own kubeconfig whose server is its own
+    :class:`Proxy` (TLS passes through unchanged; the serving certificate has 127.0.0.1
+    as an IP SAN, so the client verifies it via the proxy's address). The pod label is
+    off: no Pod objects exist, and label publishing is not what this harness judges.
+    ``restart`` kills kube-apiserver hard and starts it on the same port and etcd.
+    """
+
+    name = "kubernetes"
+    faults = PROCESS_FAULTS + NETWORK_FAULTS + ("backend-restart",)
+    service_account = "lease-sidecar"  # the one deploy/rbac.yaml creates
+
+    def __init__(self, timing: Timing, control_plane: ControlPlane | None = None) -> None:
+        super().__init__(timing)
+        self.cp = control_plane
+        self._owns_cp = control_plane is None
+        self.proxies: list[Proxy] = []
+        self.kubeconfigs: list[Path] = []
+        self.namespace = ""
+
+    async def setup(self, workdir: Path, sidecars: int) -> None:
+        from tests.testbed.kube import ControlPlane
+
+        if self.cp is None:
+            self.cp = ControlPlane()
+            await asyncio.to_thread(self.cp.start)
+        cp = self.cp
+        self.namespace = await asyncio.to_thread(cp.create_namespace, "chaos")
+        token = await asyncio.to_thread(self._install_rbac)
+        self.proxies = [await Proxy(("127.0.0.1", cp.apiserver_port)).start()
+                        for _ in range(sidecars)]
+        self.kubeconfigs = [self._write_kubeconfig(workdir, i, token) for i in range(sidecars)]
+
+    def _install_rbac(self) -> str:
+        """Apply the shipped Role; return a token of its ServiceAccount."""
+        from tests.support import REPO
+
+        assert self.cp is not None
+        self.cp.kubectl("-n", self.namespace, "apply", "-f", str(REPO / "deploy" / "rbac.yaml"))
+        # Outlives any run (the long run is 40 min at most).
+        return self.cp.service_account_token(self.namespace, self.service_account, "4h")
+
+    def _write_kubeconfig(self, workdir: Path, index: int, token: str) -> Path:
+        from tests.testbed.kube import render_kubeconfig
+
+        assert self.cp is not None
+        user = f"system:serviceaccount:{self.namespace}:{self.service_account}"
+        path = workdir / f"chaos-{index}.kubeconfig"
+        path.write_text(render_kubeconfig(f"https://127.0.0.1:{self.proxies[index].port}",
+                                          self.cp.ca_cert, user, {"token": token},
+                                          self.namespace))
+        path.chmod(0o600)
+        return path
+
+    def sidecar_env(self, index: int) -> dict[str, str]:
+        return {"LEASE_BACKEND": "kubernetes", "LEASE_POD_LABEL": "off",
+                "KUBECONFIG": str(self.kubeconfigs[index]), "POD_NAMESPACE": self.namespace}
+
+    def proxy(self, index: int) -> Proxy | None:
+        return self.proxies[index]
+
+    async def restart(self, down_for: float) -> None:
+        from bench.chaos import apiserver
+
+        assert self.cp is not None
+        await asyncio.to_thread(apiserver.restart, self.cp, down_for)
+
+    async def teardown(self) -> None:
+        for proxy in self.proxies:
+            await proxy.close()
+        # The namespace stays (no namespace controller would finish deleting it).
+        if self._owns_cp and self.cp is not None:
+            await asyncio.to_thread(self.cp.stop)
+
+    def bound(self, fault: Fault) -> float:
+        t = self.timing
+        return super().bound(fault) + math.ceil(t.lease_duration) - t.lease_duration
+
+
+def make_env(backend: str, timing: Timing, server: PgServer | None = None,
+             control_plane: ControlPlane | None = None) -> BackendEnv:
     if backend == "sqlite":
         return SqliteEnv(timing)
     if backend in ("postgres", "postgres-row"):
         return PostgresEnv(backend, timing, server)
+    if backend == "kubernetes":
+        return KubeEnv(timing, control_plane)
     raise ValueError(f"no chaos environment for backend {backend!r}")

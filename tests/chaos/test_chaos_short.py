@@ -1,7 +1,8 @@
 """The CI chaos run: about two minutes per backend of seeded faults on five real sidecars.
 
-Real processes, real signals, a real SQLite file and (when the test bed is there) a real
-PostgreSQL restarted with ``pg_ctl -m immediate``; network faults go through the
+Real processes, real signals, a real SQLite file and (when the test beds are there) a real
+PostgreSQL restarted with ``pg_ctl -m immediate`` and a real kube-apiserver killed with
+SIGKILL and started again on the same port and etcd; network faults go through the
 harness's own TCP proxy on 127.0.0.1. Asserts what ``python -m bench.chaos`` judges:
 no two sidecars' claims overlap, every leaderless gap is explained by a fault and within
 that fault's bound, fencing tokens only grow — and that the run really injected faults
@@ -25,9 +26,10 @@ pytestmark = pytest.mark.slow
 SECONDS = float(os.environ.get("CHAOS_SECONDS", "110"))
 
 
-async def _run(backend: str, seed: int, tmp_path, server=None) -> Result:  # type: ignore[no-untyped-def]
+async def _run(backend: str, seed: int, tmp_path, server=None,  # type: ignore[no-untyped-def]
+               control_plane=None) -> Result:
     timing = Timing()
-    env = make_env(backend, timing, server)
+    env = make_env(backend, timing, server, control_plane)
     config = Config(backend=backend, seed=seed, duration=SECONDS, faults=env.faults,
                     timing=timing, workdir=tmp_path)
     result = await Harness(config, env).run()
@@ -57,3 +59,11 @@ async def test_chaos_postgres(backend: str, pg, tmp_path) -> None:  # type: igno
     """Restarts the session's shared test-bed server (immediate mode); it is up again
     when the test ends."""
     _assert_sound(await _run(backend, seed=12, tmp_path=tmp_path, server=pg))
+
+
+@pytest.mark.kube
+async def test_chaos_kubernetes(control_plane, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Restarts the session's shared kube-apiserver (SIGKILL, same port and etcd); it is
+    up again when the test ends. Runs in its own namespace."""
+    _assert_sound(await _run("kubernetes", seed=13, tmp_path=tmp_path,
+                             control_plane=control_plane))
