@@ -12,15 +12,17 @@ by a fresh process (same pod, as after a container restart):
   port of client-go's election; it has no release-on-cancel, so on SIGTERM a standby
   waits a full lease, exactly as after SIGKILL — that is expected, not a fault).
 
-Figures (all from one admin watch on Leases and Pods, so every time is an arrival time
-on the same clock, except "published claim", which polls the sidecars' HTTP):
+Figures (every process runs on this host, so all share one wall clock):
 
-- takeover (SIGKILL) / handover (SIGTERM): signal → the Lease names a new holder;
-- published claim: signal → the new holder's first ``GET /leader`` 200;
-- label lag: the Lease write that made the new holder → its pod shows ``lease-role=leader``;
-- stale label demotion (SIGKILL): that same Lease write → the killed pod shows ``standby``;
+- takeover (SIGKILL) / handover (SIGTERM): signal → the new holder's ``acquireTime`` in
+  the Lease (written by the new holder just before its winning update, on both sides);
+- published claim: signal → the new holder's first ``GET /leader`` 200 (polled);
+- label lag: that ``acquireTime`` → an admin watch sees the new holder's pod with
+  ``lease-role=leader`` (includes the one claim horizon a new term waits before it
+  publishes, and the watch's delivery to this process);
+- stale label demotion (SIGKILL): that ``acquireTime`` → the killed pod shows ``standby``;
 - unpublish (SIGTERM): signal → the old holder's pod shows ``standby`` (it must come
-  before the release; the count of violations is reported and must be 0).
+  before the release, by resourceVersion order; violations are counted and must be 0).
 """
 
 from __future__ import annotations
@@ -128,23 +130,24 @@ def sidecar_trials(sig: signal.Signals, trials: int, cp: ControlPlane, ns: str,
             # A random phase against the 1 s renew cycle: a fixed restart-to-kill delay
             # would hit the same point of the cycle every trial and skew the takeover.
             time.sleep(0.3 + random.uniform(0, RETRY))
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             leader.signal(sig)
             successor = wait_until(lambda rest=others: single_sidecar_leader(rest),
                                    timeout=30, interval=0.001)
             out["claim"].append(time.monotonic() - t0)
             taken = new_holder(recorder, obj, t0, leader.identity, 10)
-            out["lease"].append(taken.at - t0)
+            assert taken.acquired is not None
+            out["lease"].append(taken.acquired - wall0)
             label = recorder.first(t0, 10, lambda e, who=successor.identity: e.kind == "pod"
                                    and e.name == who and e.role == "leader")
-            out["label"].append(label.at - taken.at)
+            out["label"].append(label.wall - taken.acquired)
             old_standby = recorder.first(t0, 10, lambda e, who=leader.identity:
                                          e.kind == "pod" and e.name == who
                                          and e.role == "standby")
             if sig == signal.SIGKILL:
-                out["demote"].append(old_standby.at - taken.at)
+                out["demote"].append(old_standby.wall - taken.acquired)
             else:
-                out["unpublish"].append(old_standby.at - t0)
+                out["unpublish"].append(old_standby.wall - wall0)
                 released = recorder.first(t0, 10, lambda e: e.kind == "lease"
                                           and e.name == obj and e.holder == "")
                 if not old_standby.version < released.version < taken.version:
@@ -178,10 +181,11 @@ def anchor_trials(sig: signal.Signals, trials: int, ns: str, kubeconfig: Path,
         for trial in range(trials):
             # The fresh standby has started and polled the Lease; then a random phase.
             time.sleep(1.5 + random.uniform(0, RETRY))
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             procs[holder].signal(sig)
             taken = new_holder(recorder, ANCHOR_LEASE, t0, holder, 30)
-            times.append(taken.at - t0)
+            assert taken.acquired is not None
+            times.append(taken.acquired - wall0)
             procs[holder].stop()
             procs[holder] = Anchor(ns, holder, kubeconfig, workdir).start()
             assert taken.holder is not None

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,8 @@ class Event:
     version: int  # resourceVersion (an etcd revision: comparable across objects)
     holder: str | None = None  # lease: holderIdentity
     transitions: int | None = None
+    acquired: float | None = None  # lease: acquireTime as a wall-clock timestamp
+    wall: float = 0.0  # time.time() when the event arrived here
     role: str | None = None  # pod: lease-role label
 
 
@@ -137,11 +140,15 @@ class Recorder:
 
     def _add(self, kind: str, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
-        found = Event(time.monotonic(), kind, meta["name"], int(meta["resourceVersion"]))
+        found = Event(time.monotonic(), kind, meta["name"], int(meta["resourceVersion"]),
+                      wall=time.time())
         if kind == "lease":
             spec = obj.get("spec") or {}
             found.holder = spec.get("holderIdentity") or ""
             found.transitions = spec.get("leaseTransitions")
+            if spec.get("acquireTime"):
+                found.acquired = datetime.fromisoformat(
+                    spec["acquireTime"].replace("Z", "+00:00")).timestamp()
         else:
             found.role = (meta.get("labels") or {}).get("lease-role")
         with self._lock:
