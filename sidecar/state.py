@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -59,10 +61,12 @@ class Claim:
 
 
 def rfc3339(wall: float | None) -> str | None:
+    """UTC, millisecond precision, rounded *down* (a claim never reads longer than it is)."""
     if wall is None:
         return None
-    return datetime.fromtimestamp(wall, tz=UTC).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z")
+    floored = math.floor(wall * 1000) / 1000
+    return datetime.fromtimestamp(floored, tz=UTC).isoformat(
+        timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass
@@ -76,6 +80,8 @@ class LeaseState:
     transitions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
     event_counts: dict[str, int] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _encoded_key: tuple[int, bool, int | None] | None = None
+    _encoded: bytes = b""
 
     def __post_init__(self) -> None:
         self.facts = replace(self.facts, since=self.clock.wall())
@@ -116,9 +122,26 @@ class LeaseState:
             return None
         return self.clock.wall() + (monotonic - self.clock.monotonic())
 
-    def body(self, claim: Claim) -> dict[str, Any]:
+    def encoded(self, claim: Claim) -> bytes:
+        """:meth:`body` as JSON bytes, shared by all claims of the same millisecond.
+
+        ``/leader`` under load asks many times per millisecond; the body only changes
+        with the state version and the (floored) millisecond of ``valid_until``, and
+        later claims in that millisecond are valid at least as long as the first.
+        """
+        until = self.to_wall(claim.valid_until)
+        key = (claim.facts.version, claim.leader,
+               None if until is None else math.floor(until * 1000))
+        if key != self._encoded_key:
+            self._encoded = json.dumps(self.body(claim, until)).encode()
+            self._encoded_key = key
+        return self._encoded
+
+    def body(self, claim: Claim, until_wall: float | None = None) -> dict[str, Any]:
         """The JSON of ``GET /leader`` and of the leader file."""
         facts = claim.facts
+        if until_wall is None:
+            until_wall = self.to_wall(claim.valid_until)
         return {
             "leader": claim.leader,
             "lease": self.lease,
@@ -126,7 +149,7 @@ class LeaseState:
             "holder": self.identity if claim.leader else facts.holder,
             "fencing_token": facts.fencing_token if claim.leader else None,
             "since": rfc3339(facts.since),
-            "valid_until": rfc3339(self.to_wall(claim.valid_until)),
+            "valid_until": rfc3339(until_wall),
             "role": self.role,
         }
 

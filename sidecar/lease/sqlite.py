@@ -12,6 +12,7 @@ even though release deletes the row.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sqlite3
 from collections.abc import Callable
@@ -64,8 +65,8 @@ _RENEW = """UPDATE {table} SET renewed_at = {now}, expires_at = {now} + :duratio
 _RELEASE = "DELETE FROM {table} WHERE name = :name AND owner = :owner"
 _READ = "SELECT owner, version, expires_at FROM {table} WHERE name = :name AND expires_at > {now}"
 
-# How often a standby looks for a commit by another process (PRAGMA data_version).
-WATCH_INTERVAL = 0.025
+# How often a standby looks for a commit by another process when inotify is missing.
+WATCH_INTERVAL = 0.1
 
 
 def _row(found: tuple | None) -> Row | None:
@@ -86,7 +87,9 @@ class SqliteStore:
         # a busy file must never block the event loop.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-lease")
         self._conn: sqlite3.Connection | None = None
-        self._seen_version: int | None = None
+        self._seen_signature: tuple[tuple[int, int, int] | None, ...] | None = None
+        self._basename = os.path.basename(path)
+        self._inotify = None
 
     def _sql(self, text: str) -> str:
         return text.format(table=self._table, now=_NOW)
@@ -113,7 +116,10 @@ class SqliteStore:
                     self._conn = None
                 raise BackendError(f"sqlite {self._path}: {exc}") from None
 
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        result = await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        # Our own commits change the files too; only someone else's should wake us.
+        self._seen_signature = self._files_signature()
+        return result
 
     async def acquire(self, name: str, owner: str, duration: float, metadata: str) -> Row | None:
         params = {"name": name, "owner": owner, "duration": duration, "metadata": metadata}
@@ -148,19 +154,58 @@ class SqliteStore:
             lambda conn: _row(conn.execute(self._sql(_READ), {"name": name}).fetchone()))
 
     async def wait_for_release(self, timeout: float) -> None:
-        """Poll ``PRAGMA data_version``: it changes when another connection commits."""
+        """Sleep until another process commits (a release, an expiry sweep), or timeout.
+
+        Any commit changes the database or WAL file. inotify tells us at once and for
+        free; where it is unavailable we ``stat`` the files every ``WATCH_INTERVAL``.
+        Our own commits are not news (see ``_run``); a missed change only delays the
+        takeover to the next retry.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            version = await self._run(
-                lambda conn: conn.execute("PRAGMA data_version").fetchone()[0])
-            if self._seen_version is not None and version != self._seen_version:
-                self._seen_version = version
+        watch = self._watch()
+        while (left := deadline - loop.time()) > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left if watch else min(left, WATCH_INTERVAL)):
+                    if watch:
+                        while not str((await watch.get()).name).startswith(self._basename):
+                            pass
+                    else:
+                        await asyncio.sleep(left)
+            signature = self._files_signature()
+            if signature != self._seen_signature:
+                self._seen_signature = signature
                 return
-            self._seen_version = version
-            await asyncio.sleep(min(WATCH_INTERVAL, max(0.0, deadline - loop.time())))
+
+    def _watch(self):  # type: ignore[no-untyped-def]
+        """An inotify watch on the database's directory, or None (then we poll)."""
+        if self._inotify is None:
+            try:
+                from asyncinotify import Inotify, Mask
+
+                inotify = Inotify()
+                inotify.add_watch(os.path.dirname(os.path.abspath(self._path)),
+                                  Mask.MODIFY | Mask.CREATE | Mask.MOVED_TO | Mask.DELETE)
+                self._inotify = inotify
+            except (ImportError, OSError):
+                self._inotify = False
+        return self._inotify or None
+
+    def _files_signature(self) -> tuple[tuple[int, int, int] | None, ...]:
+        def one(path: str) -> tuple[int, int, int] | None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            return st.st_ino, st.st_size, st.st_mtime_ns
+
+        return one(self._path), one(self._path + "-wal")
 
     async def close(self) -> None:
+        if self._inotify:
+            self._inotify.close()
+        self._inotify = False
+
         def shut() -> None:
             if self._conn is not None:
                 self._conn.close()

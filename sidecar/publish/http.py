@@ -63,13 +63,15 @@ async def leader(request: web.Request) -> web.Response:
     state = states.get(name) if name else next(iter(states.values()))
     if state is None:
         raise web.HTTPNotFound(text=f"no lease named {name!r}\n")
-    wait = _wait_seconds(request)
+    # The hot path: skip query parsing when there is no query string.
+    wait = _wait_seconds(request) if request.query_string else 0.0
     if wait:
         seen = request.headers.get("If-None-Match")
         if seen is None or seen == etag(state):
             await state.wait_for_change(state.facts.version, wait)
     claim = state.claim()
-    return _json(state.body(claim), 200 if claim.leader else 503, {"ETag": etag(state)})
+    return web.Response(body=state.encoded(claim), status=200 if claim.leader else 503,
+                        headers={"ETag": etag(state)}, content_type="application/json")
 
 
 def build_app(states: list[LeaseState], registry: CollectorRegistry,
