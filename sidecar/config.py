@@ -24,6 +24,7 @@ ROLES = ("all", "worker", "api")
 POD_LABEL_MODES = ("auto", "on", "off")
 DEFAULT_SQLITE_PATH = "/var/tmp/lease-sidecar/leases.sqlite3"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
@@ -258,6 +259,12 @@ def validate(s: Settings) -> None:
     if s.replica_dsn and s.backend not in ("postgres-row", "sqlserver"):
         fail("LEASE_REPLICA_DSN", "--replica-dsn",
              f"replica confirmation needs a row backend on a server, not {s.backend}")
+    if s.backend == "kubernetes":
+        for name in s.names:
+            if not _DNS_SUBDOMAIN.match(s.row_name(name)) or len(s.row_name(name)) > 253:
+                fail("LEASE_NAME", "--name",
+                     f"{s.row_name(name)!r} (key prefix + name) is not a valid Kubernetes "
+                     "object name (lowercase letters, digits, '-', '.')")
     if len(s.identity) > 128:
         fail("LEASE_IDENTITY", "--identity", "longer than 128 characters")
     if s.lease_duration < 1:

@@ -55,6 +55,7 @@ def test_flags_win_over_environment():
     ({"LEASE_CLAIM_HORIZON": "1ms"}, "LEASE_CLAIM_HORIZON / --claim-horizon"),
     ({"LEASE_SAFETY_MARGIN": "20s"}, "LEASE_SAFETY_MARGIN / --safety-margin"),
     ({"LEASE_REPLICA_DSN": "postgresql://r/x"}, "LEASE_REPLICA_DSN / --replica-dsn"),
+    ({"LEASE_BACKEND": "kubernetes", "LEASE_NAME": "Nightly_Sweep"}, "LEASE_NAME / --name"),
 ])
 def test_each_rule_names_its_setting(env, named):
     with pytest.raises(ConfigError) as err:
