@@ -23,7 +23,7 @@ from sidecar.config import parse_duration
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n")[2])
     p.add_argument("--backend", default="sqlite",
-                   choices=("sqlite", "postgres", "postgres-row"))
+                   choices=("sqlite", "postgres", "postgres-row", "kubernetes"))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--duration", type=parse_duration, default=120.0,
                    help="seconds of fault injection (plus warm-up and a quiet tail)")

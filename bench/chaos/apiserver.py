@@ -14,7 +14,7 @@ from __future__ import annotations
 import subprocess
 import time
 
-from tests.testbed.kube import ControlPlane, ControlPlaneError, _die_with_parent
+from tests.testbed.kube import ControlPlane, ControlPlaneError
 
 APISERVER = "kube-apiserver"
 # Go sets SO_REUSEADDR, so the port is free again at once; anything else that grabbed it
@@ -40,9 +40,12 @@ def start(cp: ControlPlane) -> None:
         with log.open("ab") as fh:
             fh.write(f"\n--- chaos restart at {time.time():.3f} ---\n".encode())
             fh.flush()
+            # No parent-death signal here: PR_SET_PDEATHSIG fires when the *thread* that
+            # spawned the child exits, and the harness restarts from a worker thread, so
+            # the restarted apiserver died with that thread (CI saw every later kube test
+            # refused). ControlPlane.stop() still ends it through ``_procs``.
             proc = subprocess.Popen(cp._apiserver_args(), stdout=fh, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=cp.workdir,
-                                    preexec_fn=_die_with_parent)
+                                    stdin=subprocess.DEVNULL, cwd=cp.workdir)
         cp._procs.append((APISERVER, proc))  # so ControlPlane.stop() ends it
         try:
             cp._wait_http(APISERVER, proc, f"{cp.server}/readyz", ssl_ctx=cp.admin_ssl_context())

@@ -31,6 +31,8 @@ class Fault:
     leader: str | None  # who claimed leadership at injection
     params: dict[str, Any] = field(default_factory=dict)
     bound: float = 0.0  # seconds from ``at`` within which a leader must be back
+    # The overlap the backend documents for this fault (0: none may happen).
+    overlap_bound: float = 0.0
     ended: float | None = None  # wall time the fault stopped acting (heal, restart done)
 
     @property

@@ -214,6 +214,7 @@ class Harness:
             fault = Fault(len(self.faults), kind, time.time(), target.identity, leader, params)
             self._hit(target, fault)
         fault.bound = self.env.bound(fault)
+        fault.overlap_bound = self.env.overlap_bound(fault)
         self.faults.append(fault)
         return fault
 

@@ -40,7 +40,11 @@ async def _run(backend: str, seed: int, tmp_path, server=None,  # type: ignore[n
 def _assert_sound(result: Result) -> None:
     verdict = result.verdict
     assert verdict.violations == [], "\n".join(verdict.violations[:20])
-    assert verdict.overlaps == []
+    # Overlaps only where the backend documents a window for that fault, and within it.
+    by_index = {fault.index: fault for fault in result.faults}
+    for overlap in verdict.overlaps:
+        fault = by_index.get(overlap.fault)
+        assert fault is not None and overlap.length <= fault.overlap_bound, overlap
     # It did something: faults went in, at least one of them hit a leader and a standby
     # took over (not the same sidecar keeping the lease throughout).
     assert len(result.faults) >= SECONDS / 10
