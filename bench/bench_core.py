@@ -153,6 +153,11 @@ def http_load(seconds: int, workdir: Path) -> dict[str, object]:
 
 
 def idle_usage(seconds: float, workdir: Path) -> dict[str, object]:
+    # The chart mounts /run/lease as a memory-backed emptyDir; measure on tmpfs too
+    # (/dev/shm) where there is one, since a disk write costs ~7x more here.
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        workdir = Path(tempfile.mkdtemp(prefix="lease-idle-", dir=shm))
     args = ["--dsn", str(workdir / "idle.db")]
     leader = SidecarProcess(workdir, "idle-leader", args=args).start()
     leader.wait_http()
@@ -170,10 +175,14 @@ def idle_usage(seconds: float, workdir: Path) -> dict[str, object]:
             result[p.identity] = {"cpu_percent_of_core": round(100 * used / seconds, 3),
                                   "rss_mb": round(_rss_kb(p.proc.pid) / 1024, 1)}
         result["seconds"] = seconds
+        result["state_dir_filesystem"] = "tmpfs" if str(workdir).startswith("/dev/shm") \
+            else "disk"
         return result
     finally:
         leader.stop()
         standby.stop()
+        if str(workdir).startswith("/dev/shm"):
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _cpu_seconds(pid: int, ticks: int) -> float:
