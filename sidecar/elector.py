@@ -117,7 +117,7 @@ class Elector:
         # Validity counts from the send time (the earliest the grant can have been
         # decided); the first claim waits one horizon from the *reply* (the latest it can
         # have been decided), since an acquire may wait in the server for the release.
-        delay = self.settings.claim_horizon
+        delay = max(self.settings.claim_horizon, grant.claim_delay)
         replied = self._clock.monotonic()
         self.state.update(
             "acquired", holding=True, released=False, claim_from=replied + delay,

@@ -39,6 +39,9 @@ class Grant:
     holder: str | None = None
     # Why the attempt did not hold, for logs and /status ("held by pod-b", ...).
     reason: str = ""
+    # Seconds from the reply before the first claim, when the backend knows the previous
+    # holder may claim longer than one claim horizon (a server that just restarted).
+    claim_delay: float = 0.0
 
 
 @dataclass(frozen=True)

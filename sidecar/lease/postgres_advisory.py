@@ -174,6 +174,7 @@ class AdvisoryLease:
         self.name = name
         # Set the moment the connection holding the lock drops; cleared on acquisition.
         self.lost = asyncio.Event()
+        self._claims_wait_until = 0.0  # loop time before which no claim (server restart)
         self.key = lock_id(settings.key_prefix, name)
         self._halves = lock_halves(self.key)
         self._settings = settings
@@ -203,8 +204,8 @@ class AdvisoryLease:
                 reused = self._conn is not None
                 conn = await self._connection()
                 try:
-                    token = await conn.fetchval(self._try_lock_sql(conn), self.key,
-                                                self._message)
+                    token, uptime, _ = await conn.fetchrow(self._try_lock_sql(conn), self.key,
+                                                        self._message)
                 except _DB_ERRORS as exc:
                     self._drop()  # granted or not, a dropped session holds nothing
                     # An idle session the server ended (idle_session_timeout): reconnect once.
@@ -216,7 +217,7 @@ class AdvisoryLease:
                 holder = await self._holder(conn)
                 return Grant(held=False, holder=holder,
                              reason=f"held by {holder}" if holder else "held by another session")
-            self._granted(token)
+            self._granted(token, uptime)
             return self._held()
 
     async def try_renew(self) -> Grant:
@@ -301,15 +302,15 @@ class AdvisoryLease:
                 # One round trip: lock_timeout (local to this statement's transaction)
                 # ends the wait in the server; the client timeout only guards against a
                 # hung server. The xid is drawn after the CTE granted the lock.
-                token = await conn.fetchval(self._wait_lock_sql(conn), self.key,
-                                            self._message, wait_ms,
-                                            timeout=timeout + self._db.timeout)
+                token, uptime, _ = await conn.fetchrow(self._wait_lock_sql(conn), self.key,
+                                                    self._message, wait_ms,
+                                                    timeout=timeout + self._db.timeout)
             except asyncpg.LockNotAvailableError:
                 return  # still held by someone else
             except _DB_ERRORS:
                 self._drop()  # timed out or broken: whether it was granted is unknown
                 return
-            self._granted(token)
+            self._granted(token, uptime)
 
     async def _settle_waiter(self) -> None:
         """Let a pending in-server wait finish (it ends by its own lock_timeout)."""
@@ -347,16 +348,23 @@ class AdvisoryLease:
     def _alive(self) -> bool:
         return self._conn is not None and not self._conn.is_closed()
 
-    def _granted(self, token: int) -> None:
+    def _granted(self, token: int, server_uptime: float) -> None:
         self._levels += 1
         self._token = int(token)
+        # A holder from before a server restart may not have heard of it yet (a slow
+        # path delays the reset) and claims until its last heartbeat + renew_deadline,
+        # which was before the restart: our first claim waits until then.
+        self._claims_wait_until = (asyncio.get_running_loop().time()
+                                   + self._settings.renew_deadline - float(server_uptime))
         self.lost.clear()
         log.debug("advisory lock granted", extra={"lease": self.name, "lock_id": self.key,
                                                   "pid": self.pid, "fencing_token": token})
 
     def _held(self) -> Grant:
+        claim_delay = max(0.0, self._claims_wait_until - asyncio.get_running_loop().time())
         return Grant(held=True, valid_for=self._settings.renew_deadline,
-                     fencing_token=self._token, holder=self._settings.identity)
+                     fencing_token=self._token, holder=self._settings.identity,
+                     claim_delay=claim_delay)
 
     def _gone(self) -> Grant:
         self._levels, self._token = 0, None
@@ -371,14 +379,18 @@ class AdvisoryLease:
     def _try_lock_sql(self, conn: asyncpg.Connection) -> str:
         # The volatile CTE runs first and once, so the xid is drawn only after the grant.
         return (f"with lock as (select pg_try_advisory_lock($1) as got) "
-                f"select case when got then {_token_expr(conn)} end, "
+                f"select case when got then {_token_expr(conn)} end, {_UPTIME}, "
                 f"case when got then {_durable('$2')} end from lock")
 
 
     def _wait_lock_sql(self, conn: asyncpg.Connection) -> str:
         return (f"with t as (select set_config('lock_timeout', $3, true)), "
                 f"lock as (select pg_advisory_lock($1) from t) "
-                f"select {_token_expr(conn)}, {_durable('$2')} from lock")
+                f"select {_token_expr(conn)}, {_UPTIME}, {_durable('$2')} from lock")
+
+
+# Seconds since the server (re)started, by the server's clock.
+_UPTIME = "extract(epoch from clock_timestamp() - pg_postmaster_start_time())::float8"
 
 
 def _token_expr(conn: asyncpg.Connection) -> str:

@@ -12,6 +12,7 @@ import pytest
 
 from sidecar.config import Settings
 from sidecar.elector import Elector
+from sidecar.lease import Grant
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock, FakeLease, RecordingPublisher
 
@@ -193,3 +194,18 @@ async def test_stop_ends_the_loop_even_without_a_cancel():
     await asyncio.wait_for(task, 2.0)
     assert not state.facts.holding
     assert "release" in [what for what, _ in lease.calls]
+
+
+async def test_a_backend_claim_delay_longer_than_the_horizon_is_honoured():
+    """After a server restart the previous holder may claim up to its renew deadline."""
+    clock = FakeClock()
+    lease = FakeLease(clock)
+
+    async def restarted() -> Grant:
+        lease.calls.append(("acquire", clock.now))
+        return Grant(held=True, valid_for=10.0, fencing_token=8, claim_delay=0.06)
+
+    lease.try_acquire = restarted  # type: ignore[method-assign]
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    assert state.facts.claim_from == clock.now + 0.06  # not just the 0.05 s horizon
