@@ -13,34 +13,22 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.failover import failover_trials, summary
 from sidecar.config import parse_duration
 from tests.support import SidecarProcess, free_port, get_json, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"n": len(values), "p50_ms": round(statistics.median(values) * 1000, 1),
-            "p99_ms": round(pct(values, 99) * 1000, 1),
-            "max_ms": round(max(values) * 1000, 1)}
 
 
 def fast_args(lease: float, horizon: float) -> list[str]:
@@ -50,55 +38,15 @@ def fast_args(lease: float, horizon: float) -> list[str]:
             "--claim-horizon", f"{horizon}s"]
 
 
-def acquired_at(proc: SidecarProcess, after: float) -> float | None:
-    """Wall time of the first 'acquired lease' log line after ``after``."""
-    for line in proc.logs().splitlines():
-        if '"acquired lease"' in line:
-            at = dt.datetime.fromisoformat(json.loads(line)["ts"].replace("Z", "+00:00"))
-            if at.timestamp() >= after:
-                return at.timestamp()
-    return None
-
-
 def failover(trials: int, lease: float, horizon: float, sig: signal.Signals,
              workdir: Path) -> dict[str, object]:
     db = workdir / f"failover-{sig.name}.db"
     args = ["--dsn", str(db), *fast_args(lease, horizon)]
-    procs = [SidecarProcess(workdir, f"{sig.name.lower()}-{i}", args=list(args)).start()
-             for i in range(3)]
-    lease_times: list[float] = []
-    claim_times: list[float] = []
-    try:
-        for proc in procs:
-            proc.wait_http()
-        for trial in range(trials):
-            leader = wait_until(lambda: _single_leader(procs), timeout=lease * 3)
-            others = [p for p in procs if p is not leader]
-            wall0, mono0 = time.time(), time.monotonic()
-            leader.signal(sig)
-            successor = wait_until(lambda rest=others: _single_leader(rest),
-                                   timeout=lease * 3, interval=0.002)
-            claim_times.append(time.monotonic() - mono0)
-            at = acquired_at(successor, wall0)
-            if at is not None:
-                lease_times.append(at - wall0)
-            leader.stop()
-            index = procs.index(leader)
-            procs[index] = SidecarProcess(workdir, f"{sig.name.lower()}-{index}-{trial}",
-                                          args=list(args)).start()
-            procs[index].wait_http()
-    finally:
-        for proc in procs:
-            proc.stop()
-    result: dict[str, object] = {"claim": summary(claim_times)}
-    if lease_times:
-        result["lease"] = summary(lease_times)
+    times = failover_trials(sig, trials, args, workdir, timeout=lease * 3)
+    result: dict[str, object] = {"claim": summary(times["claim"])}
+    if times["lease"]:
+        result["lease"] = summary(times["lease"])
     return result
-
-
-def _single_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
-    found = [p for p in procs if p.leader(timeout=0.5) == 200]
-    return found[0] if len(found) == 1 else None
 
 
 BARE_APP = """

@@ -25,12 +25,10 @@ import json
 import os
 import signal
 import tempfile
-import time
 from pathlib import Path
 
-from bench.bench_core import acquired_at, summary
+from bench.failover import failover_trials, summary
 from sidecar.config import parse_duration
-from tests.support import SidecarProcess, wait_until
 from tests.testbed.postgres import PgServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -40,44 +38,6 @@ def contender_args(dsn: str, lease: float, renew: float, horizon: float) -> list
     return ["--backend", "postgres", "--dsn", dsn, "--name", "bench",
             "--lease-duration", f"{lease}s", "--renew-interval", f"{renew}s",
             "--renew-deadline", f"{lease * 2 / 3}s", "--claim-horizon", f"{horizon}s"]
-
-
-def single_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
-    found = [p for p in procs if p.leader(timeout=0.5) == 200]
-    return found[0] if len(found) == 1 else None
-
-
-def run_trials(sig: signal.Signals, trials: int, args: list[str],
-               workdir: Path) -> dict[str, list[float]]:
-    name = sig.name.lower()
-    procs = [SidecarProcess(workdir, f"{name}-{i}", args=list(args)).start() for i in range(3)]
-    lock_times: list[float] = []
-    claim_times: list[float] = []
-    try:
-        for proc in procs:
-            proc.wait_http()
-        for trial in range(trials):
-            leader = wait_until(lambda: single_leader(procs), timeout=30)
-            others = [p for p in procs if p is not leader]
-            # Let the standbys settle into their in-server wait, as in steady state.
-            time.sleep(0.3)
-            wall0, mono0 = time.time(), time.monotonic()
-            leader.signal(sig)
-            successor = wait_until(lambda rest=others: single_leader(rest), timeout=30,
-                                   interval=0.001)
-            claim_times.append(time.monotonic() - mono0)
-            at = acquired_at(successor, wall0)
-            if at is not None:
-                lock_times.append(at - wall0)
-            leader.stop()
-            index = procs.index(leader)
-            procs[index] = SidecarProcess(workdir, f"{name}-{index}-{trial}",
-                                          args=list(args)).start()
-            procs[index].wait_http()
-    finally:
-        for proc in procs:
-            proc.stop()
-    return {"lock": lock_times, "claim": claim_times}
 
 
 def verdict(figures: dict[str, float], p50: float, p99: float) -> str:
@@ -100,18 +60,19 @@ def main() -> None:
         workdir = Path(tmp)
         server_version = pg.psql("show server_version")
         common = contender_args(pg.dsn, lease, renew, horizon)
-        kill = run_trials(signal.SIGKILL, args.trials, common, workdir)
-        term = run_trials(signal.SIGTERM, args.trials, common, workdir)
+        # Let the standbys settle into their in-server wait, as in steady state.
+        kill = failover_trials(signal.SIGKILL, args.trials, common, workdir, settle=0.3)
+        term = failover_trials(signal.SIGTERM, args.trials, common, workdir, settle=0.3)
     result = {
         "backend": "postgres", "postgres": server_version, "cpus": os.cpu_count(),
         # Other work on the machine skews these figures; record how busy it was.
         "load_average_1m": round(os.getloadavg()[0], 2),
         "trials": args.trials, "lease_duration_s": lease, "renew_interval_s": renew,
         "claim_horizon_s": horizon,
-        "sigkill_lock_passing": summary(kill["lock"]),
+        "sigkill_lock_passing": summary(kill["lease"]),
         "sigkill_published_claim": summary(kill["claim"]),
         "sigterm_handover_claim": summary(term["claim"]),
-        "sigterm_lock_passing": summary(term["lock"]),
+        "sigterm_lock_passing": summary(term["lease"]),
     }
     result["targets"] = {
         "sigkill_lock_passing": verdict(result["sigkill_lock_passing"], 25, 100),

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -30,19 +29,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.failover import failover_trials, pct, summary  # noqa: E402
 from sidecar.config import load, parse_duration  # noqa: E402
 from sidecar.lease import postgres_row  # noqa: E402
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver  # noqa: E402
 from sidecar.lease.sql.dialect import PostgresDialect  # noqa: E402
 from sidecar.lease.sql.store import SqlRowStore  # noqa: E402
-from tests.support import SidecarProcess  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "postgres_row.json"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def settings(dsn: str, identity: str = "bench"):
@@ -77,8 +71,8 @@ async def throughput(dsn: str, seconds: float, names: int = 1000, callers: int =
         await backend.close()
     return {"names": names, "callers": callers, "pool_size": 4, "seconds": round(elapsed, 2),
             "renews": len(latencies), "renews_per_s": round(len(latencies) / elapsed),
-            "latency_ms_p50": round(percentile(latencies, 50) * 1000, 2),
-            "latency_ms_p99": round(percentile(latencies, 99) * 1000, 2)}
+            "latency_ms_p50": round(pct(latencies, 50) * 1000, 2),
+            "latency_ms_p99": round(pct(latencies, 99) * 1000, 2)}
 
 
 class CountingProxy:
@@ -151,42 +145,13 @@ def handover(dsn: str, trials: int, horizon: str, workdir: Path) -> dict:
     args = ["--backend", "postgres-row", "--dsn", dsn, "--name", f"handover-{horizon}",
             "--lease-duration", "5s", "--renew-interval", "1s", "--renew-deadline", "3s",
             "--claim-horizon", horizon]
-    procs = [SidecarProcess(workdir, f"h{horizon}-{i}", args).start() for i in range(2)]
-    figures: list[float] = []
-    counter = 2
-    try:
-        for proc in procs:
-            proc.wait_http()
-        while len(figures) < trials:
-            deadline = time.monotonic() + 20
-            while not [p for p in procs if p.leader(0.5) == 200]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("nobody leads")
-                time.sleep(0.02)
-            leader = next(p for p in procs if p.leader(0.5) == 200)
-            other = next(p for p in procs if p is not leader)
-            time.sleep(1.5)  # the standby has tried once and waits, LISTENing
-            leader.signal(signal.SIGTERM)
-            sent = time.monotonic()
-            while other.leader(0.5) != 200:
-                if time.monotonic() - sent > 10:
-                    raise RuntimeError("no handover within 10 s")
-                time.sleep(0.002)
-            figures.append(time.monotonic() - sent)
-            leader.proc.wait(10)
-            leader.stop()
-            procs.remove(leader)
-            fresh = SidecarProcess(workdir, f"h{horizon}-{counter}", args).start()
-            counter += 1
-            fresh.wait_http()
-            procs.append(fresh)
-    finally:
-        for proc in procs:
-            proc.stop()
-    return {"claim_horizon_s": parse_duration(horizon), "trials": len(figures),
-            "p50_ms": round(statistics.median(figures) * 1000, 1),
-            "p99_ms": round(percentile(figures, 99) * 1000, 1),
-            "max_ms": round(max(figures) * 1000, 1)}
+    here = workdir / f"h{horizon}"
+    here.mkdir(exist_ok=True)
+    # Two contenders; 1.5 s lets the standby try once and wait, LISTENing.
+    times = failover_trials(signal.SIGTERM, trials, args, here, contenders=2, settle=1.5,
+                            timeout=20)
+    return {"claim_horizon_s": parse_duration(horizon), "trials": trials,
+            **{k: v for k, v in summary(times["claim"]).items() if k != "n"}}
 
 
 def main() -> int:
