@@ -10,8 +10,9 @@ Lease names are random, so a shared database (the live SQL Server) needs no clea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -21,6 +22,27 @@ from sidecar.lease.sql.store import SqlRowStore
 MakeStore = Callable[..., SqlRowStore]
 SHORT = 0.6  # seconds: a lease that expires within the test
 LONG = 30.0
+
+
+@contextlib.asynccontextmanager
+async def store_factory(
+    build: Callable[[bool, str | None], SqlRowStore],
+) -> AsyncIterator[MakeStore]:
+    """The ``make_store`` of a test module: ``build(replica, dsn)`` makes one store; the
+    schema is applied once, and every store made is closed at the end."""
+    stores: list[SqlRowStore] = []
+
+    def make(replica: bool = False, dsn: str | None = None) -> SqlRowStore:
+        store = build(replica, dsn)
+        stores.append(store)
+        return store
+
+    await make().apply_schema()
+    try:
+        yield make
+    finally:
+        for store in stores:
+            await store.close()
 
 
 def fresh() -> str:

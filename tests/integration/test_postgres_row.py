@@ -21,7 +21,7 @@ from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
 from sidecar.lease.sql.dialect import PostgresDialect
 from sidecar.lease.sql.store import SqlRowStore
-from tests.integration.row_contract import LONG, RowStoreContract, fresh
+from tests.integration.row_contract import LONG, RowStoreContract, fresh, store_factory
 from tests.support import SidecarProcess, free_port, wait_until
 
 pytestmark = pytest.mark.postgres
@@ -29,17 +29,10 @@ pytestmark = pytest.mark.postgres
 
 @pytest.fixture
 async def make_store(pg_dsn: str):
-    stores: list[SqlRowStore] = []
-
-    def make(replica: bool = False, dsn: str = pg_dsn) -> SqlRowStore:
-        store = SqlRowStore(PostgresDialect(), AsyncpgDriver(dsn, timeout=5.0), replica=replica)
-        stores.append(store)
-        return store
-
-    await make().apply_schema()
-    yield make
-    for store in stores:
-        await store.close()
+    async with store_factory(lambda replica, dsn: SqlRowStore(
+            PostgresDialect(), AsyncpgDriver(dsn or pg_dsn, timeout=5.0),
+            replica=replica)) as make:
+        yield make
 
 
 class TestAsyncpgContract(RowStoreContract):

@@ -28,7 +28,7 @@ from sidecar.lease.rowlease import ReplicaCheck, RowLease
 from sidecar.lease.sql.dialect import PostgresDialect, Statement
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 from sidecar.lease.sql.store import SqlRowStore
-from tests.integration.row_contract import LONG, RowStoreContract, fresh
+from tests.integration.row_contract import LONG, RowStoreContract, fresh, store_factory
 from tests.support import REPO, free_port
 
 pytestmark = pytest.mark.postgres
@@ -58,17 +58,9 @@ def driver(dsn: str, login: float = 5, query: float = 5, **kw) -> PyodbcDriver:
 
 @pytest.fixture
 async def make_store(pg_dsn: str):
-    stores: list[SqlRowStore] = []
-
-    def make(replica: bool = False, dsn: str | None = None) -> SqlRowStore:
-        store = SqlRowStore(PostgresDialect(), driver(dsn or odbc_dsn(pg_dsn)), replica=replica)
-        stores.append(store)
-        return store
-
-    await make().apply_schema()
-    yield make
-    for store in stores:
-        await store.close()
+    async with store_factory(lambda replica, dsn: SqlRowStore(
+            PostgresDialect(), driver(dsn or odbc_dsn(pg_dsn)), replica=replica)) as make:
+        yield make
 
 
 class TestOdbcContract(RowStoreContract):

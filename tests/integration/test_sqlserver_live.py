@@ -29,7 +29,7 @@ from sidecar.lease.rowlease import ReplicaCheck, RowLease
 from sidecar.lease.sql.dialect import Statement, TsqlDialect
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 from sidecar.lease.sql.store import SqlRowStore
-from tests.integration.row_contract import LONG, RowStoreContract, fresh
+from tests.integration.row_contract import LONG, RowStoreContract, fresh, store_factory
 from tests.support import SidecarProcess, wait_until
 
 DSN = os.environ.get("LEASE_TEST_MSSQL_DSN", "")
@@ -52,17 +52,9 @@ def driver(dsn: str = DSN) -> PyodbcDriver:
 
 @pytest.fixture
 async def make_store():
-    stores: list[SqlRowStore] = []
-
-    def make(replica: bool = False, dsn: str = DSN) -> SqlRowStore:
-        store = SqlRowStore(TsqlDialect(), driver(dsn), replica=replica)
-        stores.append(store)
-        return store
-
-    await make().apply_schema()
-    yield make
-    for store in stores:
-        await store.close()
+    async with store_factory(lambda replica, dsn: SqlRowStore(
+            TsqlDialect(), driver(dsn or DSN), replica=replica)) as make:
+        yield make
 
 
 class TestSqlServerContract(RowStoreContract):
