@@ -9,7 +9,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tests.support import SidecarProcess, wait_until
+from tests.support import SidecarProcess, one_leader, wait_until
 
 
 def pct(values: list[float], q: float) -> float:
@@ -33,11 +33,6 @@ def acquired_at(proc: SidecarProcess, after: float) -> float | None:
     return None
 
 
-def single_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
-    found = [p for p in procs if p.leader(timeout=0.5) == 200]
-    return found[0] if len(found) == 1 else None
-
-
 def failover_trials(sig: signal.Signals, trials: int, args: list[str], workdir: Path,
                     contenders: int = 3, settle: float = 0.0,
                     timeout: float = 30.0) -> dict[str, list[float]]:
@@ -55,13 +50,13 @@ def failover_trials(sig: signal.Signals, trials: int, args: list[str], workdir: 
         for proc in procs:
             proc.wait_http()
         for trial in range(trials):
-            leader = wait_until(lambda: single_leader(procs), timeout=timeout)
+            leader = wait_until(lambda: one_leader(procs, timeout=0.5), timeout=timeout)
             others = [p for p in procs if p is not leader]
             time.sleep(settle)
             wall0, mono0 = time.time(), time.monotonic()
             leader.signal(sig)
-            successor = wait_until(lambda rest=others: single_leader(rest), timeout=timeout,
-                                   interval=0.002)
+            successor = wait_until(lambda rest=others: one_leader(rest, timeout=0.5),
+                                   timeout=timeout, interval=0.002)
             claim_times.append(time.monotonic() - mono0)
             at = acquired_at(successor, wall0)
             if at is not None:

@@ -117,6 +117,13 @@ class SidecarProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
+def one_leader(procs: list[SidecarProcess], timeout: float = 3.0) -> SidecarProcess | None:
+    """The one running process answering 200 on /leader, or None (none, or several)."""
+    found = [p for p in procs
+             if p.proc and p.proc.poll() is None and p.leader(timeout=timeout) == 200]
+    return found[0] if len(found) == 1 else None
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.02):  # type: ignore[no-untyped-def]
     """Poll ``predicate`` until it returns something truthy; return it or raise."""
     deadline = time.monotonic() + timeout

@@ -18,7 +18,7 @@ import pytest
 
 from sidecar.config import Settings
 from sidecar.lease.postgres_advisory import create, lock_halves, lock_id
-from tests.support import REPO, ClaimRecorder, SidecarProcess, get_json, wait_until
+from tests.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 from tests.testbed.postgres import PgServer
 
 pytestmark = pytest.mark.postgres
@@ -153,15 +153,6 @@ def trio(tmp_path: Path, pg: PgServer, pg_dsn: str) -> Iterator[list[SidecarProc
         proc.stop()
     for proc in procs:
         assert pg.password not in proc.logs(), f"{proc.identity} logged the password"
-
-
-def live(procs: list[SidecarProcess]) -> list[SidecarProcess]:
-    return [p for p in procs if p.proc and p.proc.poll() is None]
-
-
-def one_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
-    found = [p for p in live(procs) if p.leader() == 200]
-    return found[0] if len(found) == 1 else None
 
 
 def test_exactly_one_of_three_leads(trio: list[SidecarProcess], pg: PgServer,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ClaimRecorder, SidecarProcess, get_json, wait_until
+from tests.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -31,15 +31,6 @@ def trio(tmp_path: Path):  # type: ignore[no-untyped-def]
     yield procs
     for proc in procs:
         proc.stop()
-
-
-def leaders(procs: list[SidecarProcess]) -> list[SidecarProcess]:
-    return [p for p in procs if p.proc and p.proc.poll() is None and p.leader() == 200]
-
-
-def one_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
-    found = leaders(procs)
-    return found[0] if len(found) == 1 else None
 
 
 def test_exactly_one_of_three_leads(trio):
