@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from sidecar import config, jsonlog
 from sidecar.config import ConfigError, Settings
 from sidecar.lease import BackendError, backend_module, create_backend
+from sidecar.redact import redact
 from sidecar.runtime import Sidecar
 
 log = logging.getLogger("sidecar.cli")
@@ -53,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str, code: int = EXIT_BAD_SETTINGS) -> int:
-    print(f"lease-sidecar: error: {message}", file=sys.stderr)
+    print(f"lease-sidecar: error: {redact(message)}", file=sys.stderr)
     return code
 
 
@@ -93,10 +95,23 @@ async def _start(sidecar: Sidecar) -> None:
     try:
         await sidecar.start()
     except OSError as exc:
-        host, port = sidecar.settings.http_addr
         await sidecar.stop()
-        raise ConfigError(f"LEASE_HTTP_ADDR / --http-addr: cannot listen on {host}:{port}: "
-                          f"{exc.strerror or exc}") from None
+        raise _start_error(sidecar, exc) from None
+
+
+def _start_error(sidecar: Sidecar, exc: OSError) -> ConfigError:
+    """Name the setting behind a start-up failure: a file error is about the state
+    directory (a ``leader`` *directory* in it, say), a socket error about the address."""
+    if exc.filename is not None:
+        path = os.fsdecode(exc.filename)
+        directory = os.fspath(sidecar.state_dir)
+        if path == directory or path.startswith(directory.rstrip("/") + "/"):
+            return ConfigError(f"LEASE_STATE_DIR / --state-dir: {path}: "
+                               f"{exc.strerror or exc}")
+        return ConfigError(f"cannot start: {path}: {exc.strerror or exc}")
+    host, port = sidecar.settings.http_addr
+    return ConfigError(f"LEASE_HTTP_ADDR / --http-addr: cannot listen on {host}:{port}: "
+                       f"{exc.strerror or exc}")
 
 
 async def _run(settings: Settings) -> int:

@@ -26,6 +26,7 @@ from sidecar.metrics import registry_for
 from sidecar.publish import Publisher
 from sidecar.publish.file import FilePublisher
 from sidecar.publish.http import HttpServer, build_app
+from sidecar.redact import redact_tree
 from sidecar.state import Clock, LeaseState, SystemClock
 
 log = logging.getLogger("sidecar")
@@ -173,5 +174,6 @@ class Sidecar:
                 "state_version": facts.version,
                 "transitions": list(state.transitions),
             })
-        return {"identity": self.settings.identity, "role": self.settings.role,
-                "settings": self.settings.public(), "leases": leases}
+        # Reasons carry backend error text, which may echo a DSN.
+        return redact_tree({"identity": self.settings.identity, "role": self.settings.role,
+                            "settings": self.settings.public(), "leases": leases})

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TypeVar
 
-from sidecar.config import Settings
+from sidecar.config import Settings, check_dsn
+from sidecar.dsn import check_sqlite
 from sidecar.lease import BackendError
 from sidecar.lease.rowlease import Row, RowLease
 
@@ -246,6 +247,12 @@ async def apply_schema(settings: Settings) -> None:
         await store.read("")  # connecting creates the file and the tables
     finally:
         await store.close()
+
+
+def validate_settings(settings: Settings) -> None:
+    """Refuse up front a DSN that is not one file shared by the contenders on this host
+    (``:memory:``, a directory, a parent that is a file): it would fail or never lead."""
+    check_dsn(settings, check_sqlite)
 
 
 def create(settings: Settings) -> SqliteBackend:
