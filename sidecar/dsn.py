@@ -48,7 +48,7 @@ _PG_UNSUPPORTED = ("connect_timeout", "keepalives", "keepalives_idle", "keepaliv
                    "servicefile", "sslkeylogfile", "require_auth",
                    "min_protocol_version", "max_protocol_version")
 _HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
-_WORD = re.compile(r"^[\w.-]{1,40}$")
+_WORD = re.compile(r"^[\w.-]{0,40}$")
 
 
 def _shown(value: str) -> str:
@@ -147,14 +147,12 @@ def _check_hostlist(hostlist: str, from_query: bool) -> None:
             continue
         if spec.count(":") > 1 or "]" in spec:
             raise DsnError("an IPv6 address must be in brackets: postgresql://[::1]:5432/db")
-        host, sep, port = spec.partition(":")
+        host, _, port = spec.partition(":")
         host = host if from_query else urllib.parse.unquote(host)
         if not host:
             raise DsnError("a port without a host before it")
         if not host.startswith("/"):  # else a percent-encoded Unix-socket directory
             _check_hostname(host)
-        if sep and from_query:
-            raise DsnError(f"host {host!r}: give ports in the port parameter")
         if port:  # "host:" is the default port, as in asyncpg
             _check_port(port, f"host {host!r}")
 
