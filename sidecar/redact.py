@@ -52,7 +52,8 @@ _DSN_USERINFO = re.compile(r"(?is)^\s*[a-z][a-z0-9+.-]*://[^:/?#]*?:(.*)@")
 #   An unterminated brace or quote is masked to the end of the text.
 _KEY_VALUE = re.compile(
     r"(?i)(?<![\w-])(" + _SECRET_KEY + r")(\s*=\s*)"
-    r"(\{(?:[^}]|\}\})*(?:\}|$)"
+    r"(\*\*\*(?![^\s;&#])"  # already masked (a URL query value): keep the text after it
+    r"|\{(?:[^}]|\}\})*(?:\}|$)"
     r"|'(?:[^'\\]|\\.)*(?:'|$)"
     r"|\"(?:[^\"\\]|\\.)*(?:\"|$)"
     r"|[^;&\r\n]*?(?=;|&|\r|\n|$|\s+[\w-]+\s*=))",

@@ -58,6 +58,7 @@ CASES = [
     ("Server=db;KeyStoreSecret=s3cret;UID=sa", "s3cret", "UID=sa"),
     ("Server=db;Authentication=ActiveDirectoryServicePrincipal;ClientSecret=s3cret",
      "s3cret", "Authentication=ActiveDirectoryServicePrincipal"),
+    ("Server=db;PWD=***xyz;UID=sa", "xyz", "UID=sa"),
     # inside a driver's error message
     ("sqlserver db: connection failed (DRIVER={FreeTDS};SERVER=db;PWD=s3cret)", "s3cret",
      "connection failed"),
@@ -84,6 +85,13 @@ def test_every_password_form_is_hidden(text, secret, kept):
 ])
 def test_text_without_secrets_is_left_alone(text):
     assert redact(text) == text
+
+
+def test_the_error_after_a_masked_query_password_stays_readable():
+    text = ("postgres postgresql://u:pw@h:1/x?sslpassword=K3y-pw acquire: cannot connect: "
+            "[Errno 111] Connect call failed")
+    assert redact(text) == ("postgres postgresql://u:***@h:1/x?sslpassword=*** acquire: cannot "
+                            "connect: [Errno 111] Connect call failed")
 
 
 def test_none_passes_through():
