@@ -57,6 +57,15 @@ class Timing:
     claim_horizon: float = 0.1
     safety_margin: float = 0.5
 
+    @staticmethod
+    def default_margin(backend: str) -> float:
+        """The kubernetes backend refuses a margin under 1 s (client-go's granularity)."""
+        return 1.0 if backend == "kubernetes" else Timing.safety_margin
+
+    @classmethod
+    def for_backend(cls, backend: str) -> Timing:
+        return cls(safety_margin=cls.default_margin(backend))
+
     def args(self) -> list[str]:
         return ["--lease-duration", f"{self.lease_duration}s",
                 "--renew-interval", f"{self.renew_interval}s",
