@@ -87,6 +87,9 @@ def check_postgres_url(dsn: str) -> None:
         _check_hostlist(hostlist, from_query=False)
     if "host" in query:
         _check_hostlist(query["host"], from_query=True)
+    if "port" in query and hostlist:
+        raise DsnError("asyncpg ignores the port parameter when the URL names a host (it "
+                       "would use 5432): write postgresql://host:port/db")
     if "port" in query:
         for port in query["port"].split(","):
             _check_port(port, "the port parameter")

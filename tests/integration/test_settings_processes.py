@@ -185,3 +185,53 @@ async def test_a_horizon_the_rule_refuses_really_ends_every_term_before_its_firs
 
     steady = await _terms(good, 3.0)
     assert [t["event"] for t in steady] == ["acquired"]
+
+
+# -- DSN verdicts against asyncpg and a real PostgreSQL server ------------------------------
+
+@pytest.mark.postgres
+async def test_accepted_urls_connect_and_refused_ones_never_could(pg) -> None:  # type: ignore[no-untyped-def]
+    """Every URL form we accept connects to a real server through asyncpg; every one we
+    refuse fails in asyncpg or at the server, so refusing it up front loses nothing."""
+    import urllib.parse
+
+    import asyncpg
+
+    from sidecar.dsn import _PG_UNSUPPORTED, DsnError, check_postgres_url
+
+    pw = urllib.parse.quote(pg.password, safe="")
+    base = f"postgresql://lease:{pw}@127.0.0.1:{pg.port}/lease"
+    sock = urllib.parse.quote(str(pg.sockdir), safe="")
+    accepted = [
+        base, base.replace("postgresql://", "postgres://"),
+        f"{base}?application_name=jobs&sslmode=prefer",
+        f"postgresql:///lease?host=127.0.0.1&port={pg.port}&user=lease&password={pw}",
+        f"postgresql:///lease?host={pg.sockdir}&port={pg.port}&user=lease",
+        f"postgresql://{sock}:{pg.port}/lease?user=lease",
+        f"postgresql://127.0.0.1:{pg.port},127.0.0.1:{pg.port}/lease?user=lease&password={pw}"
+        "&target_session_attrs=primary",
+    ]
+    for dsn in accepted:
+        check_postgres_url(dsn)
+        conn = await asyncpg.connect(dsn, timeout=10)
+        try:
+            assert await conn.fetchval("select current_user") == "lease"
+        finally:
+            await conn.close()
+
+    refused = [
+        f"postgresql://lease:{pw}@127.0.0.1:99999/lease",
+        f"postgresql://lease:{pw}@[::1/lease",
+        f"{base}?sslmode=requre",
+        f"postgresql://lease:p@{pw}@127.0.0.1:{pg.port}/lease",
+        *(f"{base}?{key}=1" for key in _PG_UNSUPPORTED),
+        f"{base}?sslmod=disable",
+    ]
+    for dsn in refused:
+        with pytest.raises(DsnError):
+            check_postgres_url(dsn)
+        # Any failure, in the driver (bad value) or at the server (unknown parameter).
+        with pytest.raises((ValueError, OverflowError, OSError, asyncpg.PostgresError,
+                            asyncpg.InterfaceError)):
+            conn = await asyncpg.connect(dsn, timeout=10)
+            await conn.close()
