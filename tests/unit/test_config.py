@@ -497,3 +497,23 @@ def test_public_settings_hide_passwords_and_are_plain_json():
     for secret in ("hunter2", "k3y-secret", "p%40ss-word", "p@ss-word"):
         assert secret not in shown
     assert "postgresql://u:***@h/db" in shown
+
+
+def test_start_errors_name_the_state_dir_or_the_address(tmp_path: Path):
+    import errno
+
+    from sidecar import cli
+    from sidecar.runtime import Sidecar
+
+    settings = config.load({"state_dir": str(tmp_path / "state"), "dsn": str(tmp_path / "l.db")},
+                           env={})
+    sidecar = Sidecar(settings, serve_http=False)
+    leader = OSError(errno.EISDIR, "Is a directory", str(tmp_path / "state" / "leader"))
+    assert str(cli._start_error(sidecar, leader)) == (
+        f"LEASE_STATE_DIR / --state-dir: {tmp_path}/state/leader: Is a directory")
+    token = OSError(errno.EACCES, "Permission denied", "/var/run/secrets/token")
+    assert str(cli._start_error(sidecar, token)) == (
+        "cannot start: /var/run/secrets/token: Permission denied")
+    busy = OSError(errno.EADDRINUSE, "Address already in use")
+    assert str(cli._start_error(sidecar, busy)) == (
+        "LEASE_HTTP_ADDR / --http-addr: cannot listen on 127.0.0.1:8099: Address already in use")
