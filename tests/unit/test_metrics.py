@@ -95,8 +95,9 @@ async def test_a_renew_that_outlives_the_validity_counts_as_a_timeout():
     await elector._acquire_once()
     await asyncio.wait_for(elector._renew_once(), 5)
     samples = scrape([state])
-    assert samples['lease_sidecar_renew_duration_seconds_count{lease="jobs",outcome="timeout"}'] == 1
-    assert samples['lease_sidecar_renew_duration_seconds_count{lease="jobs",outcome="error"}'] == 0
+    count = 'lease_sidecar_renew_duration_seconds_count{{lease="jobs",outcome="{}"}}'
+    assert samples[count.format("timeout")] == 1
+    assert samples[count.format("error")] == 0
 
 
 async def test_gauges_follow_the_state():
