@@ -2,7 +2,8 @@
 
 Every PromQL expression the rendered rules and the dashboard use is parsed with a real
 PromQL parser, and each of its selectors must match a series on the ``/metrics`` of a
-real running sidecar (SQLite backend) — labels that Prometheus adds at scrape time
+real running sidecar (SQLite backend, whose database the test locks for a while so that
+renews and acquires really fail) — labels that Prometheus adds at scrape time
 (namespace, pod, ...) aside. promtool (built from the Go module proxy like the rest of
 the test bed) checks the rendered rules and runs unit tests of each alert on synthetic
 series.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -161,20 +163,32 @@ def test_every_queried_metric_exists_on_a_real_sidecar(rendered: list[dict[str, 
     queries |= {f"dashboard {i}": grafana_to_promql(e)
                 for i, e in enumerate(dashboard_exprs(dashboard))}
 
+    database = tmp_path / "leases.sqlite3"
     sidecar = SidecarProcess(tmp_path, "mon", args=[
-        "--dsn", str(tmp_path / "leases.sqlite3"), "--name", "jobs,reports",
+        "--dsn", str(database), "--name", "jobs,reports",
         "--lease-duration", "3s", "--renew-interval", "300ms",
         "--renew-deadline", "2s"]).start()
+
+    def count(operation: str, outcomes: set[str]) -> float:
+        return sum(v for n, labels, v in scrape(sidecar.url)
+                   if n == f"lease_sidecar_{operation}_duration_seconds_count"
+                   and labels["outcome"] in outcomes)
+
     try:
         sidecar.wait_http()
         wait_until(lambda: sidecar.leader() == 200, 15)
-        renewed = 'lease_sidecar_renew_duration_seconds_count'
-
-        def renewed_both() -> bool:
-            return sum(v for n, labels, v in scrape(sidecar.url)
-                       if n == renewed and labels["outcome"] == "held") >= 2
-
-        wait_until(renewed_both, 10, interval=0.1)
+        wait_until(lambda: count("renew", {"held"}) >= 2, 10, interval=0.1)
+        # A real fault: another writer holds the database, so renews fail or time out,
+        # the holder steps down, and its acquires fail until the writer lets go.
+        blocker = sqlite3.connect(database, timeout=5, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            wait_until(lambda: count("renew", {"error", "timeout"}) > 0
+                       and count("acquire", {"error"}) > 0, 20, interval=0.2)
+        finally:
+            blocker.execute("COMMIT")
+            blocker.close()
+        wait_until(lambda: sidecar.leader() == 200, 20)
         samples = scrape(sidecar.url)
     finally:
         sidecar.stop()

@@ -71,10 +71,11 @@ async def test_round_trips_are_timed_by_operation_and_outcome():
     assert samples[acquire.format("bucket", 'le="+Inf",', "held")] == 1
     assert samples[acquire.format("count", "", "held")] == 1
     assert abs(samples[acquire.format("sum", "", "held")] - 0.003) < 1e-9
-    assert samples[acquire.format("count", "", "refused")] == 0
+    # Rarer outcomes appear with their first call (16 lines each); "held" always.
+    assert acquire.format("count", "", "refused") not in samples
     for outcome in ("held", "error", "refused"):
         assert samples[renew.format("count", "", outcome)] == 1, outcome
-    assert samples[renew.format("count", "", "timeout")] == 0
+    assert renew.format("count", "", "timeout") not in samples
     assert samples['lease_sidecar_transitions_total{event="acquired",lease="jobs"}'] == 1
     assert samples['lease_sidecar_transitions_total{event="lost",lease="jobs"}'] == 1
     assert samples['lease_sidecar_transitions_total{event="released",lease="jobs"}'] == 0
@@ -97,7 +98,7 @@ async def test_a_renew_that_outlives_the_validity_counts_as_a_timeout():
     samples = scrape([state])
     count = 'lease_sidecar_renew_duration_seconds_count{{lease="jobs",outcome="{}"}}'
     assert samples[count.format("timeout")] == 1
-    assert samples[count.format("error")] == 0
+    assert count.format("error") not in samples
 
 
 async def test_gauges_follow_the_state():
@@ -105,6 +106,9 @@ async def test_gauges_follow_the_state():
     lease = FakeLease(clock, round_trip=0.002, valid_for=10.0, token=41)
     elector, state = make(clock, lease)
     before = scrape([state])
+    for op in ("acquire", "renew"):
+        held = f'lease_sidecar_{op}_duration_seconds_count{{lease="jobs",outcome="held"}}'
+        assert before[held] == 0
     for gauge in ("leader", "holding", "backend_up", "fencing_token",
                   "claim_expiry_timestamp_seconds", "last_renew_timestamp_seconds"):
         assert before[f'lease_sidecar_{gauge}{{lease="jobs"}}'] == 0, gauge
