@@ -4,7 +4,7 @@ Every setting has one ``LEASE_*`` variable and one flag; a flag wins over the va
 the variable over the default. Validation reports the first bad setting as one line
 naming both spellings, and the CLI exits with code 2. argparse does the flag parsing;
 the duration and address parsers are hand-written because they are a few lines each
-and no library spells durations the way DESIGN.md does (``250ms``, ``15s``, ``2m``).
+and no library spells durations the way these settings do (``250ms``, ``15s``, ``2m``).
 """
 
 from __future__ import annotations
