@@ -57,8 +57,8 @@ class LeaseCollector(Collector):
             f"{PREFIX}transitions", "leadership transitions of this contender, by event",
             labels=["lease", "event"])
         changes = CounterMetricFamily(
-            f"{PREFIX}state_changes", "changes of the published state (each bumps the ETag)",
-            labels=["lease"])
+            f"{PREFIX}state_changes",
+            "updates of this lease's state by the elector, renews included", labels=["lease"])
         round_trips = {op: HistogramMetricFamily(
             f"{PREFIX}{op}_duration_seconds",
             f"round trip of one {op} call to the backend, by outcome "
