@@ -147,6 +147,7 @@ class Elector:
             async with asyncio.timeout(remaining):
                 grant = await self._call("renew", self.lease.try_renew())
         except TimeoutError:
+            self.state.observe_call("renew", self._clock.monotonic() - sent, "timeout")
             grant = None
         if grant is not None and grant.held:
             self.state.update(valid_until=sent + grant.valid_for,
@@ -186,12 +187,17 @@ class Elector:
                     "error": str(exc) or type(exc).__name__})
 
     async def _call(self, what: str, call):  # type: ignore[no-untyped-def]
-        """Run a backend call; map failures to ``None`` and log reachability changes."""
+        """Run a backend call; map failures to ``None`` and log reachability changes.
+
+        Each call that ends is timed into the state for the metrics (``sidecar.stats``).
+        """
+        started = self._clock.monotonic()
         try:
             result = await call
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self.state.observe_call(what, self._clock.monotonic() - started, "error")
             self._failures += 1
             if self.state.facts.backend_ok or self._failures == 1:
                 log.warning("backend unreachable", extra={
@@ -199,6 +205,8 @@ class Elector:
                     "operation": what, "error": str(exc) or type(exc).__name__})
                 self.state.update(backend_ok=False, reason=f"backend unreachable: {exc}")
             return None
+        self.state.observe_call(what, self._clock.monotonic() - started,
+                                "held" if result.held else "refused")
         if not self.state.facts.backend_ok:
             if self._failures:
                 log.info("backend reachable again", extra={"lease": self.state.lease,

@@ -1,6 +1,6 @@
 """``sqlserver``: the TTL row lease of the SQL Server lease design, over pyodbc.
 
-``[lease].[Leases]`` per DESIGN.md; acquire is one batch (sweep ``DELETE`` + ``MERGE …
+``[lease].[Leases]`` (docs/design.md); acquire is one batch (sweep ``DELETE`` + ``MERGE …
 WITH (UPDLOCK, HOLDLOCK, ROWLOCK)``), renew and release are single owner-filtered
 statements, all time is ``SYSDATETIMEOFFSET()``, and ``RowVersion`` is the fencing token.
 With ``LEASE_REPLICA_DSN`` an acquisition counts only once the replica shows the same

@@ -108,8 +108,8 @@ async def test_other_endpoints_and_errors():
         lead(states[0], clock)
         assert (await client.get("/readyz")).status == 200
         metrics = await (await client.get("/metrics")).text()
-        assert 'lease_is_leader{lease="first"} 1.0' in metrics
-        assert 'lease_is_leader{lease="second"} 0.0' in metrics
+        assert 'lease_sidecar_leader{lease="first"} 1.0' in metrics
+        assert 'lease_sidecar_leader{lease="second"} 0.0' in metrics
         assert (await client.get("/status")).status == 200
         missing = await client.get("/no/such/path")
         assert missing.status == 404
