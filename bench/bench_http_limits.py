@@ -9,7 +9,9 @@
    cap), and the sidecar's peak RSS against the chart's memory limit (128 Mi). Then a
    ``POST /release`` changes the state: every parked waiter must be answered, with a
    non-leader answer (the release is what changed). RSS again after all have closed.
-3. ``--slowloris`` clients send a request head one header line per second and never
+3. ``MAX_CONNECTIONS`` clients each send the largest request head the limits allow,
+   minus its final blank line (the most a slow client can make us buffer). Peak RSS.
+4. ``--slowloris`` clients send a request head one header line per second and never
    finish it. Reports how long the sidecar kept each connection open (connect → close),
    against the header timeout.
 
@@ -28,7 +30,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sidecar.publish.http import HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_WAITERS
+from sidecar.publish.http import (
+    HEADER_TIMEOUT,
+    MAX_CONNECTIONS,
+    MAX_FIELD,
+    MAX_HEADERS,
+    MAX_LINE,
+    MAX_WAITERS,
+)
 from tests.support import SidecarProcess, get_json, wait_until
 
 CHART_MEMORY_LIMIT_MIB = 128
@@ -137,15 +146,45 @@ async def waiters_phase(proc: SidecarProcess, count: int, settle: float) -> dict
 
 
 def _post(url: str) -> int:
+    """POST, honouring Retry-After while the connection cap turns us away (≤ 15 tries)."""
     import urllib.error
     import urllib.request
 
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="POST"),
-                                    timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as err:
-        return err.code
+    for _ in range(15):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="POST"),
+                                        timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as err:
+            if err.code != 503 or "Retry-After" not in err.headers:
+                return err.code
+            time.sleep(float(err.headers["Retry-After"]))
+    return 503
+
+
+async def fat_heads_phase(proc: SidecarProcess, count: int) -> dict[str, Any]:
+    line = b"GET /leader?" + b"q" * (MAX_LINE - 40) + b" HTTP/1.1\r\n"
+    field = b"X-Fat-%d: " + b"v" * (MAX_FIELD - 20) + b"\r\n"
+    head = line + b"".join(field % i for i in range(MAX_HEADERS - 1))
+    conns: list[asyncio.StreamWriter] = []
+    assert proc.proc is not None
+    with PeakRss(proc.proc.pid) as peak:
+        for _ in range(count):
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", proc.port)
+            except OSError:
+                continue
+            writer.write(head)
+            conns.append(writer)
+        await asyncio.gather(*(w.drain() for w in conns), return_exceptions=True)
+        await asyncio.sleep(1.0)
+        for writer in conns:
+            writer.close()
+        peak_mib = peak.peak
+    await asyncio.sleep(HEADER_TIMEOUT)
+    return {"connections": len(conns), "head_bytes_each": len(head),
+            "rss_mib_peak": round(peak_mib, 1),
+            "rss_mib_after": round(rss_mib(proc.proc.pid), 1)}
 
 
 async def slowloris_phase(proc: SidecarProcess, count: int, limit: float) -> dict[str, Any]:
@@ -198,10 +237,12 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         await asyncio.sleep(1)
         result: dict[str, Any] = {
             "limits": {"max_connections": MAX_CONNECTIONS, "max_waiters": MAX_WAITERS,
-                       "header_timeout_s": HEADER_TIMEOUT},
+                       "header_timeout_s": HEADER_TIMEOUT, "max_line": MAX_LINE,
+                       "max_field": MAX_FIELD, "max_headers": MAX_HEADERS},
             "rss_mib_idle": round(rss_mib(proc.proc.pid), 1),
         }
         result["waiters"] = await waiters_phase(proc, args.waiters, settle=2.0)
+        result["fat_heads"] = await fat_heads_phase(proc, MAX_CONNECTIONS)
         result["slowloris"] = await slowloris_phase(proc, args.slowloris,
                                                     limit=args.slowloris_limit)
         result["alive_after"] = get_json(proc.url + "/healthz")[0] == 200
