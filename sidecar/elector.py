@@ -64,10 +64,17 @@ class Elector:
         self._stopping = False
 
     # -- control from outside ----------------------------------------------------------
-    def request_release(self) -> None:
-        """Step down voluntarily (``POST /release``); we sit out one lease duration."""
+    def request_release(self) -> bool:
+        """Step down voluntarily (``POST /release``); we sit out one lease duration.
+
+        Only a holder can: False (and nothing remembered) otherwise, since a remembered
+        request would end the next term right after it began.
+        """
+        if not self.state.facts.holding:
+            return False
         self._release_requested = True
         self._wake.set()
+        return True
 
     def stop(self) -> None:
         """Ask the loop to end; ``run`` then unpublishes and releases.
@@ -119,6 +126,7 @@ class Elector:
         # have been decided), since an acquire may wait in the server for the release.
         delay = max(self.settings.claim_horizon, grant.claim_delay)
         replied = self._clock.monotonic()
+        self._release_requested = False  # asked of an earlier term, which has ended
         self.state.update(
             "acquired", holding=True, released=False, claim_from=replied + delay,
             valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
