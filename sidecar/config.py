@@ -28,6 +28,7 @@ from typing import Any
 from sidecar.dsn import DsnError
 from sidecar.lease import BACKENDS, backend_module
 from sidecar.lease.rowlease import validate_identifier
+from sidecar.names import object_name_problem, prefixed
 from sidecar.redact import redact, remember_secrets
 
 # The name the backend modules import; the one redaction function (sidecar.redact).
@@ -37,7 +38,6 @@ ROLES = ("all", "worker", "api")
 POD_LABEL_MODES = ("auto", "on", "off")
 DEFAULT_SQLITE_PATH = "/var/tmp/lease-sidecar/leases.sqlite3"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 # Go's duration syntax: one or more <number><unit>; a lone number is seconds here.
 _NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
@@ -248,7 +248,7 @@ class Settings:
 
     def row_name(self, name: str) -> str:
         """Row / Lease-object key, namespaced so services sharing a database never collide."""
-        return f"{self.key_prefix}.{name}" if self.key_prefix else name
+        return prefixed(self.key_prefix, name)
 
     def public(self) -> dict[str, Any]:
         """Settings safe to show in /status and logs: no password, only finite numbers."""
@@ -360,10 +360,9 @@ def validate(s: Settings) -> None:
              f"replica confirmation needs a row backend on a server, not {s.backend}")
     if s.backend == "kubernetes":
         for name in s.names:
-            if not _DNS_SUBDOMAIN.match(s.row_name(name)) or len(s.row_name(name)) > 253:
-                fail("LEASE_NAME", "--name",
-                     f"{s.row_name(name)!r} (key prefix + name) is not a valid Kubernetes "
-                     "object name (lowercase letters, digits, '-', '.')")
+            problem = object_name_problem(s.key_prefix, name)
+            if problem:
+                fail("LEASE_NAME", "--name", problem)
     if len(s.identity) > 128:
         fail("LEASE_IDENTITY", "--identity", "longer than 128 characters")
     validate_timing(s)
