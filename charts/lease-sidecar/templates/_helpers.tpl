@@ -83,8 +83,10 @@ env:
     value: {{ .Values.lease.role | quote }}
   - name: LEASE_DURATION
     value: {{ .Values.lease.duration | quote }}
+  {{- with .Values.lease.renewInterval }}
   - name: LEASE_RENEW_INTERVAL
-    value: {{ .Values.lease.renewInterval | quote }}
+    value: {{ . | quote }}
+  {{- end }}
   - name: LEASE_CLAIM_HORIZON
     value: {{ .Values.lease.claimHorizon | quote }}
   - name: LEASE_POD_LABEL
