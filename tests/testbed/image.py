@@ -397,12 +397,12 @@ def context_files(repo: Path = REPO) -> list[str]:
     return sorted(found)
 
 
-def build_args(base_ref: str) -> dict[str, str]:
+def build_args(base_ref: str, repo: Path = REPO) -> dict[str, str]:
     """The ``--build-arg`` values: only the base is replaced. ODBC_DRIVER is passed with
     the Dockerfile's own default because buildah 1.28 resolves ``FROM odbc-${ODBC_DRIVER}``
     to the stage only when the argument is given explicitly (else it looks for an image
     named odbc-freetds in a registry)."""
-    text = DOCKERFILE.read_text()
+    text = (repo / "Dockerfile").read_text()
     m = re.search(r"^ARG\s+ODBC_DRIVER=(\S+)", text, re.M)
     if not m:
         raise ImageError("the Dockerfile has no `ARG ODBC_DRIVER=<default>` line")
@@ -412,7 +412,7 @@ def build_args(base_ref: str) -> dict[str, str]:
 def image_digest(base_ref: str, repo: Path = REPO) -> str:
     h = hashlib.sha256()
     h.update(f"{RECIPE_VERSION}\0{base_ref}\0".encode())
-    h.update(json.dumps(build_args(base_ref), sort_keys=True).encode())
+    h.update(json.dumps(build_args(base_ref, repo), sort_keys=True).encode())
     for rel in ["Dockerfile", ".dockerignore", *context_files(repo)]:
         path = repo / rel
         if path.exists():
