@@ -157,8 +157,10 @@ def _storage_driver(root: Path) -> str:
 def buildah_cmd() -> list[str]:
     """``buildah`` with this test bed's private store (never the machine's default one)."""
     root = images_dir() / "buildah"
-    # Run state (locks, mount records) belongs on a tmpfs so a reboot clears it.
-    runroot = Path(os.environ.get("XDG_RUNTIME_DIR") or "/run") / "lease-sidecar-buildah"
+    # Run state (locks, mount records) belongs on a tmpfs so a reboot clears it; one per
+    # store, since stores must not share it (LEASE_TESTBED_CACHE may name another cache).
+    tag = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:8]
+    runroot = Path(os.environ.get("XDG_RUNTIME_DIR") or "/run") / f"lease-sidecar-buildah-{tag}"
     return ["buildah", "--root", str(root / "storage"), "--runroot", str(runroot),
             "--storage-driver", _storage_driver(root)]
 
