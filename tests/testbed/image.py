@@ -97,7 +97,7 @@ HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 IMAGE_NAME = "localhost/lease-sidecar"
 BASE_NAME = "localhost/lease-base"
-KEEP_ARCHIVES = 3  # newest image archives kept (several branches may alternate)
+KEEP_ARCHIVES = 4  # newest image archives kept (worktrees sharing the cache alternate)
 
 TOOLS: tuple[str, ...] = ("buildah", "mmdebstrap")
 
@@ -210,6 +210,8 @@ def _clean_working_containers() -> None:
     """Drop working containers an interrupted build left in the private store (their
     mounts included); called under the build lock, so no live build owns one."""
     subprocess.run([*buildah_cmd(), "rm", "--all"], capture_output=True, timeout=300)
+    for partial in images_dir().glob(".lease-sidecar-*.tar.tmp-*"):
+        partial.unlink(missing_ok=True)  # an export killed before its rename
 
 
 # --------------------------------------------------------------------------- base
@@ -486,7 +488,13 @@ def _build_image(base_ref: str, digest: str, workdir: Path, logfile: Path) -> Pa
 
 
 def _prune(keep: Path) -> None:
-    """Keep the newest KEEP_ARCHIVES archives (and their tags); the layer cache stays."""
+    """Keep the newest KEEP_ARCHIVES archives and their tags.
+
+    Then drop dangling images: the untagged leaves of old builds, chiefly each build
+    stage's venv. Cached steps that a kept image still builds on have children, so the
+    layer cache of the apt stages survives. Called under the build lock: no build of
+    this store is running.
+    """
     archives = sorted(images_dir().glob("lease-sidecar-*.tar"),
                       key=lambda p: p.stat().st_mtime, reverse=True)
     for old in archives[KEEP_ARCHIVES:]:
@@ -496,6 +504,7 @@ def _prune(keep: Path) -> None:
         subprocess.run([*buildah_cmd(), "rmi", f"{IMAGE_NAME}:{digest}"],
                        capture_output=True, timeout=300)
         old.unlink(missing_ok=True)
+    subprocess.run([*buildah_cmd(), "rmi", "--prune"], capture_output=True, timeout=600)
 
 
 def build_image() -> ImageArtifact:
