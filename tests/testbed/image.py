@@ -132,6 +132,31 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def cannot_run_reason() -> str | None:
+    """Why buildah cannot work here (not root, missing tools, or its store cannot mount:
+    no CAP_SYS_ADMIN, say), or None. Costs about a second: it mounts an empty container.
+    """
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    # Under the build lock: a build starting meanwhile would remove the probe's container.
+    with _locked(_build_lock()):
+        try:
+            container = _buildah("from", "scratch", timeout=120)
+            try:
+                _buildah("mount", container, timeout=120)
+            finally:
+                subprocess.run([*buildah_cmd(), "rm", container], capture_output=True,
+                               timeout=120)
+        except (ImageError, subprocess.TimeoutExpired) as exc:
+            return f"buildah cannot run here: {str(exc).splitlines()[0]}"
+    return None
+
+
+def _build_lock() -> Path:
+    return cache_root() / "locks" / "image-build.lock"
+
+
 # --------------------------------------------------------------------------- buildah
 
 
@@ -316,7 +341,7 @@ def ensure_base() -> str:
     recipe = base_recipe()
     if _has_image(recipe.ref):
         return recipe.ref
-    with _locked(cache_root() / "locks" / "image-build.lock"):
+    with _locked(_build_lock()):
         return _ensure_base_locked(recipe)
 
 
@@ -522,7 +547,7 @@ def build_image() -> ImageArtifact:
     ref = f"{IMAGE_NAME}:{digest}"
     if final.exists():
         return ImageArtifact(final, ref)
-    with _locked(cache_root() / "locks" / "image-build.lock"):
+    with _locked(_build_lock()):
         if final.exists():  # another process built it while we waited
             return ImageArtifact(final, ref)
         started = time.monotonic()

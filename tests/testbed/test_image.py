@@ -37,7 +37,7 @@ RUN_TOOLS = ("skopeo", "umoci", "runc")
 
 
 def _skip_reason() -> str | None:
-    reason = image.unavailable_reason()
+    reason = image.cannot_run_reason()
     if reason:
         return reason
     missing = [t for t in RUN_TOOLS if shutil.which(t) is None]
