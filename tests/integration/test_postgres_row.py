@@ -137,8 +137,8 @@ async def test_custom_schema_and_table_through_the_backend(pg_dsn: str) -> None:
     try:
         grant = await backend.lease("jobs").try_acquire()
         assert grant.held
-        holders = await postgres_row.list_holders(settings)
-        assert holders[0]["lease"] == "jobs" and holders[0]["holder"] == "a"
+        holders = await postgres_row.list_leases(settings, None)
+        assert holders[0].lease == "jobs" and holders[0].holder == "a"
     finally:
         await backend.close()
     conn = await asyncpg.connect(pg_dsn)
