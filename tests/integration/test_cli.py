@@ -24,8 +24,13 @@ from typing import Any
 
 import pytest
 
+from sidecar.lease.postgres_advisory import lock_id
 from sidecar.lease.sql.dialect import PostgresDialect, TsqlDialect
+from tests.integration.kube_support import create_pods, install_rbac, lease_spec
+from tests.integration.kube_support import sidecar as kube_sidecar
 from tests.support import REPO, SidecarProcess, get_json, one_leader, wait_until
+from tests.testbed.kube import ControlPlane
+from tests.testbed.postgres import PgServer
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -267,3 +272,130 @@ def test_status_backend_error_exits_1(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"lease-sidecar: error: sqlite {db}:")
     assert db.read_bytes() == b"this is not sqlite" * 100
+
+
+# -- status on the real PostgreSQL test bed --------------------------------------------------
+PG_FAST = ["--lease-duration", "3s", "--renew-interval", "300ms", "--renew-deadline", "2s",
+           "--claim-horizon", "250ms"]
+
+
+def contenders(tmp_path: Path, backend: str, dsn: str, count: int) -> list[SidecarProcess]:
+    procs = [SidecarProcess(tmp_path, f"{backend}-{i}",
+                            args=["--backend", backend, "--dsn", dsn, "--name", "jobs",
+                                  *PG_FAST]).start()
+             for i in range(count)]
+    for proc in procs:
+        proc.wait_http()
+    return procs
+
+
+@pytest.mark.postgres
+def test_status_postgres_advisory_lock(tmp_path: Path, pg: PgServer, pg_dsn: str) -> None:
+    procs = contenders(tmp_path, "postgres", pg_dsn, 2)
+    try:
+        leader = wait_until(lambda: one_leader(procs), timeout=10)
+        result = cli("status", "--backend", "postgres", "--dsn", pg_dsn, "--name", "jobs")
+        assert result.returncode == 0, result.stderr
+        # The advisory lock keeps no expiry, and the token lives only in the holder.
+        assert table(result.stdout) == [{"LEASE": "jobs", "HOLDER": leader.identity,
+                                         "FENCING TOKEN": "-", "EXPIRES": "-"}]
+        document = json.loads(cli("status", "--json", "--backend", "postgres", "--dsn", pg_dsn,
+                                  "--name", "jobs").stdout)
+        row = document["leases"][0]
+        assert row["holder"] == leader.identity
+        assert row["lock_id"] == lock_id("lease-sidecar", "jobs")
+        holder_pid = int(pg.psql(
+            "select pid from pg_stat_activity where application_name = "
+            f"'{leader.identity}'", dbname=pg_dsn.rsplit("/", 1)[1]))
+        assert row["pid"] == holder_pid
+        parse_time(row["backend_start"])
+        missing = cli("status", "--backend", "postgres", "--dsn", pg_dsn, "--name", "nosuch")
+        assert missing.returncode == 3 and "no such lease: nosuch" in missing.stderr
+        for output in (result, missing):
+            assert pg.password not in output.stdout + output.stderr
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.mark.postgres
+def test_status_postgres_row_never_creates_the_schema(pg: PgServer, pg_dsn: str,
+                                                      pg_database: str) -> None:
+    result = cli("status", "--backend", "postgres-row", "--dsn", pg_dsn)
+    assert result.returncode == 3
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "schema --apply" in lines[0], result.stderr
+    assert pg.password not in result.stderr
+    assert pg.psql("select count(*) from pg_namespace where nspname = 'lease'",
+                   dbname=pg_database) == "0"
+
+
+@pytest.mark.postgres
+def test_status_postgres_row(tmp_path: Path, pg: PgServer, pg_dsn: str) -> None:
+    applied = cli("schema", "--apply", "--backend", "postgres-row", "--dsn", pg_dsn)
+    assert applied.returncode == 0, applied.stderr
+    procs = contenders(tmp_path, "postgres-row", pg_dsn, 2)
+    try:
+        leader = wait_until(lambda: one_leader(procs), timeout=10)
+        token = leader_body(leader, "jobs")["fencing_token"]
+        before = time.time()
+        result = cli("status", "--backend", "postgres-row", "--dsn", pg_dsn)
+        assert result.returncode == 0, result.stderr
+        [row] = table(result.stdout)
+        assert row["LEASE"] == "jobs" and row["HOLDER"] == leader.identity
+        # The row's version grows with every renew; the holder keeps its acquire's.
+        assert row["FENCING TOKEN"] == "-"
+        assert before < parse_time(row["EXPIRES"]) < time.time() + 3.5
+        document = json.loads(cli("status", "--json", "--backend", "postgres-row",
+                                  "--dsn", pg_dsn, "--name", "jobs").stdout)
+        [entry] = document["leases"]
+        assert entry["holder"] == leader.identity and entry["fencing_token"] is None
+        assert entry["row_version"] >= token
+        missing = cli("status", "--backend", "postgres-row", "--dsn", pg_dsn, "--name", "nosuch")
+        assert missing.returncode == 3 and "no such lease: nosuch" in missing.stderr
+        assert pg.password not in result.stdout + result.stderr + missing.stderr
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+# -- status on the real kube-apiserver ---------------------------------------------------------
+@pytest.mark.kube
+@pytest.mark.slow
+def test_status_kubernetes_reads_and_never_creates_a_lease(
+        control_plane: ControlPlane, kube_namespace: str, tmp_path: Path) -> None:
+    kubeconfig = install_rbac(control_plane, kube_namespace)
+    create_pods(control_plane, kube_namespace, "pod-a")
+    proc = kube_sidecar(tmp_path, "pod-a", kube_namespace, kubeconfig)
+    # As the sidecar's own ServiceAccount, in its namespace: what `kubectl exec` would run.
+    env = {"KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": kube_namespace}
+
+    def status(*args: str) -> subprocess.CompletedProcess[str]:
+        return cli("status", "--backend", "kubernetes", *args, env=env)
+
+    try:
+        proc.start()
+        proc.wait_http()
+        wait_until(lambda: one_leader([proc]), timeout=15)
+        token = leader_body(proc, "jobs")["fencing_token"]
+        spec = lease_spec(control_plane, kube_namespace)
+        result = status()
+        assert result.returncode == 0, result.stderr
+        [row] = table(result.stdout)
+        assert row["LEASE"] == "jobs" and row["HOLDER"] == "pod-a"
+        assert int(row["FENCING TOKEN"]) == spec["leaseTransitions"] == token
+        parse_time(row["EXPIRES"])
+        entry = json.loads(status("--json", "--name", "jobs").stdout)["leases"][0]
+        assert entry["object"] == f"{kube_namespace}/lease-sidecar.jobs"
+
+        missing = status("--name", "nosuch")
+        assert missing.returncode == 3 and "no such lease: nosuch" in missing.stderr
+        assert lease_spec(control_plane, kube_namespace, "nosuch") == {}
+
+        proc.stop()  # SIGTERM: the holder clears holderIdentity, the Lease stays
+        released = status("--name", "jobs")
+        assert released.returncode == 0, released.stderr
+        [row] = table(released.stdout)
+        assert row["HOLDER"] == "-" and row["FENCING TOKEN"] == str(spec["leaseTransitions"])
+    finally:
+        proc.stop()

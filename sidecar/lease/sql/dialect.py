@@ -152,8 +152,10 @@ SELECT pg_notify('{self.channel}', lease_name) FROM gone""")
         # A standby's clock is not the primary's: compare versions, not expiry.
         self.read_replica = Statement(
             f"SELECT {row} FROM {t} WHERE lease_name = CAST(:name AS varchar)")
+        # 1/0, not a boolean: ODBC drivers may hand a boolean over as the text '0'.
         self.list_all = Statement(
-            f"SELECT lease_name, {row}, expires_at > now() FROM {t} ORDER BY lease_name")
+            f"SELECT lease_name, {row}, CASE WHEN expires_at > now() THEN 1 ELSE 0 END "
+            f"FROM {t} ORDER BY lease_name")
 
     def schema_script(self) -> str:
         return self._ddl
