@@ -289,7 +289,7 @@ class Settings:
         }
 
 
-def add_arguments(parser: argparse.ArgumentParser, command: str = "run") -> None:
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     """Flags of the settings ``command`` uses; ``None`` default so we can tell 'not given'."""
     for option in OPTIONS:
         if command not in option.commands:
