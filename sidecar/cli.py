@@ -1,7 +1,8 @@
 """``lease-sidecar run | exec | schema | status``.
 
-Exit codes: 0 clean stop, 2 bad settings (one line naming the setting, before anything
-connects), 75 ``exec --acquire-timeout`` ran out, otherwise the command's own code.
+Exit codes: 0 clean stop, 1 the backend failed, 2 bad settings (one line naming the
+setting, before anything connects), 3 ``status``: no such lease, database or table,
+75 ``exec --acquire-timeout`` ran out, otherwise the command's own code.
 """
 
 from __future__ import annotations
@@ -9,16 +10,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
+import importlib.metadata
 import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
 
-from sidecar import config, jsonlog
+from sidecar import cli_status, config, jsonlog
 from sidecar.config import ConfigError, Settings
-from sidecar.lease import BackendError, backend_module, create_backend
+from sidecar.lease import BackendError, NotFound, backend_module
 from sidecar.redact import redact
 from sidecar.runtime import Sidecar
 
@@ -28,29 +29,46 @@ EXIT_BAD_SETTINGS = 2
 EXIT_NOT_ACQUIRED = 75
 
 
+def version() -> str:
+    """The installed package's version (one source: the package metadata)."""
+    try:
+        return importlib.metadata.version("lease-sidecar")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _command(commands: argparse._SubParsersAction, name: str,
+             text: str) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help=text, description=text)
+    config.add_arguments(parser, name)
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lease-sidecar",
         description="Hold a distributed lease and tell the application whether it leads.")
+    parser.add_argument("--version", action="version", version=f"lease-sidecar {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="hold the lease and publish it (HTTP, file, label)")
-    config.add_arguments(run)
+    _command(commands, "run", "hold the lease and publish it (HTTP, file, label)")
 
-    exe = commands.add_parser("exec", help="run a command only while holding the lease")
-    config.add_arguments(exe)
+    exe = _command(commands, "exec", "run a command only while holding the lease")
     exe.add_argument("--acquire-timeout", default=None,
                      help="give up (exit 75) if the lease is not ours within this duration")
     exe.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
 
-    schema = commands.add_parser("schema", help="print or apply the row-lease table DDL")
-    config.add_arguments(schema)
+    schema = _command(commands, "schema", "print or apply the row-lease table DDL")
     action = schema.add_mutually_exclusive_group(required=True)
-    action.add_argument("--print", action="store_true", dest="print_ddl")
-    action.add_argument("--apply", action="store_true")
+    action.add_argument("--print", action="store_true", dest="print_ddl",
+                        help="print the DDL (connects to nothing, needs no DSN)")
+    action.add_argument("--apply", action="store_true",
+                        help="create the schema and table if missing (idempotent)")
 
-    status = commands.add_parser("status", help="list who holds which lease")
-    config.add_arguments(status)
+    status = _command(commands, "status",
+                      "show who holds which lease (read-only; exit 3: no such lease)")
+    status.add_argument("--json", action="store_true",
+                        help="one JSON document instead of the table")
     return parser
 
 
@@ -63,8 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     flags = vars(args)
     try:
-        settings = config.load(flags)
-        jsonlog.setup(settings.log_level)
+        printing = args.command == "schema" and args.print_ddl
+        settings = config.load(flags, dsn_required=not printing)
+        jsonlog.setup(_log_level(args.command, settings.log_level))
         if args.command == "run":
             return asyncio.run(_run(settings))
         if args.command == "exec":
@@ -76,13 +95,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_exec(settings, cmd, timeout))
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
-        return asyncio.run(_status(settings))
+        return asyncio.run(_status(settings, as_json=args.json))
     except ConfigError as exc:
         return _fail(str(exc))
+    except NotFound as exc:
+        return _fail(str(exc), code=cli_status.EXIT_NOT_FOUND)
     except BackendError as exc:
         return _fail(str(exc), code=1)
     except ValueError as exc:
         return _fail(f"--acquire-timeout: {exc}")
+
+
+def _log_level(command: str, level: str) -> str:
+    """``status`` and ``schema`` print for people: the sidecar's info lines (connected,
+    ...) would only be noise on their stderr, so they log warnings unless asked for
+    debug (or told to keep to errors)."""
+    if command in ("run", "exec") or level in ("debug", "error"):
+        return level
+    return "warning"
 
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
@@ -207,22 +237,5 @@ async def _schema(settings: Settings, apply: bool) -> int:
     return 0
 
 
-async def _status(settings: Settings) -> int:
-    module = backend_module(settings.backend)
-    if hasattr(module, "list_holders"):
-        rows = await module.list_holders(settings)
-    else:
-        backend = create_backend(settings)
-        rows = []
-        try:
-            for name in settings.names:
-                held = await backend.lease(name).describe()
-                rows.append({"lease": name, "holder": held.holder,
-                             "fencing_token": held.fencing_token,
-                             "expires_at": held.expires_at.isoformat() if held.expires_at
-                             else None})
-        finally:
-            await backend.close()
-    for row in rows:
-        print(json.dumps(row, default=str))
-    return 0
+async def _status(settings: Settings, as_json: bool) -> int:
+    return await cli_status.report(settings, as_json=as_json)

@@ -149,23 +149,38 @@ class Option:
     # Durations: the smallest and largest value that can work, in seconds.
     bounds: tuple[float, float] | None = None
     why_low: str = ""
+    # The subcommands that offer this flag (and list it in their --help).
+    commands: frozenset[str] = field(default=frozenset({"run", "exec"}))
+
+
+# ``run`` and ``exec`` hold a lease and take every setting; ``status`` only reads and
+# ``schema`` only provisions, so their flags are the few they use. Every command still
+# reads every LEASE_* variable: one environment describes one sidecar, and a status run in
+# its container sees the same settings (and the same refusals) as the sidecar itself.
+COMMANDS = ("run", "exec", "schema", "status")
+_EVERY = frozenset(COMMANDS)
+_READS = frozenset({"run", "exec", "status"})
 
 
 OPTIONS: tuple[Option, ...] = (
     Option("backend", "LEASE_BACKEND", "--backend", _choice(BACKENDS), "sqlite",
-           "where the lease lives"),
+           "where the lease lives",
+           commands=_EVERY),
     Option("dsn", "LEASE_DSN", "--dsn", _text, None,
-           "backend address: sqlite file path, postgresql:// URL or ODBC connection string"),
+           "backend address: sqlite file path, postgresql:// URL or ODBC connection string",
+           commands=_EVERY),
     Option("replica_dsn", "LEASE_REPLICA_DSN", "--replica-dsn", _text, None,
            "read replica that must confirm an acquisition (row backends)"),
     Option("replica_timeout", "LEASE_REPLICA_TIMEOUT", "--replica-timeout", parse_duration,
            "5s", "how long to wait for the replica to confirm", (0.01, HOUR)),
     Option("names", "LEASE_NAME", "--name", parse_names, "default",
-           "lease name, or several separated by commas (the first is the primary)"),
+           "lease name, or several separated by commas (the first is the primary)",
+           commands=_READS),
     Option("identity", "LEASE_IDENTITY", "--identity", _text, None,
            "this contender's unique id (default: POD_NAME, else host:pid)"),
     Option("key_prefix", "LEASE_KEY_PREFIX", "--key-prefix", _text, "lease-sidecar",
-           "namespace for lock ids and row names"),
+           "namespace for lock ids and row names",
+           commands=_READS),
     Option("lease_duration", "LEASE_DURATION", "--lease-duration", parse_duration, "15s",
            "TTL of row and Lease backends", (1.0, HOUR)),
     Option("renew_interval", "LEASE_RENEW_INTERVAL", "--renew-interval", parse_duration, None,
@@ -187,15 +202,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("role", "LEASE_ROLE", "--role", _choice(ROLES), "all",
            "all | worker (contend) or api (never contend)"),
     Option("schema", "LEASE_SCHEMA", "--schema", _identifier, "lease",
-           "row-lease schema"),
+           "row-lease schema",
+           commands=_EVERY),
     Option("table", "LEASE_TABLE", "--table", _identifier, None,
-           "row-lease table (default Leases on sqlserver, leases elsewhere)"),
+           "row-lease table (default Leases on sqlserver, leases elsewhere)",
+           commands=_EVERY),
     Option("odbc_driver", "LEASE_ODBC_DRIVER", "--odbc-driver", _text, None,
-           "ODBC driver name when the DSN names none (default FreeTDS)"),
+           "ODBC driver name when the DSN names none (default FreeTDS)",
+           commands=_EVERY),
     Option("pod_label", "LEASE_POD_LABEL", "--pod-label", _choice(POD_LABEL_MODES), "auto",
            "keep the lease-role pod label (auto: when POD_NAME/POD_NAMESPACE are set)"),
     Option("exec_grace", "LEASE_EXEC_GRACE", "--grace", parse_duration, "10s",
-           "exec: time between SIGTERM and SIGKILL of the command on lease loss", (0.0, HOUR)),
+           "exec: time between SIGTERM and SIGKILL of the command on lease loss", (0.0, HOUR),
+           commands=frozenset({"exec"})),
     Option("log_level", "LEASE_LOG_LEVEL", "--log-level",
            _choice(("debug", "info", "warning", "error")), "info", "log level"),
 )
@@ -270,18 +289,25 @@ class Settings:
         }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags for every setting; ``None`` default so we can tell 'not given'."""
+def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Flags of the settings ``command`` uses; ``None`` default so we can tell 'not given'."""
     for option in OPTIONS:
+        if command not in option.commands:
+            continue
         default = option.default
         if option.field in DERIVED:
             default = f"{DERIVED[option.field][1]} of the lease duration"
+        where = option.env if default is None else f"{option.env}; default {default}"
         parser.add_argument(option.flag, dest=option.field, default=None,
-                            help=f"{option.help} [{option.env}; default {default}]")
+                            help=f"{option.help} [{where}]")
 
 
-def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Settings:
-    """Merge flags over environment over defaults; raise ConfigError on the first bad one."""
+def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None, *,
+         dsn_required: bool = True) -> Settings:
+    """Merge flags over environment over defaults; raise ConfigError on the first bad one.
+
+    ``dsn_required=False`` is for commands that never connect (``schema --print``).
+    """
     flags = flags or {}
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
@@ -314,7 +340,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     # Before any check can fail: every later line that might echo a DSN masks these.
     remember_secrets([values["dsn"], values["replica_dsn"]])
     settings = Settings(**values, explicit=frozenset(explicit))
-    validate(settings)
+    validate(settings, dsn_required=dsn_required)
     return settings
 
 
@@ -347,13 +373,13 @@ _EXTRAS = {"postgres": "postgres", "postgres-row": "postgres", "sqlserver": "sql
            "kubernetes": "kubernetes"}
 
 
-def validate(s: Settings) -> None:
+def validate(s: Settings, *, dsn_required: bool = True) -> None:
     """The rules between settings, then the backend's own checks; one error per rule."""
 
     def fail(env: str, flag: str, message: str) -> None:
         raise ConfigError(f"{env} / {flag}: {message}")
 
-    if s.backend in ("postgres", "postgres-row", "sqlserver") and not s.dsn:
+    if dsn_required and s.backend in ("postgres", "postgres-row", "sqlserver") and not s.dsn:
         fail("LEASE_DSN", "--dsn", f"the {s.backend} backend needs a DSN")
     if s.replica_dsn and s.backend not in ("postgres-row", "sqlserver"):
         fail("LEASE_REPLICA_DSN", "--replica-dsn",

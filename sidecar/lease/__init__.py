@@ -16,10 +16,10 @@ pyodbc, kopf or the kubernetes client.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from sidecar.config import Settings
@@ -51,6 +51,21 @@ class Holder:
     holder: str | None
     fencing_token: int | None = None
     expires_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """One lease that exists in the backend, as ``lease-sidecar status`` shows it."""
+
+    lease: str
+    # The live holder; None when the lease exists but nobody holds it (released, expired).
+    holder: str | None
+    # The holder's fencing token (or the last holder's), where the backend stores it.
+    fencing_token: int | None = None
+    # When the current (or last) term ends; None where a lease has no expiry.
+    expires_at: datetime | None = None
+    # Backend specifics for ``status --json`` (lock id, session pid, object name, ...).
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 class Lease(Protocol):
@@ -95,6 +110,11 @@ class BackendError(Exception):
     """
 
 
+class NotFound(BackendError):
+    """What a read-only command asked for does not exist: no database file, no lease
+    table, no such lease. Never a reason to create it."""
+
+
 # backend name -> module under sidecar.lease; each module defines ``create(settings)``.
 _MODULES = {
     "sqlite": "sqlite",
@@ -108,8 +128,13 @@ BACKENDS = tuple(_MODULES)
 
 
 def backend_module(backend: str) -> ModuleType:
-    """The module of one backend; optional extras: ``schema_sql``, ``apply_schema``,
-    ``list_holders`` (used by ``lease-sidecar schema`` and ``status``)."""
+    """The module of one backend; optional extras: ``schema_sql``, ``apply_schema``
+    (``lease-sidecar schema``) and ``list_leases(settings, names)`` (``status``).
+
+    ``list_leases`` only reads: it returns a :class:`LeaseInfo` for each lease that exists
+    (every lease under the key prefix when ``names`` is None, where the backend can list
+    them), and raises :class:`NotFound` when the store itself does not exist.
+    """
     return importlib.import_module(f"sidecar.lease.{_MODULES[backend]}")
 
 

@@ -55,7 +55,7 @@ from kubernetes.client.exceptions import ApiException
 
 from sidecar.config import ConfigError, Settings
 from sidecar.kube import REQUEST_TIMEOUT, KubeAccess, connect, one_line, request
-from sidecar.lease import BackendError, Grant, Holder
+from sidecar.lease import BackendError, Grant, Holder, LeaseInfo
 from sidecar.names import object_name_problem
 from sidecar.state import Clock, SystemClock
 
@@ -504,12 +504,15 @@ def create(settings: Settings, clock: Clock | None = None) -> KubeBackend:
     return KubeBackend(settings, clock)
 
 
-async def list_holders(settings: Settings) -> list[dict[str, Any]]:
-    """``lease-sidecar status``: every Lease of this key prefix in the namespace."""
+async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list[LeaseInfo]:
+    """``lease-sidecar status``: every Lease of this key prefix in the namespace, listed
+    (never created). A Lease whose holder is empty or whose term ran out on this host's
+    clock exists but is free."""
     backend = KubeBackend(settings)
     try:
         api = await backend.api()
         prefix = f"{settings.key_prefix}." if settings.key_prefix else ""
+        now = datetime.now(UTC)
         rows = []
         for obj in await api.list():
             name = obj["metadata"]["name"]
@@ -517,10 +520,11 @@ async def list_holders(settings: Settings) -> list[dict[str, Any]]:
                 continue
             record = Record.from_object(obj)
             expires = record.expires_at()
-            rows.append({"lease": name[len(prefix):], "object": f"{api.namespace}/{name}",
-                         "holder": record.holder or None,
-                         "fencing_token": record.transitions,
-                         "expires_at": expires.isoformat() if expires else None})
+            live = bool(record.holder) and expires is not None and expires > now
+            rows.append(LeaseInfo(lease=name[len(prefix):],
+                                  holder=record.holder if live else None,
+                                  fencing_token=record.transitions, expires_at=expires,
+                                  details={"object": f"{api.namespace}/{name}"}))
         return rows
     finally:
         await backend.close()

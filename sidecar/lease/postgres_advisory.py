@@ -47,7 +47,7 @@ import asyncpg
 
 from sidecar.config import Settings, check_dsn, redact_dsn
 from sidecar.dsn import check_postgres_url
-from sidecar.lease import BackendError, Grant, Holder
+from sidecar.lease import BackendError, Grant, Holder, LeaseInfo
 
 log = logging.getLogger("sidecar.lease.postgres")
 
@@ -65,12 +65,14 @@ _HOLDER = """select a.application_name from pg_locks l join pg_stat_activity a o
              where l.locktype = 'advisory' and l.granted and l.classid = $1::int8::oid
              and l.objid = $2::int8::oid and l.objsubid = 1
              and l.database = (select oid from pg_database where datname = current_database())"""
-_ALL_HOLDERS = """select l.classid::int8, l.objid::int8, a.application_name, a.pid,
-                  a.backend_start
-                  from pg_locks l join pg_stat_activity a on a.pid = l.pid
-                  where l.locktype = 'advisory' and l.granted and l.objsubid = 1
-                  and l.database = (select oid from pg_database
-                                    where datname = current_database())"""
+# Every session holding or awaiting a bigint advisory lock in this database (standbys
+# wait inside the server, so a contended lease shows its waiters even between holders).
+_ALL_LOCKS = """select l.classid::int8, l.objid::int8, l.granted, a.application_name, a.pid,
+                a.backend_start
+                from pg_locks l join pg_stat_activity a on a.pid = l.pid
+                where l.locktype = 'advisory' and l.objsubid = 1
+                and l.database = (select oid from pg_database
+                                  where datname = current_database())"""
 def _durable(param: str) -> str:
     """SQL that makes the token's transaction commit synchronously.
 
@@ -422,28 +424,36 @@ class AdvisoryBackend:
             await lease.close()
 
 
-async def list_holders(settings: Settings) -> list[dict[str, Any]]:
-    """For ``lease-sidecar status``: who holds each configured lease, from pg_locks."""
+async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list[LeaseInfo]:
+    """For ``lease-sidecar status``, from pg_locks: read-only, no schema, no lock taken.
+
+    A lock id is a hash, so the leases cannot be listed: the names asked for (else the
+    configured ones) are looked up. One "exists" while a session holds or awaits its
+    lock; the holder's fencing token lives only in the holder (``GET /leader``).
+    """
     db = _Conn(settings)
     conn = await db.open()
     try:
-        rows = await conn.fetch(_ALL_HOLDERS)
+        rows = await conn.fetch(_ALL_LOCKS)
     except _DB_ERRORS as exc:
-        raise db.error("list holders", exc) from None
+        raise db.error("list locks", exc) from None
     finally:
         await _close(conn)
-    held = {key_from_halves(r[0], r[1]): r for r in rows}
+    sessions: dict[int, list[asyncpg.Record]] = {}
+    for row in rows:
+        sessions.setdefault(key_from_halves(row[0], row[1]), []).append(row)
     result = []
-    for name in settings.names:
+    for name in names or settings.names:
         key = lock_id(settings.key_prefix, name)
-        row = held.get(key)
-        result.append({
-            "lease": name, "lock_id": key,
-            "holder": row["application_name"] if row else None,
-            "pid": row["pid"] if row else None,
-            "backend_start": row["backend_start"].isoformat()
-            if row and row["backend_start"] else None,
-        })
+        if key not in sessions:
+            continue
+        holder = next((r for r in sessions[key] if r["granted"]), None)
+        details: dict[str, Any] = {"lock_id": key,
+                                   "waiting": sum(not r["granted"] for r in sessions[key])}
+        if holder is not None:
+            details.update(pid=holder["pid"], backend_start=holder["backend_start"])
+        result.append(LeaseInfo(lease=name, details=details,
+                                holder=holder["application_name"] if holder else None))
     return result
 
 

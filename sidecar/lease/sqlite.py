@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import sqlite3
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -22,7 +23,7 @@ from typing import TypeVar
 
 from sidecar.config import Settings, check_dsn
 from sidecar.dsn import check_sqlite
-from sidecar.lease import BackendError
+from sidecar.lease import BackendError, LeaseInfo, NotFound
 from sidecar.lease.rowlease import Row, RowLease
 
 T = TypeVar("T")
@@ -247,6 +248,39 @@ async def apply_schema(settings: Settings) -> None:
         await store.read("")  # connecting creates the file and the tables
     finally:
         await store.close()
+
+
+_LIST = "SELECT name, owner, version, expires_at, expires_at > {now} FROM {table} ORDER BY name"
+
+
+async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list[LeaseInfo]:
+    """Every row under the key prefix, read through a read-only handle: ``status`` must
+    never create the database file, its directory or the table."""
+    path = sqlite_path(settings.dsn or "")
+    table = settings.table_name
+    prefix = settings.row_name("")
+
+    def read() -> list[tuple]:
+        if not os.path.isfile(path):
+            raise NotFound(f"no such lease database: {path} (a sidecar creates it when it "
+                           "starts; status creates nothing)")
+        uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+        try:
+            conn = sqlite3.connect(uri, uri=True, timeout=2.0)
+            try:
+                return conn.execute(_LIST.format(now=_NOW, table=table)).fetchall()
+            finally:
+                conn.close()
+        except sqlite3.Error as exc:
+            if "no such table" in str(exc):
+                raise NotFound(f"no lease table {table} in {path}") from None
+            raise BackendError(f"sqlite {path}: {exc}") from None
+
+    return [LeaseInfo(lease=name[len(prefix):], holder=owner if live else None,
+                      fencing_token=int(version),
+                      expires_at=datetime.fromtimestamp(float(expires), tz=UTC))
+            for name, owner, version, expires, live in await asyncio.to_thread(read)
+            if name.startswith(prefix)]
 
 
 def validate_settings(settings: Settings) -> None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from sidecar.config import Settings, check_dsn
 from sidecar.dsn import check_odbc
+from sidecar.lease import LeaseInfo
 from sidecar.lease.sql.dialect import TsqlDialect
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 from sidecar.lease.sql.store import SqlRowBackend, SqlRowStore, check_names, request_timeout
-from sidecar.lease.sql.store import list_holders as _list_holders
+from sidecar.lease.sql.store import list_leases as _list_leases
 
 
 def _store(settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
@@ -53,5 +54,6 @@ async def apply_schema(settings: Settings) -> None:
         await store.close()
 
 
-async def list_holders(settings: Settings) -> list[dict]:
-    return await _list_holders(settings, _store(settings, settings.dsn or ""))
+async def list_leases(settings: Settings,
+                      names: tuple[str, ...] | None) -> list[LeaseInfo]:
+    return await _list_leases(settings, _store(settings, settings.dsn or ""))

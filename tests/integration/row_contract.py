@@ -122,6 +122,19 @@ class RowStoreContract:
         await store.acquire(other, "b", LONG, "")
         assert await replica_view.read(abandoned) is None
 
+    async def test_list_all_shows_expired_rows_as_not_live(self, store: SqlRowStore) -> None:
+        """``status`` lists without sweeping: an expired row is there, flagged not live by
+        the server's clock. (Acquire sweeps other expired rows, so the live one first.)"""
+        live, expired = fresh(), fresh()
+        await store.acquire(live, "a", LONG, "")
+        await store.acquire(expired, "gone", SHORT, "")
+        await asyncio.sleep(SHORT + 0.4)
+        rows = {name: (row, flag) for name, row, flag in await store.list_all()}
+        assert rows[live][0].owner == "a" and rows[live][1] is True
+        assert rows[expired][0].owner == "gone" and rows[expired][1] is False
+        assert rows[expired][0].expires_at < rows[live][0].expires_at
+        assert await store.read(expired) is None  # the same verdict as the lease path
+
     async def test_concurrent_contenders_have_exactly_one_winner(
             self, make_store: MakeStore) -> None:
         name = fresh()

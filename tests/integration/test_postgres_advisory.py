@@ -168,10 +168,11 @@ def test_exactly_one_of_three_leads(trio: list[SidecarProcess], pg: PgServer,
         if other is not leader:
             assert get_json(other.url + "/leader")[1]["holder"] == leader.identity
     status = subprocess.run(
-        [sys.executable, "-m", "sidecar", "status", "--backend", "postgres", "--dsn", pg_dsn,
-         "--name", "jobs"], capture_output=True, text=True, timeout=30, cwd=REPO)
+        [sys.executable, "-m", "sidecar", "status", "--json", "--backend", "postgres",
+         "--dsn", pg_dsn, "--name", "jobs"], capture_output=True, text=True, timeout=30,
+        cwd=REPO)
     assert status.returncode == 0, status.stderr
-    row = json.loads(status.stdout.splitlines()[0])
+    [row] = json.loads(status.stdout)["leases"]
     assert row["lease"] == "jobs" and row["holder"] == leader.identity
     assert row["pid"] == holder_pid and row["lock_id"] == lock_id("lease-sidecar", "jobs")
     assert pg.password not in status.stdout + status.stderr

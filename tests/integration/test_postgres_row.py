@@ -16,7 +16,7 @@ import asyncpg
 import pytest
 
 from sidecar.config import load
-from sidecar.lease import BackendError, postgres_row
+from sidecar.lease import BackendError, NotFound, postgres_row
 from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
 from sidecar.lease.sql.dialect import PostgresDialect
@@ -137,8 +137,8 @@ async def test_custom_schema_and_table_through_the_backend(pg_dsn: str) -> None:
     try:
         grant = await backend.lease("jobs").try_acquire()
         assert grant.held
-        holders = await postgres_row.list_holders(settings)
-        assert holders[0]["lease"] == "jobs" and holders[0]["holder"] == "a"
+        holders = await postgres_row.list_leases(settings, None)
+        assert holders[0].lease == "jobs" and holders[0].holder == "a"
     finally:
         await backend.close()
     conn = await asyncpg.connect(pg_dsn)
@@ -160,6 +160,8 @@ async def test_errors_are_one_clear_line_without_the_password(pg, pg_dsn: str) -
     for store, expected in cases:
         with pytest.raises(BackendError) as caught:
             await store.acquire(fresh(), "a", LONG, "")
+        # Only the missing table is "not found" (status exits 3, not 1).
+        assert isinstance(caught.value, NotFound) == (store is missing)
         message = str(caught.value)
         assert expected in message and "\n" not in message
         assert pg.password not in message and "not-the-password" not in message

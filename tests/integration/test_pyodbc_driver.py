@@ -23,7 +23,7 @@ import pyodbc
 import pytest
 
 from sidecar.config import load
-from sidecar.lease import BackendError, sqlserver
+from sidecar.lease import BackendError, NotFound, sqlserver
 from sidecar.lease.rowlease import ReplicaCheck, RowLease
 from sidecar.lease.sql.dialect import PostgresDialect, Statement
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
@@ -134,6 +134,17 @@ async def test_errors_map_to_one_clear_line_without_the_password(pg, pg_dsn: str
         message = str(caught.value)
         assert expected in message and "\n" not in message
         assert pg.password not in message and "wrong-password-123" not in message
+
+
+async def test_a_missing_table_is_not_found(pg_dsn: str) -> None:
+    """``status`` tells "no lease table" (exit 3) from an unreachable server (exit 1)."""
+    store = SqlRowStore(PostgresDialect("nowhere"), driver(odbc_dsn(pg_dsn)))
+    try:
+        with pytest.raises(NotFound) as caught:
+            await store.list_all()
+    finally:
+        await store.close()
+    assert "schema --apply" in str(caught.value) and "\n" not in str(caught.value)
 
 
 async def test_sqlserver_backend_names_the_missing_default_driver() -> None:

@@ -24,7 +24,7 @@ from sidecar.lease.sql.pyodbc_driver import _datetimeoffset, odbc_connection_str
 DIALECT = TsqlDialect()
 STATEMENTS = {
     "acquire": DIALECT.acquire, "renew": DIALECT.renew, "release": DIALECT.release,
-    "read": DIALECT.read, "read_replica": DIALECT.read_replica, "list_live": DIALECT.list_live,
+    "read": DIALECT.read, "read_replica": DIALECT.read_replica, "list_all": DIALECT.list_all,
 }
 OUTPUT = ["inserted.OwnerInstanceId", "inserted.ExpiresAtUtc", "inserted.RowVersion"]
 
@@ -190,7 +190,7 @@ def test_odbc_driver_comes_from_the_setting_unless_the_dsn_names_one() -> None:
 def test_postgres_statements_parse_as_postgres() -> None:
     dialect = PostgresDialect()
     for statement in (dialect.acquire, dialect.renew, dialect.release, dialect.read,
-                      dialect.read_replica, dialect.list_live):
+                      dialect.read_replica, dialect.list_all):
         tree = sqlglot.parse(statement.numeric()[0], read="postgres")
         assert tree and not [n for e in tree for n in e.find_all(exp.Command)]
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import asyncpg
 
 from sidecar.config import redact_dsn
-from sidecar.lease import BackendError
+from sidecar.lease import BackendError, NotFound
 from sidecar.lease.sql.dialect import Statement
 
 log = logging.getLogger("sidecar.lease.sql")
@@ -144,7 +144,9 @@ class AsyncpgDriver:
 
     # -- errors --------------------------------------------------------------------------
     def _error(self, exc: BaseException) -> BackendError:
-        return BackendError(f"{self._label} {redact_dsn(self._dsn)}: {describe_error(exc)}")
+        # A missing table is "not found" to ``status``, which must never create it.
+        kind = NotFound if isinstance(exc, asyncpg.UndefinedTableError) else BackendError
+        return kind(f"{self._label} {redact_dsn(self._dsn)}: {describe_error(exc)}")
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:

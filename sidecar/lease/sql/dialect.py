@@ -60,7 +60,8 @@ class Dialect:
     release: Statement
     read: Statement
     read_replica: Statement
-    list_live: Statement
+    # Every row with a last ``live`` column (unexpired by the server's clock), for status.
+    list_all: Statement
 
     def schema_script(self) -> str:
         raise NotImplementedError
@@ -151,8 +152,10 @@ SELECT pg_notify('{self.channel}', lease_name) FROM gone""")
         # A standby's clock is not the primary's: compare versions, not expiry.
         self.read_replica = Statement(
             f"SELECT {row} FROM {t} WHERE lease_name = CAST(:name AS varchar)")
-        self.list_live = Statement(
-            f"SELECT lease_name, {row} FROM {t} WHERE expires_at > now() ORDER BY lease_name")
+        # 1/0, not a boolean: ODBC drivers may hand a boolean over as the text '0'.
+        self.list_all = Statement(
+            f"SELECT lease_name, {row}, CASE WHEN expires_at > now() THEN 1 ELSE 0 END "
+            f"FROM {t} ORDER BY lease_name")
 
     def schema_script(self) -> str:
         return self._ddl
@@ -242,9 +245,10 @@ WHERE LeaseName = :name AND OwnerInstanceId = :owner AND ExpiresAtUtc > SYSDATET
         self.read_replica = Statement(
             f"SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion FROM {t} WITH (READUNCOMMITTED) "
             "WHERE LeaseName = :name;")
-        self.list_live = Statement(
-            f"SELECT LeaseName, OwnerInstanceId, ExpiresAtUtc, RowVersion FROM {t} "
-            "WHERE ExpiresAtUtc > SYSDATETIMEOFFSET() ORDER BY LeaseName;")
+        self.list_all = Statement(
+            f"SELECT LeaseName, OwnerInstanceId, ExpiresAtUtc, RowVersion, "
+            "CASE WHEN ExpiresAtUtc > SYSDATETIMEOFFSET() THEN 1 ELSE 0 END "
+            f"FROM {t} ORDER BY LeaseName;")
 
     def schema_script(self) -> str:
         return self._ddl

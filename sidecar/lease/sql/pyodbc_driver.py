@@ -27,7 +27,7 @@ from datetime import datetime, timedelta, timezone
 import pyodbc
 
 from sidecar.config import redact_dsn
-from sidecar.lease import BackendError
+from sidecar.lease import BackendError, NotFound
 from sidecar.lease.sql.dialect import Statement
 
 DEFAULT_DRIVER = "FreeTDS"
@@ -154,6 +154,9 @@ class PyodbcDriver:
         if _sqlstate(exc) in ("28000", "28P01") or _LOGIN_FAILED.search(message):
             user = _attribute(self._conn_str, "UID", "USER", "USERNAME") or "?"
             return BackendError(f"{self._where()}: login failed for user {user}")
+        if _sqlstate(exc) in ("42S02", "42P01"):  # no such table (SQL Server, PostgreSQL)
+            return NotFound(f"{self._where()}: {message}; run `lease-sidecar schema --apply` "
+                            "to create the lease table")
         if connecting and (_sqlstate(exc) in ("08001", "08S01", "HYT00")
                            or _UNREACHABLE.search(message)):
             return BackendError(f"{self._where()}: network unreachable ({message})")

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from sidecar.config import ConfigError, Settings
+from sidecar.lease import LeaseInfo
 from sidecar.lease.rowlease import ReplicaCheck, Row, RowLease
 from sidecar.lease.sql.dialect import Dialect, Statement
 
@@ -69,9 +70,10 @@ class SqlRowStore:
     async def read(self, name: str) -> Row | None:
         return await self._one(self._read, {"name": name})
 
-    async def list_live(self) -> list[tuple[str, Row]]:
-        rows = await self.driver.fetch(self.dialect.list_live, {})
-        return [(row[0], self.dialect.decode(tuple(row[1:]))) for row in rows]
+    async def list_all(self) -> list[tuple[str, Row, bool]]:
+        """Every row, expired ones included: ``(name, row, live)``."""
+        rows = await self.driver.fetch(self.dialect.list_all, {})
+        return [(row[0], self.dialect.decode(tuple(row[1:-1])), bool(row[-1])) for row in rows]
 
     async def wait_for_release(self, timeout: float) -> None:
         if self.dialect.channel is None:
@@ -125,13 +127,17 @@ class SqlRowBackend:
             await self.replica.close()
 
 
-async def list_holders(settings: Settings, store: SqlRowStore) -> list[dict]:
-    """Live rows under this key prefix, for ``lease-sidecar status``."""
+async def list_leases(settings: Settings, store: SqlRowStore) -> list[LeaseInfo]:
+    """Every row under this key prefix, for ``lease-sidecar status``; only reads.
+
+    The row's version is not the holder's fencing token here: it grows with every renew
+    (for replica confirmation), while the holder keeps the version of its acquire.
+    """
     prefix = settings.row_name("")
     try:
-        rows = await store.list_live()
+        rows = await store.list_all()
     finally:
         await store.close()
-    return [{"lease": name[len(prefix):], "holder": row.owner, "fencing_token": row.version,
-             "expires_at": row.expires_at.isoformat() if row.expires_at else None}
-            for name, row in rows if name.startswith(prefix)]
+    return [LeaseInfo(lease=name[len(prefix):], holder=row.owner if live else None,
+                      expires_at=row.expires_at, details={"row_version": row.version})
+            for name, row, live in rows if name.startswith(prefix)]

@@ -1,0 +1,93 @@
+"""``lease-sidecar status``: who holds which lease, read from the backend, changing nothing.
+
+Which leases: the names given (``--name`` / ``LEASE_NAME``), else every lease under the
+key prefix that the backend can list (a ``postgres`` advisory lock id is a hash and
+cannot be listed: there, the configured name). A lease "exists" while the backend has
+something for it: a row (sqlite, postgres-row, sqlserver; release deletes it), a Lease
+object (kubernetes), a session holding or awaiting its lock (postgres). An existing lease
+nobody holds (released, expired) is shown with holder ``-``.
+
+Output: a table for people, or with ``--json`` one JSON document for programs
+(``{"backend", "key_prefix", "leases": [...], "unknown": [...]}``). Times are written as
+``/leader`` writes them (:func:`sidecar.state.rfc3339`: UTC, milliseconds, ``Z``).
+
+Exit codes: 0 every lease asked for exists (held or free); 3 a lease asked for, the
+database file or the lease table does not exist (nothing is created); the CLI adds 1 for
+an unreachable backend and 2 for bad settings.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from typing import Any, TextIO
+
+from sidecar.config import Settings
+from sidecar.lease import LeaseInfo, backend_module
+from sidecar.state import rfc3339
+
+EXIT_NOT_FOUND = 3
+COLUMNS = ("LEASE", "HOLDER", "FENCING TOKEN", "EXPIRES")
+
+
+async def report(settings: Settings, as_json: bool, out: TextIO | None = None,
+                 err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    asked = settings.names if "names" in settings.explicit else None
+    found = await backend_module(settings.backend).list_leases(settings, asked)
+    if asked is None:
+        leases, unknown = sorted(found, key=lambda info: info.lease), []
+    else:
+        by_name = {info.lease: info for info in found}
+        leases = [by_name[name] for name in asked if name in by_name]
+        unknown = [name for name in asked if name not in by_name]
+    if as_json:
+        out.write(json.dumps(document(settings, leases, unknown)) + "\n")
+    elif leases:
+        out.write(table(leases))
+    elif not unknown:
+        err.write(f"no leases under key prefix {settings.key_prefix!r} "
+                  f"(backend {settings.backend})\n")
+    if unknown:
+        err.write(f"lease-sidecar: no such lease: {', '.join(unknown)} "
+                  f"(backend {settings.backend}, key prefix {settings.key_prefix!r})\n")
+        return EXIT_NOT_FOUND
+    return 0
+
+
+def document(settings: Settings, leases: list[LeaseInfo], unknown: list[str]) -> dict[str, Any]:
+    return {"backend": settings.backend, "key_prefix": settings.key_prefix,
+            "leases": [row(info) for info in leases], "unknown": unknown}
+
+
+def row(info: LeaseInfo) -> dict[str, Any]:
+    """One lease as JSON: the four common fields, then the backend's own."""
+    fields: dict[str, Any] = {"lease": info.lease, "holder": info.holder,
+                              "fencing_token": info.fencing_token,
+                              "expires_at": _time(info.expires_at)}
+    fields.update({key: _time(value) if isinstance(value, datetime) else value
+                   for key, value in info.details.items()})
+    return fields
+
+
+def table(leases: list[LeaseInfo]) -> str:
+    cells = [COLUMNS] + [(info.lease, _cell(info.holder), _cell(info.fencing_token),
+                          _cell(_time(info.expires_at))) for info in leases]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    return "".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths,
+                                                                      strict=True)).rstrip()
+                   + "\n" for line in cells)
+
+
+def _time(value: datetime | None) -> str | None:
+    return rfc3339(value.timestamp()) if value is not None else None
+
+
+def _cell(value: object) -> str:
+    if value is None or value == "":
+        return "-"
+    text = str(value)
+    # A holder is whatever a contender wrote: a newline must not break the table.
+    return text if text.isprintable() else repr(text)
