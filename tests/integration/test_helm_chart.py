@@ -113,7 +113,8 @@ def test_values_reach_the_sidecar_env() -> None:
     assert env_map(pod["containers"][0])["LEASE_LEADER_URL"] == "http://127.0.0.1:9099/leader"
     # No Lease rules without the kubernetes backend: least privilege.
     role = find(docs, "Role")
-    assert rules_set(role) == {("", "pods", v) for v in ("get", "list", "watch", "patch")}
+    assert rules_set(role) == ({("", "pods", v) for v in ("get", "list", "watch", "patch")}
+                               | {("", "events", v) for v in ("create", "patch")})
 
 
 def test_injector_spec_is_the_chart_sidecar() -> None:
@@ -142,7 +143,15 @@ def test_role_matches_deploy_rbac() -> None:
     assert rules_set(chart_role) == (
         {("", "pods", v) for v in ("get", "list", "watch", "patch")}
         | {("coordination.k8s.io", "leases", v)
-           for v in ("get", "list", "watch", "create", "update")})
+           for v in ("get", "list", "watch", "create", "update")}
+        | {("", "events", v) for v in ("create", "patch")})
+
+
+def test_no_pod_or_event_rules_without_the_label() -> None:
+    """lease.podLabel=off turns off the label and the pod Events: no rules for either."""
+    role = find(documents(template("r", "apps", ["lease.podLabel=off"]).stdout), "Role")
+    assert rules_set(role) == {("coordination.k8s.io", "leases", v)
+                               for v in ("get", "list", "watch", "create", "update")}
 
 
 @pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
@@ -187,11 +196,12 @@ def _check_installed(cp: ControlPlane, ns: str, notes: str, kubeconfig: list[str
     # The Role really lets the sidecar's ServiceAccount do its job, and no more.
     sa = f"system:serviceaccount:{ns}:demo-lease-sidecar"
     for verb, resource in [("patch", "pods"), ("watch", "pods"),
-                           ("update", "leases.coordination.k8s.io")]:
+                           ("update", "leases.coordination.k8s.io"), ("create", "events"),
+                           ("patch", "events")]:
         assert cp.kubectl("auth", "can-i", verb, resource, "-n", ns, "--as", sa,
                           check=False).stdout.strip() == "yes"
     for verb, resource in [("delete", "pods"), ("get", "secrets"),
-                           ("delete", "leases.coordination.k8s.io")]:
+                           ("delete", "leases.coordination.k8s.io"), ("delete", "events")]:
         assert cp.kubectl("auth", "can-i", verb, resource, "-n", ns, "--as", sa,
                           check=False).stdout.strip() == "no"
 

@@ -22,9 +22,12 @@ pytestmark = pytest.mark.kube
 
 ALLOWED = [(verb, "pods") for verb in ("get", "list", "watch", "patch")] + [
     (verb, "leases.coordination.k8s.io")
-    for verb in ("get", "list", "watch", "create", "update")]
+    for verb in ("get", "list", "watch", "create", "update")] + [
+    (verb, "events") for verb in ("create", "patch")]
 DENIED = [("delete", "pods"), ("create", "pods"), ("update", "pods"), ("get", "secrets"),
-          ("list", "configmaps"), ("create", "events"), ("delete", "leases.coordination.k8s.io"),
+          ("list", "configmaps"), ("delete", "events"), ("update", "events"),
+          ("list", "events"), ("create", "events.events.k8s.io"),
+          ("delete", "leases.coordination.k8s.io"),
           ("patch", "leases.coordination.k8s.io"), ("get", "roles.rbac.authorization.k8s.io")]
 
 
@@ -46,7 +49,8 @@ def test_the_file_grants_exactly_the_sidecars_rules() -> None:
                for verb in rule["verbs"]}
     assert granted == ({("", "pods", verb) for verb in ("get", "list", "watch", "patch")}
                        | {("coordination.k8s.io", "leases", verb)
-                          for verb in ("get", "list", "watch", "create", "update")})
+                          for verb in ("get", "list", "watch", "create", "update")}
+                       | {("", "events", verb) for verb in ("create", "patch")})
     assert all("resourceNames" not in rule and "nonResourceURLs" not in rule
                for rule in role["rules"])
 
