@@ -35,9 +35,11 @@ spam filter, a token bucket, drops events once its burst is spent).
 Never in the elector's way: ``changed`` does nothing. Tasks on the event loop follow each
 state's ``transitions`` and hand occurrences to a bounded queue (``put_nowait``: a full
 queue drops, never waits); one worker thread aggregates and talks to the apiserver. A
-failing write is not retried on a timer; its count travels with the next write of its
-series. Failures are logged once, and once more when posting works again, not per event:
-a Role without ``events create`` costs one warning line and changes nothing else.
+failed write is tried again after the interval, at most :data:`MAX_TRIES` times in a row
+(the events that matter most, a lost lease, come when the apiserver is in trouble); its
+count travels with the next write of its series in any case. Failures are logged once,
+and once more when posting works again, not per event: a Role without ``events create``
+costs one warning line and changes nothing else.
 
 On ``stop`` the series with unwritten occurrences are written at once (the SIGTERM's
 ``LeaseReleased`` among them), bounded by :data:`STOP_TIMEOUT`. A killed sidecar posts
@@ -75,6 +77,7 @@ WINDOW = 600.0  # seconds: a repeat this close to the previous occurrence joins 
 MIN_WRITE_INTERVAL = 30.0  # seconds between two writes of one series
 QUEUE_SIZE = 64  # occurrences waiting for the worker; transitions are seconds apart
 MAX_SERIES = 128  # series remembered (a few per lease, one per demoted pod)
+MAX_TRIES = 5  # write attempts in a row for one series before it waits for a new occurrence
 STOP_TIMEOUT = 2.0  # seconds stop() waits for the last writes
 FOLLOW_POLL = 5.0  # seconds: re-read the transitions even if no change was signalled
 NOTE_LIMIT = 1024  # the apiserver's limit for a note
@@ -112,6 +115,7 @@ class Series:
     count: int = 1
     dirty: bool = True  # holds occurrences no write has carried yet
     attempted: float = -math.inf  # monotonic: the last write attempt
+    tries: int = 0  # failed write attempts in a row
     name: str | None = None  # the Event object, once created
 
 
@@ -120,8 +124,9 @@ class Aggregator:
 
     def __init__(self, window: float = WINDOW, interval: float = MIN_WRITE_INTERVAL,
                  capacity: int = MAX_SERIES) -> None:
-        # A series must be written before it may expire, or its last count is lost.
-        assert window > interval
+        # A series must be written (or given up) before it may expire, or its last
+        # count is lost.
+        assert window > interval * MAX_TRIES
         self.window, self.interval, self.capacity = window, interval, capacity
         self.series: dict[tuple[str, ...], Series] = {}
 
@@ -141,6 +146,12 @@ class Aggregator:
     def due(self, now: float, force: bool = False) -> list[Series]:
         return [s for s in self.series.values()
                 if s.dirty and (force or now >= s.attempted + self.interval)]
+
+    def wrote(self, series: Series, now: float, ok: bool) -> None:
+        """Book one write attempt (the worker folds no occurrence in meanwhile)."""
+        series.attempted = now
+        series.tries = 0 if ok else series.tries + 1
+        series.dirty = not ok and series.tries < MAX_TRIES
 
     def next_due(self) -> float | None:
         """Monotonic time of the next write, None if nothing waits."""
@@ -348,13 +359,14 @@ class EventPublisher:
     def _flush(self, force: bool) -> None:
         now = time.monotonic()
         for series in self._aggregator.due(now, force):
-            series.dirty, series.attempted = False, now
             try:
                 self._write(series)
             except Exception as exc:
+                self._aggregator.wrote(series, now, ok=False)
                 self._posting.failed(one_line(exc), reason=series.last.reason,
                                      namespace=self._namespace)
             else:
+                self._aggregator.wrote(series, now, ok=True)
                 self._posting.ok()
 
     def _write(self, series: Series) -> None:

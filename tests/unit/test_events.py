@@ -15,6 +15,7 @@ import pytest
 from sidecar.config import Settings
 from sidecar.elector import Elector
 from sidecar.publish.events import (
+    MAX_TRIES,
     MIN_WRITE_INTERVAL,
     QUEUE_SIZE,
     WINDOW,
@@ -125,7 +126,7 @@ def test_the_first_occurrence_is_written_at_once_repeats_once_per_interval():
     assert agg.next_due() is None
     agg.add(occurrence(note="token 1"), now=100.0)
     [series] = agg.due(100.0)
-    series.dirty, series.attempted = False, 100.0  # what the worker does on a write
+    agg.wrote(series, 100.0, ok=True)
     assert agg.next_due() is None
     for i, now in enumerate((101.0, 105.0, 120.0), start=2):
         agg.add(occurrence(note=f"token {i}"), now=now)
@@ -145,10 +146,10 @@ def test_a_series_ends_a_window_after_its_last_occurrence():
     agg = Aggregator()
     agg.add(occurrence(), now=0.0)
     first = agg.series[occurrence().key]
-    first.dirty, first.attempted = False, 0.0
+    agg.wrote(first, 0.0, ok=True)
     agg.add(occurrence(), now=WINDOW)  # within the window of the first: joins it
     assert agg.series[occurrence().key] is first and first.count == 2
-    first.dirty, first.attempted = False, WINDOW
+    agg.wrote(first, WINDOW, ok=True)
     agg.add(occurrence(), now=2 * WINDOW + 1)  # a window after the last: a new object
     fresh = agg.series[occurrence().key]
     assert fresh is not first and fresh.count == 1 and agg.due(2 * WINDOW + 1) == [fresh]
@@ -161,6 +162,24 @@ def test_too_many_series_evict_the_idle_ones_or_drop():
     # Both still have unwritten occurrences: nothing may be evicted.
     assert not agg.add(occurrence(uid="c"), now=2.0)
     for series in agg.due(2.0):
-        series.dirty = False
+        agg.wrote(series, 2.0, ok=True)
     assert agg.add(occurrence(uid="c"), now=3.0)  # evicts the least recently seen, "a"
     assert {key[0] for key in agg.series} == {"b", "c"}
+
+
+def test_a_failed_write_is_tried_again_a_few_times_then_waits_for_a_new_occurrence():
+    agg = Aggregator()
+    agg.add(occurrence(), now=0.0)
+    now = 0.0
+    for attempt in range(1, MAX_TRIES + 1):
+        [series] = agg.due(now)
+        agg.wrote(series, now, ok=False)
+        assert agg.due(now + MIN_WRITE_INTERVAL - 0.1) == []
+        now += MIN_WRITE_INTERVAL
+        assert len(agg.due(now)) == (1 if attempt < MAX_TRIES else 0), attempt
+    assert agg.next_due() is None  # given up: nothing on a timer any more
+    agg.add(occurrence(), now=now)  # the next occurrence carries the count
+    [series] = agg.due(now)
+    assert series.count == 2
+    agg.wrote(series, now, ok=True)
+    assert series.tries == 0 and agg.next_due() is None
