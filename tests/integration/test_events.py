@@ -22,7 +22,7 @@ import pytest
 import yaml
 from kubernetes import client, config, watch
 
-from sidecar.publish.events import MIN_WRITE_INTERVAL
+from sidecar.publish.events import MIN_WRITE_INTERVAL, VOLUNTARY
 from tests.integration.kube_support import (
     RBAC,
     SERVICE_ACCOUNT,
@@ -225,27 +225,41 @@ def test_a_burst_of_transitions_is_one_series_per_reason(
     transitions = 0
     for proc in pair:
         lines = log_lines(proc)
-        acquired = [x for x in lines if x["msg"] == "acquired lease"]
-        stepped = [x for x in lines if x["msg"] == "stepped down"]
-        assert acquired and stepped
-        transitions += len(acquired) + len(stepped)
-        by_reason = {}
+        # What the elector did, from its own log lines, as (reason, type) -> [lines].
+        expected: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for line in lines:
+            if line["msg"] == "acquired lease":
+                key = ("LeaderElected", "Normal")
+            elif line["msg"] == "stepped down" and line["reason"].startswith("lost lease"):
+                key = ("LeaseLost", "Warning")
+            elif line["msg"] == "stepped down":
+                key = ("LeaseReleased", "Normal" if line["reason"] in VOLUNTARY else "Warning")
+            else:
+                continue
+            expected.setdefault(key, []).append(line)
+            transitions += 1
+        # Normally only these two (a stalled machine may add a Warning step-down).
+        assert {("LeaderElected", "Normal"), ("LeaseReleased", "Normal")} <= set(expected)
+        series: dict[tuple[str, str], dict[str, Any]] = {}
         for event in events_of(cp, ns, proc.identity):
-            assert event["reason"] not in by_reason, "one series per reason"
-            by_reason[event["reason"]] = event
-        assert set(by_reason) == {"LeaderElected", "LeaseReleased"}
-        objects += len(by_reason)
-        # Every occurrence counted; the note follows the latest one.
-        assert by_reason["LeaderElected"]["count"] == len(acquired)
-        assert by_reason["LeaseReleased"]["count"] == len(stepped)
-        last = acquired[-1]["fencing_token"]
-        assert by_reason["LeaderElected"]["message"] == (
-            f"acquired lease jobs, fencing token {last}")
-        end = stepped[-1]
-        assert by_reason["LeaseReleased"]["message"] == (
-            f"released lease jobs, fencing token {end['fencing_token']}: {end['reason']}")
-    assert transitions >= 12
-    assert objects == 4
+            key = (event["reason"], event["type"])
+            assert key not in series, f"one object per series: {key}"
+            series[key] = event
+        assert set(series) == set(expected)
+        objects += len(series)
+        for key, occurred in expected.items():
+            # Every occurrence counted; the note follows the latest one.
+            assert series[key]["count"] == len(occurred), key
+            last = occurred[-1]
+            if key[0] == "LeaderElected":
+                note = f"acquired lease jobs, fencing token {last['fencing_token']}"
+            else:
+                verb = "lost" if key[0] == "LeaseLost" else "released"
+                note = (f"{verb} lease jobs, fencing token {last['fencing_token']}: "
+                        f"{last['reason']}")
+            assert series[key]["message"] == note
+    assert transitions >= 14  # 6 hand-overs, the first term and the last release
+    assert objects <= 6
     # One create per series, then at most one write per interval, plus the stop flush.
     assert writes.before + sum(kind == "ADDED" for kind, _ in seen) == objects
     assert writes.before + len(seen) <= objects * (2 + int(seconds // MIN_WRITE_INTERVAL)), seen
@@ -295,7 +309,8 @@ def test_without_events_permission_leadership_is_untouched(
         install_rbac(cp, ns)
         elected = wait_event(cp, ns, first.identity, "LeaderElected", timeout=45)
         acquired = [x for x in log_lines(first) if x["msg"] == "acquired lease"]
-        assert elected["count"] == len(acquired) == 2
+        # Both terms (more if a stalled machine cost it one), none lost.
+        assert elected["count"] == len(acquired) >= 2, (elected, acquired)
         wait_event(cp, ns, first.identity, "LeaseReleased", timeout=10)
         assert [x["msg"] for x in log_lines(first) if "pod events" in x["msg"]] == [
             failures(first)[0]["msg"], "posting pod events works again"]
