@@ -21,9 +21,10 @@ them. ``events.k8s.io/v1`` is the same object under another view, but makes the 
 immutable, so a repeated event could not show the latest fencing token.
 
 Rate limit: the Python client has no counterpart of client-go's event correlator, and
-kopf's poster creates one object per call with no limit, so this file aggregates the way
-the correlator's dedup does. Occurrences with the same regarding pod, lease, reason and
-type form a *series* while each comes within :data:`WINDOW` of the previous one: one
+kopf's poster creates one object per call with no limit, so this file folds repeats into
+a count as the correlator does, but keyed without the note (the fencing token in it
+changes every term). Occurrences with the same regarding pod, lease, reason and type
+form a *series* while each comes within :data:`WINDOW` of the previous one: one
 Event object whose ``count``, ``lastTimestamp`` and note follow the latest occurrence.
 The first occurrence is written at once; a series is written at most once per
 :data:`MIN_WRITE_INTERVAL`, repeats in between only raise the count the next write
