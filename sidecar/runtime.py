@@ -78,9 +78,10 @@ class Sidecar:
         ]
         self.publishers: list[Publisher] = [FilePublisher(self.states, self.state_dir)]
         if pod_label_wanted(settings):
-            from sidecar.publish import pod_label
+            from sidecar.publish import events, pod_label
 
-            self.publishers.append(pod_label.create(settings, self.states))
+            labels = pod_label.create(settings, self.states)
+            self.publishers += [labels, events.create(settings, self.states, labels)]
         self.publishers += publishers or []
         self.backend: Backend | None = None
         self.electors: dict[str, Elector] = {}

@@ -42,6 +42,7 @@ import json
 import logging
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +116,9 @@ class PodLabelPublisher:
         self._desired = self._compute()
         self._stop_flag = threading.Event()
         self._kopf: threading.Thread | None = None
+        # Told each pod we demoted (the PATCH's answer), on kopf's threads; the events
+        # publisher reports it (sidecar.publish.events).
+        self.on_demoted: Callable[[dict[str, Any]], None] | None = None
 
     # -- Publisher -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -252,10 +256,12 @@ class PodLabelPublisher:
         patch: dict[str, Any] = {"metadata": {"labels": {ROLE_LABEL: "standby"}}}
         if version:  # only the version we judged: a newer write wins over our demotion
             patch["metadata"]["resourceVersion"] = version
-        request(self._access.api, "PATCH", self._pod_path(name), patch,
-                content_type=MERGE_PATCH)
+        demoted = request(self._access.api, "PATCH", self._pod_path(name), patch,
+                          content_type=MERGE_PATCH)
         log.info("demoted stale leader label", extra={
             "pod": name, "lease": self._state.lease, "identity": self._state.identity})
+        if self.on_demoted is not None:
+            self.on_demoted(demoted)
 
 
 def create(settings: Settings, states: list[LeaseState]) -> PodLabelPublisher:

@@ -115,7 +115,8 @@ def test_values_reach_the_sidecar_env() -> None:
     assert env_map(pod["containers"][0])["LEASE_LEADER_URL"] == "http://127.0.0.1:9099/leader"
     # No Lease rules without the kubernetes backend: least privilege.
     role = find(docs, "Role")
-    assert rules_set(role) == {("", "pods", v) for v in ("get", "list", "watch", "patch")}
+    assert rules_set(role) == ({("", "pods", v) for v in ("get", "list", "watch", "patch")}
+                               | {("", "events", v) for v in ("create", "patch")})
 
 
 def test_injector_spec_is_the_chart_sidecar() -> None:
@@ -147,7 +148,8 @@ def test_role_matches_deploy_rbac() -> None:
         {("", "pods", v, ()) for v in ("get", "list", "watch", "patch")}
         | {("coordination.k8s.io", "leases", v, ("lease-sidecar.default",))
            for v in ("get", "list", "watch", "update")}
-        | {("coordination.k8s.io", "leases", "create", ())})
+        | {("coordination.k8s.io", "leases", "create", ())}
+        | {("", "events", v, ()) for v in ("create", "patch")})
 
 
 def test_role_names_only_this_releases_leases_which_the_chart_creates() -> None:
@@ -157,7 +159,8 @@ def test_role_names_only_this_releases_leases_which_the_chart_creates() -> None:
     assert named_rules(find(docs, "Role", "r-lease-sidecar")) == (
         {("", "pods", v, ()) for v in ("get", "list", "watch", "patch")}
         | {("coordination.k8s.io", "leases", v, objects)
-           for v in ("get", "list", "watch", "update")})  # no create: the chart creates them
+           for v in ("get", "list", "watch", "update")}  # no create: the chart creates them
+        | {("", "events", v, ()) for v in ("create", "patch")})
     leases = [d for d in docs if d["kind"] == "Lease"]
     assert sorted(d["metadata"]["name"] for d in leases) == list(objects)
     for lease in leases:
@@ -177,7 +180,13 @@ def test_role_names_only_this_releases_leases_which_the_chart_creates() -> None:
     docs = documents(template("r", "apps", ["lease.backend=postgres",
                                             "lease.dsnSecret.name=pg"]).stdout)
     assert not [d for d in docs if d["kind"] == "Lease"]
-    assert {r[1] for r in named_rules(find(docs, "Role"))} == {"pods"}
+    assert {r[1] for r in named_rules(find(docs, "Role"))} == {"pods", "events"}
+
+
+def test_no_pod_or_event_rules_without_the_label() -> None:
+    """lease.podLabel=off turns off the label and the pod Events: no rules for either."""
+    role = find(documents(template("r", "apps", ["lease.podLabel=off"]).stdout), "Role")
+    assert {r[1] for r in named_rules(role)} == {"leases"}
 
 
 @pytest.mark.parametrize("values", [
@@ -358,13 +367,15 @@ def _check_installed(cp: ControlPlane, ns: str, notes: str, kubeconfig: list[str
     sa = f"system:serviceaccount:{ns}:demo-lease-sidecar"
     ours = "leases.coordination.k8s.io/lease-sidecar.default"
     for verb, resource in [("patch", "pods"), ("watch", "pods"), ("update", ours),
-                           ("get", ours), ("watch", ours)]:
+                           ("get", ours), ("watch", ours), ("create", "events"),
+                           ("patch", "events")]:
         assert cp.kubectl("auth", "can-i", verb, resource, "-n", ns, "--as", sa,
                           check=False).stdout.strip() == "yes", (verb, resource)
     for verb, resource in [("delete", "pods"), ("get", "secrets"), ("delete", ours),
                            ("create", "leases.coordination.k8s.io"),
                            ("update", "leases.coordination.k8s.io/kube-scheduler"),
-                           ("get", "leases.coordination.k8s.io/kube-scheduler")]:
+                           ("get", "leases.coordination.k8s.io/kube-scheduler"),
+                           ("delete", "events")]:
         assert cp.kubectl("auth", "can-i", verb, resource, "-n", ns, "--as", sa,
                           check=False).stdout.strip() == "no", (verb, resource)
 

@@ -24,9 +24,11 @@ OURS = "leases.coordination.k8s.io/lease-sidecar.jobs"  # the Lease install_rbac
 THEIRS = "leases.coordination.k8s.io/kube-scheduler"  # another controller's Lease
 ALLOWED = [(verb, "pods") for verb in ("get", "list", "watch", "patch")] + [
     (verb, OURS) for verb in ("get", "list", "watch", "update")] + [
-    ("create", "leases.coordination.k8s.io")]
+    ("create", "leases.coordination.k8s.io")] + [
+    (verb, "events") for verb in ("create", "patch")]
 DENIED = [("delete", "pods"), ("create", "pods"), ("update", "pods"), ("get", "secrets"),
-          ("list", "configmaps"), ("create", "events"), ("delete", OURS), ("patch", OURS),
+          ("list", "configmaps"), ("delete", "events"), ("update", "events"),
+          ("list", "events"), ("create", "events.events.k8s.io"), ("delete", OURS), ("patch", OURS),
           ("get", "roles.rbac.authorization.k8s.io"),
           # Other Leases of the namespace: not even readable, let alone writable.
           *((verb, THEIRS) for verb in ("get", "list", "watch", "update", "patch", "delete")),
@@ -55,7 +57,8 @@ def test_the_file_grants_exactly_the_sidecars_rules() -> None:
         {("", "pods", verb, ()) for verb in ("get", "list", "watch", "patch")}
         | {("coordination.k8s.io", "leases", verb, named)
            for verb in ("get", "list", "watch", "update")}
-        | {("coordination.k8s.io", "leases", "create", ())})
+        | {("coordination.k8s.io", "leases", "create", ())}
+        | {("", "events", verb, ()) for verb in ("create", "patch")})
     assert all("nonResourceURLs" not in rule for rule in role["rules"])
 
 
