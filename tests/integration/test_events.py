@@ -24,12 +24,12 @@ from kubernetes import client, config, watch
 
 from sidecar.publish.events import MIN_WRITE_INTERVAL, VOLUNTARY
 from tests.integration.kube_support import (
-    RBAC,
     SERVICE_ACCOUNT,
     create_pods,
     install_rbac,
     leaders,
     lease_spec,
+    rbac_manifest,
     sidecar,
 )
 from tests.support import SidecarProcess, wait_until
@@ -271,7 +271,7 @@ def test_without_events_permission_leadership_is_untouched(
     control_plane: ControlPlane, kube_namespace: str, tmp_path: Path
 ) -> None:
     cp, ns = control_plane, kube_namespace
-    documents = list(yaml.safe_load_all(RBAC.read_text()))
+    documents = list(yaml.safe_load_all(rbac_manifest()))
     role = next(d for d in documents if d["kind"] == "Role")
     role["rules"] = [r for r in role["rules"] if r["resources"] != ["events"]]
     cp.kubectl("-n", ns, "apply", "-f", "-", input=yaml.safe_dump_all(documents))
