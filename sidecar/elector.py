@@ -167,8 +167,8 @@ class Elector:
         except TimeoutError:
             grant = None
         if grant is not None and grant.held:
-            self.state.update(valid_until=sent + grant.valid_for,
-                              fencing_token=grant.fencing_token or facts.fencing_token)
+            token = facts.fencing_token if grant.fencing_token is None else grant.fencing_token
+            self.state.update(valid_until=sent + grant.valid_for, fencing_token=token)
             return
         if grant is not None:
             await self._step_down(f"lost lease: {grant.reason or 'renew refused'}",
