@@ -56,7 +56,10 @@ def main() -> None:
         finally:
             contest.stop()
         version = cp.version
-    overlaps = contest.overlaps()
+        # Inside the block: the electors' event files live in the temporary directory.
+        overlaps = contest.overlaps()
+        terms = contest.tokens_by_term()
+        claimed = {who: len(spans) for who, spans in contest.claims().items()}
     rows = {}
     for sig in ("SIGTERM", "SIGKILL"):
         for direction in ("sidecar->client-go", "client-go->sidecar"):
@@ -64,7 +67,9 @@ def main() -> None:
                      if t.signal == sig and t.direction == direction]
             if times:
                 rows[f"{sig} {direction}"] = summary(times)
-    tokens = [token for _, _, token in contest.tokens_by_term()]
+    tokens = [token for _, _, token in terms]
+    # A run in which some contender's claims went unseen would prove nothing.
+    assert len(claimed) == len(contest.sidecars) + len(contest.electors), claimed
     result = {
         "kubernetes": version, "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
