@@ -64,7 +64,11 @@ def test_sidecars_and_clientgo_electors_never_lead_at_once(
 
     report = "\n".join(f"  {t.signal} {t.direction}: {t.old} -> {t.new} led after "
                        f"{t.seconds * 1000:.0f} ms" for t in contest.takeovers)
-    print(f"\ntakeovers ({took:.0f}s):\n{report}")  # shown with -s: the README's figures
+    print(f"\ntakeovers ({took:.0f}s):\n{report}")  # shown with -s
+    # Every holder's claims were seen, or "no overlap" would prove nothing.
+    claims = contest.claims()
+    for takeover in contest.takeovers:
+        assert claims.get(takeover.old) and claims.get(takeover.new), (takeover, claims)
     overlaps = contest.overlaps()
     assert not overlaps, "claims overlapped:\n" + "\n".join(
         f"  {a} and {b}: {seconds * 1000:.1f} ms" for a, b, seconds in overlaps) + \
