@@ -6,18 +6,35 @@ What it guarantees
   (and, after a fresh acquisition, not before one claim horizon has passed). The claim
   is evaluated by :class:`~sidecar.state.LeaseState` at the moment it is asked for, so a
   frozen process never publishes a stale "leader" when it resumes.
-- Unpublish, then release: on step-down the state stops handing out claims and every
-  publisher is told (file removed, label changed) before the lease is given back.
-- Acquire, wait one claim horizon, then publish. A claim handed out before the previous
-  holder unpublished lasts at most one horizon, and the lease can pass on at once after
-  a release (or a crashed advisory-lock session), so the first claim of a new term waits
-  that horizon out, counted from the acquire's *reply* (an acquire can wait inside the
-  server for the release): no two contenders' claims ever overlap, while the lease
-  itself passes in milliseconds.
+- Unpublish, wait out our claims, then release. On a voluntary step-down (SIGTERM,
+  ``POST /release``) the state stops handing out claims, every publisher is told (file
+  removed, label changed), and the lease is given back only once the last claim already
+  handed out has expired: at most one claim horizon after unpublishing, never later
+  than the lease's own validity. A next holder may therefore start leading the moment
+  it sees the release — as client-go's ``leaderelection`` does — without overlapping us.
+- Acquire, wait one claim horizon, then publish. The first claim of a new term waits
+  ``max(claim_horizon, grant.claim_delay)`` counted from the acquire's *reply* (an
+  acquire can wait inside the server for the release). The releasing side's wait above
+  does not make this one redundant; it still protects against previous holders that
+  could not or did not wait out their claims:
+  * an advisory-lock holder that crashed: the server ends its session and frees the
+    lock at once, while claims it handed out just before may run one more horizon;
+  * after a server restart, an advisory-lock holder that has not heard of it yet
+    (``claim_delay`` stretches the wait to its renew deadline);
+  * a peer that releases before its own leadership has ended: client-go runs
+    ``OnStoppedLeading`` only after its release write has returned, and sidecars of
+    earlier versions released right after unpublishing (a rolling upgrade mixes both).
+  Where none of these can apply — a TTL lease taken over after it ran out, when the
+  previous holder stopped claiming a safety margin before — the wait costs one horizon
+  on a takeover that already took a lease duration, and is kept for one simple rule.
 
 What it does not guarantee
 - That the application stops its work when a claim expires: applications must honour
   ``valid_until`` (or use the fencing token downstream).
+- No overlap when a step-down is not voluntary: a holder that loses the lease (a refused
+  renew, a dropped advisory-lock session) stops claiming at once but cannot recall the
+  claims it already handed out; that window is bounded by the backend's own rules (see
+  the README's backend table), not by this loop.
 - Liveness while the backend is unreachable: then nobody leads, by design.
 
 A backend that cannot be reached is retried with jittered exponential backoff (from the
@@ -65,7 +82,8 @@ class Elector:
 
     # -- control from outside ----------------------------------------------------------
     def request_release(self) -> bool:
-        """Step down voluntarily (``POST /release``); we sit out one lease duration.
+        """Step down voluntarily (``POST /release``): unpublish, wait out the claims
+        handed out, release; then sit out one lease duration.
 
         Only a holder can: False (and nothing remembered) otherwise, since a remembered
         request would end the next term right after it began.
@@ -158,8 +176,8 @@ class Elector:
             self.state.observe_call("renew", self._clock.monotonic() - sent, "timeout")
             grant = None
         if grant is not None and grant.held:
-            self.state.update(valid_until=sent + grant.valid_for,
-                              fencing_token=grant.fencing_token or facts.fencing_token)
+            token = facts.fencing_token if grant.fencing_token is None else grant.fencing_token
+            self.state.update(valid_until=sent + grant.valid_for, fencing_token=token)
             return
         if grant is not None:
             await self._step_down(f"lost lease: {grant.reason or 'renew refused'}",
@@ -172,8 +190,13 @@ class Elector:
     async def _step_down(self, reason: str, release: bool) -> None:
         token = self.state.facts.fencing_token
         self.state.update(released=True, reason=reason)
+        # No claim is handed out from here on; the latest one handed out so far may
+        # still run (at most one horizon, never past the lease's validity).
+        outstanding = self.state.issued_until
         await self._notify()
+        waited = 0.0
         if release:
+            waited = await self._claims_expired(outstanding)
             try:
                 async with asyncio.timeout(max(1.0, self.settings.renew_interval)):
                     await self.lease.release()
@@ -182,7 +205,19 @@ class Elector:
                             extra={**self._fields(token), "error": str(exc)})
         self.state.update("lost" if not release else "released", holding=False,
                           fencing_token=None, holder=None, reason=reason)
-        log.info("stepped down", extra={**self._fields(token), "reason": reason})
+        log.info("stepped down", extra={**self._fields(token), "reason": reason,
+                                        "waited_for_claims_ms": round(waited * 1000, 1)})
+
+    async def _claims_expired(self, until: float) -> float:
+        """Sleep until monotonic ``until``; returns the seconds slept.
+
+        Re-checks the clock after every sleep: a timer may fire early by the loop's
+        clock resolution, and the unit tests move a fake clock while we sleep.
+        """
+        started = self._clock.monotonic()
+        while (left := until - self._clock.monotonic()) > 0:
+            await asyncio.sleep(left)
+        return max(0.0, self._clock.monotonic() - started)
 
     async def _notify(self) -> None:
         for publisher in self.publishers:

@@ -6,8 +6,10 @@ from time P); readers — the HTTP handler, the file and label publishers — as
 frozen and resumes therefore answers "not leader" before the elector has even run.
 
 Every claim handed out expires at ``min(lease validity, now + claim_horizon)``, so a
-claim outlives the moment we stop handing them out by at most one horizon — which is
-what a new holder waits before its first claim.
+claim outlives the moment we stop handing them out by at most one horizon. The state
+remembers the latest expiry it handed out (``issued_until``): a holder that steps down
+waits until then before it gives the lease back, so a next holder that does not wait
+(a client-go elector) never overlaps a claim of ours.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ class LeaseState:
     transitions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
     event_counts: dict[str, int] = field(default_factory=dict)
     stats: CallStats = field(default_factory=CallStats)
+    # Monotonic: the latest ``valid_until`` of any claim handed out so far. Only the
+    # event loop's thread asks for claims, so a plain compare-and-store is enough.
+    issued_until: float = 0.0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _encoded_key: tuple[int, bool, int | None] | None = None
     _encoded: bytes = b""
@@ -121,14 +126,21 @@ class LeaseState:
 
     # -- read by publishers ----------------------------------------------------------
     def claim(self) -> Claim:
-        """Leadership as of now, as a claim valid for at most one horizon."""
+        """Leadership as of now, as a claim valid for at most one horizon.
+
+        Every claim asked for counts as handed out (``issued_until``), whether it then
+        goes to an HTTP client, the file, the pod label or ``/status``.
+        """
         facts = self.facts
         now = self.clock.monotonic()
         if (
             facts.holding and not facts.released
             and facts.claim_from <= now < facts.valid_until
         ):
-            return Claim(True, min(facts.valid_until, now + self.claim_horizon), facts)
+            until = min(facts.valid_until, now + self.claim_horizon)
+            if until > self.issued_until:
+                self.issued_until = until
+            return Claim(True, until, facts)
         return Claim(False, None, facts)
 
     def to_wall(self, monotonic: float | None) -> float | None:

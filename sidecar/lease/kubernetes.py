@@ -2,15 +2,29 @@
 uses one — no database at all.
 
 The Lease object is named ``{key_prefix}.{name}`` (it must be a DNS subdomain) and lives
-in ``POD_NAMESPACE`` (else the kubeconfig's namespace, else ``default``). Its spec:
+in ``POD_NAMESPACE`` (else the kubeconfig's namespace, else ``default``). We own five
+fields of its spec and write them as client-go v0.37's ``leaderelection`` does:
 
 - ``holderIdentity``: the holder, ``""`` once released;
-- ``leaseDurationSeconds``: how long others must wait after they last saw it change;
-- ``acquireTime`` / ``renewTime``: MicroTime, informative only (see below);
-- ``leaseTransitions``: the fencing token. It is incremented by every acquisition
-  (every new term, also when the same identity takes the lease again), so it only grows
-  for as long as the Lease object exists. The sidecar never deletes the object (its Role
-  has no ``delete``); deleting it by hand resets the count.
+- ``leaseDurationSeconds``: how long others must wait after they last saw it change
+  (1 once released);
+- ``acquireTime`` / ``renewTime``: MicroTime, informative only (see below); a new term
+  sets both, a renew only ``renewTime``, a release sets both to the release time;
+- ``leaseTransitions``: the fencing token. 0 when the object is created, +1 with every
+  new term: whenever the holder changes (as client-go counts) and also when the same
+  identity starts a new term (a restarted process must not share its predecessor's
+  token; client-go would keep the count there). A renew or a release keeps it. Since
+  client-go also adds 1 on every takeover and keeps the count on renew and release, the
+  count only grows however sidecars and client-go electors alternate, for as long as the
+  object exists. The sidecar never deletes the object (its Role has no ``delete``);
+  deleting it by hand resets the count.
+
+Every other field is someone else's and survives every write of ours: each write is the
+object as last read (or as the apiserver returned our previous write) with only those
+five fields changed — labels, annotations, ownerReferences, ``spec.preferredHolder``,
+``spec.strategy`` and fields this code has never heard of. (client-go keeps the metadata
+but rebuilds the spec, so its own writes drop ``preferredHolder`` and ``strategy``
+outside coordinated leader election.)
 
 Every write carries the ``resourceVersion`` it was based on, so two contenders cannot both
 win: the apiserver answers ``409 Conflict`` to the slower one, which means "lost the
@@ -23,9 +37,16 @@ passed since then without a change. The holder's claim ends ``lease_duration -
 safety_margin`` after it *sent* its last successful write. A standby can only have seen
 that write after it was sent, so its wait starts later and lasts longer than the holder's
 claim: the two never overlap as long as the two clocks' *rates* differ by less than
-``safety_margin / lease_duration`` — their offsets do not matter at all. After a release
-the lease passes at once; the elector keeps the claims apart (the old holder unpublishes
-before it releases, and a new term waits one claim horizon before its first claim).
+``safety_margin / lease_duration`` — their offsets do not matter at all.
+
+client-go's standbys see less: they compare the record with ``renewTime`` cut to whole
+seconds (``metav1.Time`` in JSON), so two renews within one wall-clock second look like
+one, and they may date our last renew up to one second too early and take over up to 1 s
+before our lease's nominal end. A safety margin of at least one second covers that.
+
+After a release the lease passes at once; the elector keeps the claims apart (the old
+holder unpublishes and waits out the claims it handed out before it releases, and a new
+term waits one claim horizon before its first claim).
 
 Standbys watch the Lease, so a release (``holderIdentity`` cleared and
 ``leaseDurationSeconds`` set to 1, like client-go's ``ReleaseOnCancel``) is taken over at
@@ -41,12 +62,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -88,7 +110,7 @@ def micro_time(wall: float) -> str:
 
 @dataclass(frozen=True)
 class Record:
-    """The parts of a Lease object the election reads."""
+    """The parts of a Lease object the election reads, and the object they came from."""
 
     holder: str  # "" when released
     duration: int  # leaseDurationSeconds
@@ -96,6 +118,9 @@ class Record:
     version: str  # metadata.resourceVersion
     acquire_time: str | None = None
     renew_time: str | None = None
+    # The whole object as the apiserver sent it: a write starts from it, so every field
+    # we do not own goes back unchanged. Empty for an object we are about to create.
+    source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> Record:
@@ -104,19 +129,34 @@ class Record:
                    duration=int(spec.get("leaseDurationSeconds") or 0),
                    transitions=int(spec.get("leaseTransitions") or 0),
                    version=str(obj["metadata"]["resourceVersion"]),
-                   acquire_time=spec.get("acquireTime"), renew_time=spec.get("renewTime"))
+                   acquire_time=spec.get("acquireTime"), renew_time=spec.get("renewTime"),
+                   source=obj)
 
     def body(self, name: str) -> dict[str, Any]:
-        """The object to PUT; ``version`` makes the apiserver refuse a stale write."""
-        metadata: dict[str, Any] = {"name": name}
+        """The object to write: the one we read with our five spec fields set.
+
+        ``version`` makes the apiserver refuse a write based on a stale read.
+        """
+        obj = copy.deepcopy(self.source)
+        obj["apiVersion"] = "coordination.k8s.io/v1"
+        obj["kind"] = "Lease"
+        metadata = obj.setdefault("metadata", {})
+        metadata["name"] = name
+        # The resourceVersion alone guards the write. With the uid too, a renew based on
+        # an object someone deleted by hand would fail (a UID precondition) and the next
+        # holder would create a new object with the count back at 0; without it the
+        # apiserver re-creates the object (Leases allow create-on-update) with our count.
+        metadata.pop("uid", None)
         if self.version:
             metadata["resourceVersion"] = self.version
-        return {
-            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata,
-            "spec": {"holderIdentity": self.holder, "leaseDurationSeconds": self.duration,
-                     "leaseTransitions": self.transitions, "acquireTime": self.acquire_time,
-                     "renewTime": self.renew_time},
-        }
+        else:
+            metadata.pop("resourceVersion", None)
+        spec = obj.get("spec") or {}
+        obj["spec"] = spec
+        spec.update(holderIdentity=self.holder, leaseDurationSeconds=self.duration,
+                    leaseTransitions=self.transitions, acquireTime=self.acquire_time,
+                    renewTime=self.renew_time)
+        return obj
 
     def expires_at(self) -> datetime | None:
         """The holder's own idea of its expiry (wall clock): for ``status`` only."""
@@ -330,12 +370,16 @@ class KubeLease:
                          reason=f"held by {current.holder} (free in {wait:.1f}s unless "
                                 "renewed)")
         # A new term every time — also when the record names us (a restarted process
-        # with the same identity): the token must change with every acquisition.
+        # with the same identity): the token must change with every acquisition. A new
+        # object starts at 0, as client-go's does.
         now = micro_time(self._clock.wall())
-        wanted = Record(holder=self._identity, duration=self._duration,
-                        transitions=(current.transitions + 1) if current else 1,
-                        version=current.version if current else "",
-                        acquire_time=now, renew_time=now)
+        if current is None:
+            wanted = Record(holder=self._identity, duration=self._duration, transitions=0,
+                            version="", acquire_time=now, renew_time=now)
+        else:
+            wanted = replace(current, holder=self._identity, duration=self._duration,
+                             transitions=current.transitions + 1, acquire_time=now,
+                             renew_time=now)
         try:
             if current is None:
                 written = await api.create(self._object, wanted)
@@ -375,15 +419,17 @@ class KubeLease:
         return self._holding(written)
 
     async def release(self) -> None:
-        """Clear the holder so standbys take over at once (client-go's ReleaseOnCancel)."""
+        """Give the lease back as client-go's ``ReleaseOnCancel`` does: holder ``""``,
+        ``leaseDurationSeconds`` 1, ``acquireTime`` = ``renewTime`` = now, the count
+        kept; standbys of either kind take over at once."""
         mine, self._mine = self._mine, None
         if mine is None:
             return
         api = await self._backend.api()
         for _ in range(2):
-            released = Record(holder="", duration=1, transitions=mine.transitions,
-                              version=mine.version, acquire_time=mine.acquire_time,
-                              renew_time=micro_time(self._clock.wall()))
+            now = micro_time(self._clock.wall())
+            released = replace(mine, holder="", duration=1, acquire_time=now,
+                               renew_time=now)
             try:
                 self._observer.observe(await api.replace(self._object, released))
                 return
@@ -433,10 +479,8 @@ class KubeLease:
                      holder=self._identity)
 
     def _renewed(self, base: Record) -> Record:
-        return Record(holder=self._identity, duration=self._duration,
-                      transitions=base.transitions, version=base.version,
-                      acquire_time=base.acquire_time,
-                      renew_time=micro_time(self._clock.wall()))
+        return replace(base, holder=self._identity, duration=self._duration,
+                       renew_time=micro_time(self._clock.wall()))
 
     def _is_ours(self, current: Record | None, mine: Record) -> bool:
         return (current is not None and current.holder == self._identity

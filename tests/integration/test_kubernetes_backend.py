@@ -6,6 +6,7 @@ Role is enough), believes it runs in a Pending Pod object, and uses a 3 s lease.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from tests.integration.kube_support import (
     sidecar,
 )
 from tests.support import REPO, SidecarProcess, get_json, wait_until
-from tests.testbed.kube import ControlPlane
+from tests.testbed import gobuild
+from tests.testbed.kube import ControlPlane, ControlPlaneError
 
 pytestmark = [pytest.mark.kube, pytest.mark.slow]
 
@@ -70,7 +72,7 @@ def test_exactly_one_leads_and_the_lease_names_it(
     assert spec["holderIdentity"] == leader.identity
     assert spec["leaseDurationSeconds"] == 3
     _, body, _ = get_json(leader.url + "/leader")
-    assert body["fencing_token"] == spec["leaseTransitions"] >= 1
+    assert body["fencing_token"] == spec["leaseTransitions"]
     assert spec["acquireTime"].endswith("Z") and spec["renewTime"] >= spec["acquireTime"]
     for standby in (p for p in trio if p is not leader):
         _, body, _ = get_json(standby.url + "/leader")
@@ -206,3 +208,110 @@ def test_a_lease_deleted_by_hand_is_restored_by_its_holder_not_taken_over(
     assert leaders(trio) == [leader]
     assert lease_spec(control_plane, kube_namespace)["leaseTransitions"] == \
         before["leaseTransitions"]
+
+
+def test_a_new_lease_counts_from_0_and_each_term_adds_1(
+    control_plane: ControlPlane, kube_namespace: str, sa_kubeconfig: Path, tmp_path: Path
+) -> None:
+    """client-go's convention: created with leaseTransitions 0; a release keeps the count
+    and writes holder "", leaseDurationSeconds 1, acquireTime = renewTime = release time."""
+    first = sidecar(tmp_path, "pod-a", kube_namespace, sa_kubeconfig, "--pod-label", "off")
+    first.start()
+    try:
+        first.wait_http()
+        wait_until(lambda: first.leader() == 200, timeout=15)
+        assert get_json(first.url + "/leader")[1]["fencing_token"] == 0
+        held = lease_spec(control_plane, kube_namespace)
+        assert (held["holderIdentity"], held["leaseTransitions"]) == ("pod-a", 0)
+    finally:
+        assert first.stop() == 0
+    released = lease_spec(control_plane, kube_namespace)
+    assert released["holderIdentity"] == ""
+    assert released["leaseDurationSeconds"] == 1
+    assert released["leaseTransitions"] == 0
+    assert released["acquireTime"] == released["renewTime"] > held["renewTime"]
+    second = sidecar(tmp_path, "pod-b", kube_namespace, sa_kubeconfig, "--pod-label", "off")
+    second.start()
+    try:
+        second.wait_http()
+        wait_until(lambda: second.leader() == 200, timeout=15)
+        assert get_json(second.url + "/leader")[1]["fencing_token"] == 1
+        assert lease_spec(control_plane, kube_namespace)["leaseTransitions"] == 1
+    finally:
+        assert second.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def coordinated_control_plane() -> Iterator[ControlPlane]:
+    """A control plane of its own, with CoordinatedLeaderElection on: without that gate
+    (beta, off by default in 1.37) the apiserver drops ``spec.preferredHolder`` and
+    ``spec.strategy`` itself, so nothing could show that *we* keep them. Its in-apiserver
+    controller acts only on Leases that have LeaseCandidates; ours has none."""
+    cp = ControlPlane(apiserver_extra_args=[
+        "--feature-gates=CoordinatedLeaderElection=true",
+        "--runtime-config=coordination.k8s.io/v1beta1=true"])
+    try:
+        cp.start()
+    except (gobuild.BuildError, ControlPlaneError) as exc:
+        cp.stop()
+        pytest.fail(f"kube test bed with CoordinatedLeaderElection did not start:\n{exc}",
+                    pytrace=False)
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+def test_fields_we_do_not_own_survive_acquire_renew_and_release(
+    coordinated_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    cp = coordinated_control_plane
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace)
+    cp.kubectl("-n", namespace, "create", "configmap", "owner")
+    owner_uid = json.loads(cp.kubectl("-n", namespace, "get", "configmap", "owner",
+                                      "-o", "json").stdout)["metadata"]["uid"]
+    labels = {"app.kubernetes.io/name": "jobs", "team": "payments"}
+    annotations = {"example.com/contact": "oncall@example.com"}
+    owners = [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner_uid}]
+    foreign_spec = {"preferredHolder": "pod-z", "strategy": "OldestEmulationVersion"}
+    cp.kubectl("-n", namespace, "create", "-f", "-", input=json.dumps({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "lease-sidecar.jobs", "labels": labels,
+                     "annotations": annotations, "ownerReferences": owners},
+        "spec": {**foreign_spec, "leaseTransitions": 41}}))
+
+    def lease() -> dict:  # type: ignore[type-arg]
+        return json.loads(cp.kubectl("-n", namespace, "get", "lease", "lease-sidecar.jobs",
+                                     "-o", "json").stdout)
+
+    def assert_kept(obj: dict, when: str) -> None:  # type: ignore[type-arg]
+        meta, spec = obj["metadata"], obj["spec"]
+        assert meta.get("labels") == labels, when
+        assert annotations.items() <= (meta.get("annotations") or {}).items(), when
+        assert meta.get("ownerReferences") == owners, when
+        assert {k: spec.get(k) for k in foreign_spec} == foreign_spec, when
+
+    assert_kept(lease(), "as created (is the feature gate on?)")
+    proc = sidecar(tmp_path, "pod-a", namespace, kubeconfig, "--pod-label", "off").start()
+    try:
+        proc.wait_http()
+        acquired = wait_until(lambda: (obj := lease())["spec"].get("holderIdentity") == "pod-a"
+                              and obj, timeout=15)
+        assert_kept(acquired, "after acquire")
+        spec = acquired["spec"]
+        assert spec["leaseTransitions"] == 42 and spec["acquireTime"] == spec["renewTime"]
+        renewed = wait_until(lambda: (obj := lease())["spec"]["renewTime"] > spec["renewTime"]
+                             and obj, timeout=5)
+        assert_kept(renewed, "after renew")
+        assert renewed["spec"]["leaseTransitions"] == 42
+        assert renewed["spec"]["acquireTime"] == spec["acquireTime"]
+    finally:
+        assert proc.stop() == 0
+    released = lease()
+    assert_kept(released, "after release")
+    assert released["spec"]["holderIdentity"] == ""
+    assert released["spec"]["leaseDurationSeconds"] == 1
+    assert released["spec"]["leaseTransitions"] == 42
+    assert released["spec"]["acquireTime"] == released["spec"]["renewTime"] \
+        > renewed["spec"]["renewTime"]

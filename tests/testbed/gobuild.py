@@ -13,9 +13,14 @@ Why wrapper modules: ``go install pkg@version`` refuses modules whose go.mod has
 etcd's server module have them.  The wrapper requires the module and restates those
 replacements against published versions.
 
+One more program is built from this repository's own sources: ``clientgo-elector``
+(``tests/interop/clientgo-elector``), client-go's leader election as a small command for
+the interoperability test, built against the client-go release that matches the
+kube-apiserver in use (``v1.37.2`` -> ``v0.37.2``) and cached per version and source hash.
+
 Usage::
 
-    python -m tests.testbed.gobuild [kube-apiserver|kubectl|etcd|helm|all]
+    python -m tests.testbed.gobuild [kube-apiserver|kubectl|etcd|helm|clientgo-elector|all]
 
 or ``ensure_binary("kube-apiserver") -> Path`` from Python.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -50,6 +56,9 @@ FALLBACK_TOOLCHAIN = "go1.27.3"
 TOOLS: tuple[str, ...] = ("kube-apiserver", "kubectl", "etcd", "helm")
 # Built on demand only (not by ``all``): the rule check is its only user.
 OPTIONAL_TOOLS: tuple[str, ...] = ("promtool",)
+# Built from sources in this repository rather than from a published module.
+LOCAL_TOOLS: tuple[str, ...] = ("clientgo-elector",)
+CLIENTGO_ELECTOR_SRC = Path(__file__).resolve().parent.parent / "interop" / "clientgo-elector"
 
 
 class BuildError(RuntimeError):
@@ -145,7 +154,7 @@ def recipe(tool: str, version: str) -> Recipe:
             # none, and the build takes minutes instead of a quarter of an hour.
             tags=("remove_all_sd",),
         )
-    known = ", ".join(TOOLS + OPTIONAL_TOOLS)
+    known = ", ".join(TOOLS + OPTIONAL_TOOLS + LOCAL_TOOLS)
     raise ValueError(f"unknown tool {tool!r}; expected one of {known}")
 
 
@@ -365,6 +374,58 @@ def _kubernetes_version() -> str:
     raise BuildError("no Kubernetes release could be built:\n" + "\n\n".join(errors))
 
 
+def clientgo_version(kube_version: str) -> str:
+    """client-go is published as v0.<minor>.<patch> alongside Kubernetes v1.<minor>.<patch>."""
+    return "v0." + kube_version.split(".", 1)[1]
+
+
+def clientgo_elector() -> Path:
+    """Build (once per client-go version and source) and return ``clientgo-elector``.
+
+    The committed go.mod/go.sum pin the client-go that matches the newest test-bed
+    release; when the test bed had to fall back to an older kube-apiserver, the copy in
+    the build directory is re-pointed at that release's client-go before building.
+    """
+    version = clientgo_version(_kubernetes_version())
+    sources = {name: (CLIENTGO_ELECTOR_SRC / name).read_bytes()
+               for name in ("main.go", "go.mod", "go.sum")}
+    digest = hashlib.sha256(b"".join(name.encode() + b"\0" + data
+                                     for name, data in sorted(sources.items())))
+    final = (cache_root() / "bin" / f"clientgo-elector-{version}-{digest.hexdigest()[:12]}"
+             / "clientgo-elector")
+    with _locked(cache_root() / "locks" / f"clientgo-elector-{version}.lock"):
+        if final.exists():
+            return final
+        go = go_executable()
+        workdir = cache_root() / "build" / f"clientgo-elector-{version}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        for name, data in sources.items():
+            (workdir / name).write_bytes(data)
+        logfile = workdir / "build.log"
+        started = time.monotonic()
+        env = _go_env(_toolchain_env(go, _go_line(sources["go.mod"].decode())))
+        if f"k8s.io/client-go {version}" not in sources["go.mod"].decode():
+            log(f"clientgo-elector: re-pointing at k8s.io/client-go {version} ...")
+            _run([go, "mod", "edit", f"-require=k8s.io/client-go@{version}",
+                  f"-require=k8s.io/apimachinery@{version}"], workdir, env, logfile)
+            _run([go, "mod", "tidy"], workdir, env, logfile)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".clientgo-elector.tmp-{os.getpid()}")
+        try:
+            log(f"clientgo-elector {version}: compiling ...")
+            _run([go, "build", "-trimpath", "-o", str(tmp), "."], workdir, env, logfile)
+            # Without -lease/-identity it must refuse with exit 2: proves it runs.
+            proc = subprocess.run([str(tmp)], capture_output=True, text=True, timeout=60)
+            if proc.returncode != 2 or "-lease and -identity" not in proc.stderr:
+                raise CompileError(f"built clientgo-elector does not run: {proc.stderr[-2000:]}")
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        log(f"clientgo-elector {version}: built in {time.monotonic() - started:.0f}s -> {final}")
+        return final
+
+
 def resolve_version(tool: str) -> str:
     if tool in ("kube-apiserver", "kubectl"):
         return _kubernetes_version()
@@ -373,6 +434,8 @@ def resolve_version(tool: str) -> str:
 
 def ensure_binary(name: str) -> Path:
     """Return the cached binary for ``name``, building it first if needed."""
+    if name == "clientgo-elector":
+        return clientgo_elector()
     recipe(name, "v0.0.0")  # validates the name before any slow work
     version = resolve_version(name)
     path = binary_path(name, version)
@@ -388,7 +451,7 @@ def tool_version(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv) or ["all"]
-    names = list(TOOLS) if args == ["all"] else args
+    names = [*TOOLS, *LOCAL_TOOLS] if args == ["all"] else args
     started = time.monotonic()
     try:
         for name in names:

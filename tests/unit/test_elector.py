@@ -56,6 +56,22 @@ async def test_validity_counts_from_the_send_time():
     assert state.facts.fencing_token == 7
 
 
+async def drive(clock: FakeClock, task: asyncio.Task, step: float = 0.005,
+                limit: float = 2.0, until=None) -> None:  # type: ignore[no-untyped-def]
+    """Move the fake clock in small steps while ``task`` runs (its sleeps are real and
+    short; what it waits for is fake time), until it ends or ``until()`` holds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not task.done() and not (until and until()):
+        assert loop.time() < deadline, "the task did not finish"
+        clock.advance(step)
+        await asyncio.sleep(0.001)
+    if task.done():
+        await task
+    else:
+        await stop(task)
+
+
 async def test_unpublish_then_release():
     clock = FakeClock()
     sink: list[tuple[str, float]] = []
@@ -65,11 +81,78 @@ async def test_unpublish_then_release():
     await elector._acquire_once()
     clock.advance(FAST.claim_horizon)
     assert state.claim().leader
-    await elector.shutdown()
+    await drive(clock, asyncio.create_task(elector.shutdown()))
     order = [what for what, _ in sink]
     assert order.index("unpublish") < order.index("release")
     assert not state.facts.holding
     assert not state.claim().leader
+
+
+@pytest.mark.parametrize("how", ["shutdown", "release request"])
+async def test_the_release_waits_until_the_last_claim_handed_out_has_expired(how):
+    """A next holder that does not wait (client-go) must not overlap our last claim."""
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    clock.advance(FAST.claim_horizon)
+    first = state.claim()
+    clock.advance(FAST.claim_horizon / 2)
+    last = state.claim()  # e.g. an HTTP client asked just before SIGTERM
+    assert first.leader and last.leader and last.valid_until > first.valid_until
+    unpublished_at = clock.now
+    if how == "shutdown":
+        task = asyncio.create_task(elector.shutdown())
+    else:
+        elector.request_release()
+        task = asyncio.create_task(elector._renew_once())  # then sits out a lease
+    await drive(clock, task, step=0.001, until=lambda: not state.facts.holding)
+    released_at = [at for what, at in lease.calls if what == "release"]
+    assert len(released_at) == 1
+    assert released_at[0] >= last.valid_until  # never while our claim may be acted on
+    assert released_at[0] <= last.valid_until + 0.01  # ...and not much later either
+    assert last.valid_until <= unpublished_at + FAST.claim_horizon
+    assert not state.claim().leader and not state.facts.holding
+
+
+async def test_the_release_never_waits_past_the_lease_validity():
+    clock = FakeClock()
+    lease = FakeLease(clock, valid_for=FAST.claim_horizon * 1.5)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    clock.advance(FAST.claim_horizon * 1.2)
+    claim = state.claim()
+    assert claim.leader and claim.valid_until == state.facts.valid_until  # cut by validity
+    await drive(clock, asyncio.create_task(elector.shutdown()), step=0.001)
+    released_at = next(at for what, at in lease.calls if what == "release")
+    assert claim.valid_until <= released_at <= claim.valid_until + 0.01
+
+
+async def test_no_claim_outstanding_means_no_wait_before_the_release():
+    """Nobody asked during the last horizon (or validity already ran out): release now."""
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    clock.advance(FAST.claim_horizon)
+    assert state.claim().leader
+    clock.advance(FAST.claim_horizon)  # that claim has just expired
+    stepped_down_at = clock.now
+    await asyncio.wait_for(elector.shutdown(), 1.0)  # the fake clock stands still
+    assert [at for what, at in lease.calls if what == "release"] == [stepped_down_at]
+
+
+async def test_a_lost_lease_is_not_released_and_not_waited_for():
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    clock.advance(FAST.claim_horizon)
+    assert state.claim().leader
+    lease.grant = False
+    await asyncio.wait_for(elector._renew_once(), 1.0)  # the fake clock stands still
+    assert not state.facts.holding
+    assert "release" not in [what for what, _ in lease.calls]
 
 
 async def test_a_lost_renew_steps_down_without_releasing():

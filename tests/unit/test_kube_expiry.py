@@ -7,6 +7,9 @@ Lease round trips are covered by tests/integration/test_kubernetes_backend.py.
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
 from sidecar.config import ConfigError, Settings
@@ -185,3 +188,41 @@ def test_the_key_prefix_is_part_of_the_name() -> None:
     with pytest.raises(ConfigError):
         object_name(Settings(key_prefix="My_App"), "default")
     assert object_name(Settings(key_prefix=""), "default") == "default"
+
+
+def test_a_write_changes_only_the_five_fields_we_own() -> None:
+    """Read-modify-write: labels, annotations, ownerReferences, spec fields of others and
+    fields this code has never heard of go back as they came."""
+    obj = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+           "metadata": {"name": "lease-sidecar.x", "namespace": "ns", "uid": "u-1",
+                        "resourceVersion": "42", "labels": {"team": "a"},
+                        "annotations": {"example.com/x": "1"},
+                        "ownerReferences": [{"kind": "ConfigMap", "name": "o", "uid": "u-2"}],
+                        "someFutureMeta": {"k": "v"}},
+           "spec": {"holderIdentity": "pod-a", "leaseDurationSeconds": 15,
+                    "leaseTransitions": 3, "acquireTime": "2024-01-01T00:00:00.000000Z",
+                    "renewTime": "2024-01-01T00:00:05.000000Z", "preferredHolder": "pod-z",
+                    "strategy": "OldestEmulationVersion", "someFutureSpec": 7},
+           "someFutureTop": True}
+    pristine = json.loads(json.dumps(obj))
+    record = replace(Record.from_object(obj), holder="pod-b", transitions=4, duration=3,
+                     acquire_time="2024-01-01T00:01:00.000000Z",
+                     renew_time="2024-01-01T00:01:00.000000Z")
+    body = record.body("lease-sidecar.x")
+    assert obj == pristine  # the object we read is not changed in place
+    assert body["spec"] == {**pristine["spec"], "holderIdentity": "pod-b",
+                            "leaseDurationSeconds": 3, "leaseTransitions": 4,
+                            "acquireTime": "2024-01-01T00:01:00.000000Z",
+                            "renewTime": "2024-01-01T00:01:00.000000Z"}
+    # The resourceVersion guards the write; the uid is left out so a renew can re-create
+    # an object deleted by hand with our count (see Record.body).
+    expected_meta = {k: v for k, v in pristine["metadata"].items() if k != "uid"}
+    assert body["metadata"] == expected_meta
+    assert body["someFutureTop"] is True
+
+
+def test_a_new_object_is_written_from_scratch() -> None:
+    body = Record("pod-a", 3, 0, "", "t", "t").body("lease-sidecar.x")
+    assert body["metadata"] == {"name": "lease-sidecar.x"}
+    assert body["spec"]["leaseTransitions"] == 0
+    assert (body["apiVersion"], body["kind"]) == ("coordination.k8s.io/v1", "Lease")

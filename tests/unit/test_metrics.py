@@ -128,6 +128,8 @@ async def test_gauges_follow_the_state():
     assert during['lease_sidecar_last_renew_timestamp_seconds{lease="jobs"}'] == replied_wall
     assert during['lease_sidecar_state_changes_total{lease="jobs"}'] == state.facts.version
 
+    # The scrape handed out a claim: the release waits it out (one horizon on this clock).
+    clock.advance(SETTINGS.claim_horizon)
     await elector.shutdown()  # unpublish, release
     after = scrape([state])
     assert after['lease_sidecar_leader{lease="jobs"}'] == 0

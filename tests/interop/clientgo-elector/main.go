@@ -1,0 +1,139 @@
+// clientgo-elector contends for a Lease with client-go's own leader election
+// (k8s.io/client-go/tools/leaderelection, resourcelock.LeaseLock, ReleaseOnCancel), so the
+// interoperability test can put lease-sidecar next to the reference implementation.
+//
+// It prints one JSON object per line on stdout, each with "event", "identity" and "at"
+// (wall clock, Unix seconds with a fraction, taken on this host):
+//
+//	started   OnStartedLeading ran: from here on this process leads
+//	stopped   OnStoppedLeading ran: it no longer leads (client-go calls it after the
+//	          release on cancel has been written)
+//	wrote     a Create or Update of the Lease naming this process succeeded; carries
+//	          "renew_time" and "lease_seconds" as written, so a test can tell until when
+//	          the lease it wrote is valid by client-go's rules (used after a SIGKILL)
+//	signal    SIGTERM or SIGINT arrived; the context is cancelled
+//	exit      the elector returned; the process exits 0
+//
+// The lock is client-go's LeaseLock, unchanged; the wrapper only reports successful
+// writes. SIGTERM cancels the context, client-go releases the lease (ReleaseOnCancel),
+// runs OnStoppedLeading, and the process exits.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
+)
+
+var (
+	outMu    sync.Mutex
+	identity string
+)
+
+func emit(event string, fields map[string]any) {
+	line := map[string]any{"event": event, "identity": identity,
+		"at": float64(time.Now().UnixNano()) / 1e9}
+	for k, v := range fields {
+		line[k] = v
+	}
+	data, _ := json.Marshal(line)
+	outMu.Lock()
+	defer outMu.Unlock()
+	os.Stdout.Write(append(data, '\n'))
+	os.Stdout.Sync()
+}
+
+// reporting delegates every call to client-go's LeaseLock and reports our own writes.
+type reporting struct {
+	resourcelock.Interface
+}
+
+func (r reporting) report(rec resourcelock.LeaderElectionRecord) {
+	if rec.HolderIdentity != identity {
+		return // the release on cancel: not a claim
+	}
+	emit("wrote", map[string]any{
+		"renew_time":    float64(rec.RenewTime.UnixNano()) / 1e9,
+		"lease_seconds": rec.LeaseDurationSeconds,
+		"transitions":   rec.LeaderTransitions,
+	})
+}
+
+func (r reporting) Create(ctx context.Context, rec resourcelock.LeaderElectionRecord) error {
+	err := r.Interface.Create(ctx, rec)
+	if err == nil {
+		r.report(rec)
+	}
+	return err
+}
+
+func (r reporting) Update(ctx context.Context, rec resourcelock.LeaderElectionRecord) error {
+	err := r.Interface.Update(ctx, rec)
+	if err == nil {
+		r.report(rec)
+	}
+	return err
+}
+
+func main() {
+	kubeconfig := flag.String("kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig file")
+	namespace := flag.String("namespace", "default", "namespace of the Lease")
+	name := flag.String("lease", "", "name of the Lease object")
+	flag.StringVar(&identity, "identity", "", "this contender's identity")
+	leaseDuration := flag.Duration("lease-duration", 3*time.Second, "LeaseDuration")
+	renewDeadline := flag.Duration("renew-deadline", 2*time.Second, "RenewDeadline")
+	retryPeriod := flag.Duration("retry-period", 250*time.Millisecond, "RetryPeriod")
+	flag.Parse()
+	if *name == "" || identity == "" {
+		fmt.Fprintln(os.Stderr, "clientgo-elector: -lease and -identity are required")
+		os.Exit(2)
+	}
+
+	config, err := clientcmd.BuildConfigFromFlags("", *kubeconfig)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "clientgo-elector: kubeconfig: %v\n", err)
+		os.Exit(2)
+	}
+	client := kubernetes.NewForConfigOrDie(config)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	signals := make(chan os.Signal, 1)
+	signal.Notify(signals, syscall.SIGTERM, syscall.SIGINT)
+	go func() {
+		sig := <-signals
+		emit("signal", map[string]any{"signal": sig.String()})
+		cancel()
+	}()
+
+	lock := &resourcelock.LeaseLock{
+		LeaseMeta:  metav1.ObjectMeta{Name: *name, Namespace: *namespace},
+		Client:     client.CoordinationV1(),
+		LockConfig: resourcelock.ResourceLockConfig{Identity: identity},
+	}
+	leaderelection.RunOrDie(ctx, leaderelection.LeaderElectionConfig{
+		Lock:            reporting{lock},
+		Name:            *name,
+		LeaseDuration:   *leaseDuration,
+		RenewDeadline:   *renewDeadline,
+		RetryPeriod:     *retryPeriod,
+		ReleaseOnCancel: true,
+		Callbacks: leaderelection.LeaderCallbacks{
+			OnStartedLeading: func(context.Context) { emit("started", nil) },
+			OnStoppedLeading: func() { emit("stopped", nil) },
+		},
+	})
+	emit("exit", nil)
+}
