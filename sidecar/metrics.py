@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sidecar.lease import duplicate_identity
 from sidecar.state import LeaseState
 
 
@@ -31,6 +32,10 @@ class LeaseCollector(Collector):
                     for name, text in gauges.items()}
         transitions = CounterMetricFamily("lease_transitions", "acquisitions and step-downs",
                                           labels=["lease", "event"])
+        duplicates = CounterMetricFamily(
+            "lease_duplicate_identity",
+            "acquire attempts that found the lease held by another process with our identity",
+            labels=["lease"])
         for state in self._states:
             facts = state.facts
             values = {
@@ -44,8 +49,11 @@ class LeaseCollector(Collector):
                 families[name].add_metric([state.lease], float(value))
             for event, count in state.event_counts.items():
                 transitions.add_metric([state.lease, event], count)
+            duplicates.add_metric([state.lease],
+                                  duplicate_identity[(state.identity, state.lease)])
         yield from families.values()
         yield transitions
+        yield duplicates
 
 
 def registry_for(states: list[LeaseState]) -> CollectorRegistry:
