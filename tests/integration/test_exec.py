@@ -286,4 +286,4 @@ def test_guard_reports_a_command_that_vanished_after_the_check(tmp_path):
         os.close(write_end)
     assert result.returncode == 127
     assert result.stderr.strip().splitlines() == [
-        f"lease-sidecar: exec: {tmp_path / 'gone'}: command not found"]
+        f"lease-sidecar: exec: {tmp_path / 'gone'}: No such file or directory"]
