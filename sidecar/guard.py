@@ -129,6 +129,16 @@ def reap_children(on_reaped: Callable[[int, int], None]) -> bool:
         on_reaped(pid, status)
 
 
+def log(level: str, msg: str, **fields: object) -> None:
+    """One JSON line on stderr, in the shape of the sidecar's own log lines."""
+    import json
+
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+    print(json.dumps({"ts": stamp, "level": level, "logger": "sidecar.guard", "msg": msg,
+                      **fields}), file=sys.stderr, flush=True)
+
+
 def exit_code(status: int) -> int:
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
@@ -146,6 +156,7 @@ class Guard:
         self.status: int | None = None  # the command's exit code, once reaped
         self.stop_at: float | None = None
         self.kill_now = False
+        self.killing = False
         self.termed: set[int] = set()
         self._buffer = b""
 
@@ -178,8 +189,10 @@ class Guard:
         return None
 
     # -- events --------------------------------------------------------------------------
-    def _begin_stop(self) -> None:
+    def _begin_stop(self, why: str | None = None) -> None:
         if self.stop_at is None:
+            if why:  # the guard's own decision (else exec asked and logged it)
+                log("warning", f"stopping the command: {why}", pid=self.worker)
             self.stop_at = time.monotonic()
             assert self.worker is not None
             # One signal to the whole group at once (no race with a forking member);
@@ -197,7 +210,7 @@ class Guard:
         if not data:  # the supervisor is gone
             os.close(self.control)
             self.control = None
-            self._begin_stop()
+            self._begin_stop("lease-sidecar exec is gone")
             return
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
@@ -217,7 +230,7 @@ class Guard:
         except BlockingIOError:
             return
         if any(sig in STOP_SIGNALS for sig in data):
-            self._begin_stop()
+            self._begin_stop("the guard got a signal")
 
     def _reaped(self, pid: int, status: int) -> None:
         if pid == self.worker:
@@ -241,7 +254,7 @@ class Guard:
                 break  # no children: with a subreaper, no descendants either
             now = time.monotonic()
             if self.stop_at is None and now >= self.valid_until:
-                self._begin_stop()  # no extension arrived: the claim has lapsed
+                self._begin_stop("the lease validity passed with no word from exec")
             if self.stop_at is not None:
                 self._signal_tree(now)
                 timeout = TICK
@@ -259,6 +272,9 @@ class Guard:
     def _signal_tree(self, now: float) -> None:
         assert self.worker is not None
         if now >= self.kill_deadline():
+            if not self.killing:
+                self.killing = True
+                log("warning", "the job did not end in time; SIGKILL", pid=self.worker)
             send_signal(self.worker, signal.SIGKILL, group=True)
             for pid in live_descendants(os.getpid()):
                 send_signal(pid, signal.SIGKILL)

@@ -181,6 +181,7 @@ def test_sigkill_of_exec_ends_every_worker(tmp_path, job, mode):
         assert time.monotonic() - killed <= LEASE_DURATION + 0.5
         stopped = {w.pid: w.stopped for w in workers(log, births)}
         assert all(stopped.values()) == (mode == "polite")
+        assert "stopping the command: lease-sidecar exec is gone" in runner.logs()
     finally:
         runner.stop()
 
