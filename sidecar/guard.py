@@ -61,7 +61,10 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in (
 
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
-TICK = 0.02  # how often the tree is re-scanned while it is being stopped
+TICK = 0.02  # how often SIGKILL is repeated until the tree is gone
+# How often the tree is re-scanned for descendants outside the group during the grace (a
+# full /proc scan; exits of our children wake us at once through SIGCHLD anyway).
+SCAN_INTERVAL = 0.1
 
 
 def set_child_subreaper() -> bool:
@@ -157,6 +160,7 @@ class Guard:
         self.stop_at: float | None = None
         self.kill_now = False
         self.killing = False
+        self._next_scan = 0.0
         self.termed: set[int] = set()
         self._buffer = b""
 
@@ -257,7 +261,8 @@ class Guard:
                 self._begin_stop("the lease validity passed with no word from exec")
             if self.stop_at is not None:
                 self._signal_tree(now)
-                timeout = TICK
+                timeout = TICK if self.killing else min(
+                    SCAN_INTERVAL, max(self.kill_deadline() - now, 0.0))
             else:
                 timeout = min(max(self.valid_until - now, 0.0), 3600.0)
             for fd, _ in poller.poll(timeout * 1000 + 1):
@@ -279,6 +284,9 @@ class Guard:
             for pid in live_descendants(os.getpid()):
                 send_signal(pid, signal.SIGKILL)
             return
+        if now < self._next_scan:
+            return
+        self._next_scan = now + SCAN_INTERVAL
         # Descendants outside the group (setsid, double fork) get SIGTERM too, once.
         for pid in set(live_descendants(os.getpid())) - self.termed:
             self.termed.add(pid)

@@ -143,7 +143,7 @@ def end_tree(grace: float, deadline: float) -> None:
             elif pid not in termed:
                 termed.add(pid)
                 guard.send_signal(pid, signal.SIGTERM)
-        time.sleep(guard.TICK)
+        time.sleep(guard.TICK if now >= kill_at else guard.SCAN_INTERVAL)
 
 
 def _own_children(me: int) -> list[int]:

@@ -145,6 +145,28 @@ def test_release_ends_every_worker_before_exec_exits(tmp_path, job):
         assert conn.execute("SELECT count(*) FROM leases").fetchone() == (0,)
 
 
+def test_a_worker_that_left_the_process_group_is_ended_too(tmp_path, job):
+    """``setsid`` takes a worker out of the job's group (and session): still a descendant
+    of the guard, so it gets SIGTERM (and SIGKILL after the grace) like the rest."""
+    command, log = job
+    births: dict[int, int] = {}
+    script = tmp_path / "worker.py"
+    escapee = f"setsid {sys.executable} {script} {log} away-1 polite"
+    runner = start_exec(tmp_path, "exec-a", ["sh", "-c", f"{escapee} & " + command("a")[2]],
+                        "--grace", "5s")
+    try:
+        runner.wait_http()
+        started = wait_workers(log, "a", 2, births) + wait_workers(log, "away", 1, births)
+        away = next(w for w in started if w.tag == "away-1")
+        assert _stat(away.pid)[3] != _stat(started[0].pid)[3]  # another session indeed
+        post_release(runner)
+        runner.proc.wait(timeout=10)
+        assert [w for w in started if w.alive()] == []
+        assert all(w.stopped for w in workers(log, births))
+    finally:
+        runner.stop()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT,
                                  signal.SIGUSR1, signal.SIGQUIT])
 def test_a_signal_to_exec_ends_every_worker(tmp_path, job, sig):
