@@ -151,14 +151,15 @@ def test_a_worker_that_left_the_process_group_is_ended_too(tmp_path, job):
     command, log = job
     births: dict[int, int] = {}
     script = tmp_path / "worker.py"
-    escapee = f"setsid {sys.executable} {script} {log} away-1 polite"
+    escapee = f"setsid {sys.executable} {script} {log} x-1 polite"
     runner = start_exec(tmp_path, "exec-a", ["sh", "-c", f"{escapee} & " + command("a")[2]],
                         "--grace", "5s")
     try:
         runner.wait_http()
-        started = wait_workers(log, "a", 2, births) + wait_workers(log, "away", 1, births)
-        away = next(w for w in started if w.tag == "away-1")
-        assert _stat(away.pid)[3] != _stat(started[0].pid)[3]  # another session indeed
+        stay = wait_workers(log, "a-", 2, births)
+        (away,) = wait_workers(log, "x-", 1, births)
+        started = [*stay, away]
+        assert _stat(away.pid)[3] != _stat(stay[0].pid)[3]  # another session indeed
         post_release(runner)
         runner.proc.wait(timeout=10)
         assert [w for w in started if w.alive()] == []
