@@ -13,7 +13,7 @@ root) may be able to create, replace or remove a file there. A directory is acce
   the pod's own containers (the chart mounts it read-only into the app);
 
 and every directory above it is owned by root or this user and, if others may write to
-it, sticky (else someone could rename ours away and put their own in its place).
+it, sticky or a pod volume (else someone could rename ours away and put theirs there).
 Anything else is a configuration error (exit 2) naming the directory and the reason.
 
 When the *default* (``/run/lease``) cannot be created or written (a non-root user on a
@@ -111,6 +111,8 @@ def state_dir_problem(path: Path, in_pod: bool) -> str | None:
         above = os.stat(parent)
         if above.st_uid not in (0, me):
             return f"{path}: {parent} is owned by uid {above.st_uid}, who could replace it"
+        if in_pod and above.st_uid == 0 and is_mount_point(parent):
+            continue  # a pod volume above us: only the pod's containers reach it
         if above.st_mode & _SHARED and not above.st_mode & stat.S_ISVTX:
             return (f"{path}: {parent} is writable by group or others without the sticky "
                     "bit, so they could replace it")

@@ -145,6 +145,23 @@ def test_a_pod_volume_is_accepted_in_a_pod_only(tmp_path, kubelet_emptydir, opti
     assert not (volume / "leader").exists()
 
 
+@needs_root
+def test_a_directory_inside_a_pod_volume_is_accepted_in_a_pod(tmp_path, kubelet_emptydir):
+    volume = kubelet_emptydir("mode=0777")
+    inside = volume / "leases"
+    outside = run_sidecar(inside, tmp_path)
+    assert outside.returncode == 2 and "without the sticky bit" in one_line(outside)
+    proc = SidecarProcess(tmp_path, "pod-1", args=[
+        "--dsn", str(tmp_path / "l.db"), "--state-dir", str(inside), "--pod-label", "off",
+        *FAST], env={"POD_NAME": "pod-1", "POD_NAMESPACE": "jobs"})
+    proc.start()
+    try:
+        proc.wait_http()
+        wait_until(lambda: (inside / "leader").exists(), timeout=10)
+    finally:
+        assert proc.stop() == 0
+
+
 def test_a_pod_directory_that_is_not_a_mount_is_still_refused(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
