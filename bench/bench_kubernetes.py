@@ -211,7 +211,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-kube-") as tmp, ControlPlane() as cp:
         workdir = Path(tmp)
         ns = cp.create_namespace("bench")
-        kubeconfig = install_rbac(cp, ns)
+        kubeconfig = install_rbac(cp, ns, (f"lease-sidecar.{SIDECAR_LEASE}", ANCHOR_LEASE))
         recorder = Recorder(cp.kubeconfig, ns).start()
         try:
             time.sleep(0.5)

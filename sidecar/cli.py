@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from sidecar import config, jsonlog, supervise
 from sidecar.config import ConfigError, Settings
 from sidecar.lease import BackendError, backend_module, create_backend
+from sidecar.publish.http import ReleaseOutcome
+from sidecar.redact import redact
 from sidecar.runtime import Sidecar
 
 log = logging.getLogger("sidecar.cli")
@@ -54,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _fail(message: str, code: int = EXIT_BAD_SETTINGS) -> int:
-    print(f"lease-sidecar: error: {message}", file=sys.stderr)
+    print(f"lease-sidecar: error: {redact(message)}", file=sys.stderr)
     return code
 
 
@@ -98,10 +101,23 @@ async def _start(sidecar: Sidecar) -> None:
     try:
         await sidecar.start()
     except OSError as exc:
-        host, port = sidecar.settings.http_addr
         await sidecar.stop()
-        raise ConfigError(f"LEASE_HTTP_ADDR / --http-addr: cannot listen on {host}:{port}: "
-                          f"{exc.strerror or exc}") from None
+        raise _start_error(sidecar, exc) from None
+
+
+def _start_error(sidecar: Sidecar, exc: OSError) -> ConfigError:
+    """Name the setting behind a start-up failure: a file error is about the state
+    directory (a ``leader`` *directory* in it, say), a socket error about the address."""
+    if exc.filename is not None:
+        path = os.fsdecode(exc.filename)
+        directory = os.fspath(sidecar.state_dir)
+        if path == directory or path.startswith(directory.rstrip("/") + "/"):
+            return ConfigError(f"LEASE_STATE_DIR / --state-dir: {path}: "
+                               f"{exc.strerror or exc}")
+        return ConfigError(f"cannot start: {path}: {exc.strerror or exc}")
+    host, port = sidecar.settings.http_addr
+    return ConfigError(f"LEASE_HTTP_ADDR / --http-addr: cannot listen on {host}:{port}: "
+                       f"{exc.strerror or exc}")
 
 
 async def _run(settings: Settings) -> int:
@@ -139,10 +155,10 @@ class _ExecSidecar(Sidecar):
         self.job_running = False
         super().__init__(settings)
 
-    def release(self, name: str | None) -> bool:
+    def release(self, name: str | None) -> ReleaseOutcome:
         if self.job_running and (name or self.settings.name) == self.settings.name:
             self.release_requested.set()
-            return True
+            return "released"
         return super().release(name)
 
 

@@ -64,10 +64,17 @@ class Elector:
         self._stopping = False
 
     # -- control from outside ----------------------------------------------------------
-    def request_release(self) -> None:
-        """Step down voluntarily (``POST /release``); we sit out one lease duration."""
+    def request_release(self) -> bool:
+        """Step down voluntarily (``POST /release``); we sit out one lease duration.
+
+        Only a holder can: False (and nothing remembered) otherwise, since a remembered
+        request would end the next term right after it began.
+        """
+        if not self.state.facts.holding:
+            return False
         self._release_requested = True
         self._wake.set()
+        return True
 
     def stop(self) -> None:
         """Ask the loop to end; ``run`` then unpublishes and releases.
@@ -119,6 +126,7 @@ class Elector:
         # have been decided), since an acquire may wait in the server for the release.
         delay = max(self.settings.claim_horizon, grant.claim_delay)
         replied = self._clock.monotonic()
+        self._release_requested = False  # asked of an earlier term, which has ended
         self.state.update(
             "acquired", holding=True, released=False, claim_from=replied + delay,
             valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
@@ -147,6 +155,7 @@ class Elector:
             async with asyncio.timeout(remaining):
                 grant = await self._call("renew", self.lease.try_renew())
         except TimeoutError:
+            self.state.observe_call("renew", self._clock.monotonic() - sent, "timeout")
             grant = None
         if grant is not None and grant.held:
             self.state.update(valid_until=sent + grant.valid_for,
@@ -186,12 +195,17 @@ class Elector:
                     "error": str(exc) or type(exc).__name__})
 
     async def _call(self, what: str, call):  # type: ignore[no-untyped-def]
-        """Run a backend call; map failures to ``None`` and log reachability changes."""
+        """Run a backend call; map failures to ``None`` and log reachability changes.
+
+        Each call that ends is timed into the state for the metrics (``sidecar.stats``).
+        """
+        started = self._clock.monotonic()
         try:
             result = await call
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            self.state.observe_call(what, self._clock.monotonic() - started, "error")
             self._failures += 1
             if self.state.facts.backend_ok or self._failures == 1:
                 log.warning("backend unreachable", extra={
@@ -199,6 +213,8 @@ class Elector:
                     "operation": what, "error": str(exc) or type(exc).__name__})
                 self.state.update(backend_ok=False, reason=f"backend unreachable: {exc}")
             return None
+        self.state.observe_call(what, self._clock.monotonic() - started,
+                                "held" if result.held else "refused")
         if not self.state.facts.backend_ok:
             if self._failures:
                 log.info("backend reachable again", extra={"lease": self.state.lease,

@@ -1,4 +1,8 @@
-"""One JSON object per log line, with the ``extra`` fields of each call."""
+"""One JSON object per log line, with the ``extra`` fields of each call.
+
+Every string in the line (message, extra fields, exception text) passes through
+:func:`sidecar.redact.redact`: a driver error that echoes a DSN never logs a password.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import json
 import logging
 import sys
 
+from sidecar.redact import redact, redact_tree
 from sidecar.state import rfc3339
 
 # Attributes every LogRecord has; anything else came in through ``extra``.
@@ -18,13 +23,13 @@ _PLAIN = (str, int, float, bool, type(None), dict, list, tuple)
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = {"ts": rfc3339(record.created), "level": record.levelname.lower(),
-                "logger": record.name, "msg": record.getMessage()}
+                "logger": record.name, "msg": redact(record.getMessage())}
         # Only plain data from ``extra``: libraries (kopf) attach whole objects whose
         # repr would flood the line.
-        line.update({k: v for k, v in vars(record).items()
+        line.update({k: redact_tree(v) for k, v in vars(record).items()
                      if k not in _STANDARD and isinstance(v, _PLAIN)})
         if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
+            line["exception"] = redact(self.formatException(record.exc_info))
         return json.dumps(line, default=str)
 
 

@@ -1,19 +1,49 @@
 """Prometheus metrics, read off the lease states when scraped.
 
 A custom collector on a registry of our own: nothing to keep in sync with the elector,
-and tests or a host application using the library never collide on metric names.
+and tests or a host application using the library never collide on metric names (the
+process collector, too, is registered only here, not on the library's global registry).
+Names follow Prometheus conventions: one ``lease_sidecar_`` prefix, counters end in
+``_total``, durations in seconds, times as Unix timestamps in seconds. The README's
+metrics reference lists every name; ``tests/unit/test_metrics.py`` keeps them in step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from sidecar import __version__
 from sidecar.lease import duplicate_identity
 from sidecar.state import LeaseState
+from sidecar.stats import OPERATIONS, OUTCOMES
+
+PREFIX = "lease_sidecar_"
+
+# Transitions a lease can go through; each starts at 0 so rate() and increase() see the
+# first one (a counter that appears only with its first event hides that event). A
+# histogram is 16 lines, so only the "held" round trips start at 0.
+EVENTS = ("acquired", "lost", "released")
+
+_GAUGES = {
+    "leader": "1 while this contender hands out leader claims (GET /leader answers 200)",
+    "holding": "1 while the backend grants this contender the lease",
+    "backend_up": "1 while the backend answers",
+    "fencing_token": "fencing token of the current term (0 when not holding)",
+    "claim_expiry_timestamp_seconds":
+        "Unix time the proven validity ends: no claim of this term outlives it unless a "
+        "renew succeeds (0 when not holding)",
+    "last_renew_timestamp_seconds":
+        "Unix time of the last acquire or renew that held the lease (0: never)",
+}
 
 
 class LeaseCollector(Collector):
@@ -21,42 +51,67 @@ class LeaseCollector(Collector):
         self._states = states
 
     def collect(self) -> Iterator[Metric]:
-        gauges = {
-            "lease_is_leader": "1 while this contender publishes a claim",
-            "lease_holding": "1 while the backend grants us the lease",
-            "lease_backend_up": "1 while the backend answers",
-            "lease_fencing_token": "fencing token of the current term (0 when none)",
-            "lease_state_version": "state changes so far",
-        }
-        families = {name: GaugeMetricFamily(name, text, labels=["lease"])
-                    for name, text in gauges.items()}
-        transitions = CounterMetricFamily("lease_transitions", "acquisitions and step-downs",
-                                          labels=["lease", "event"])
+        yield self._build_info()
+        gauges = {name: GaugeMetricFamily(PREFIX + name, text, labels=["lease"])
+                  for name, text in _GAUGES.items()}
+        transitions = CounterMetricFamily(
+            f"{PREFIX}transitions", "leadership transitions of this contender, by event",
+            labels=["lease", "event"])
+        changes = CounterMetricFamily(
+            f"{PREFIX}state_changes",
+            "updates of this lease's state by the elector, renews included", labels=["lease"])
+        round_trips = {op: HistogramMetricFamily(
+            f"{PREFIX}{op}_duration_seconds",
+            f"round trip of one {op} call to the backend, by outcome "
+            f"({', '.join(OUTCOMES[op])})",
+            labels=["lease", "outcome"]) for op in OPERATIONS}
         duplicates = CounterMetricFamily(
-            "lease_duplicate_identity",
-            "acquire attempts that found the lease held by another process with our identity",
-            labels=["lease"])
+            f"{PREFIX}duplicate_identity",
+            "acquire attempts that found the lease held by another live process with this "
+            "contender's identity (identities must be unique)", labels=["lease"])
         for state in self._states:
             facts = state.facts
+            lease = [state.lease]
+            holding_until = state.to_wall(facts.valid_until) if facts.holding else None
             values = {
-                "lease_is_leader": state.claim().leader,
-                "lease_holding": facts.holding,
-                "lease_backend_up": facts.backend_ok,
-                "lease_fencing_token": facts.fencing_token or 0,
-                "lease_state_version": facts.version,
+                "leader": state.claim().leader,
+                "holding": facts.holding,
+                "backend_up": facts.backend_ok,
+                "fencing_token": (facts.fencing_token or 0) if facts.holding else 0,
+                "claim_expiry_timestamp_seconds": holding_until or 0.0,
+                "last_renew_timestamp_seconds": state.stats.last_success_wall,
             }
             for name, value in values.items():
-                families[name].add_metric([state.lease], float(value))
-            for event, count in state.event_counts.items():
+                gauges[name].add_metric(lease, float(value))
+            counts = {event: 0 for event in EVENTS}
+            counts.update(state.event_counts)
+            for event, count in counts.items():
                 transitions.add_metric([state.lease, event], count)
-            duplicates.add_metric([state.lease],
-                                  duplicate_identity[(state.identity, state.lease)])
-        yield from families.values()
+            changes.add_metric(lease, facts.version)
+            duplicates.add_metric(lease, duplicate_identity[(state.identity, state.lease)])
+            for (op, outcome), histogram in state.stats.histograms.items():
+                # 16 lines per histogram, most of a scrape's cost: the rarer outcomes
+                # appear with their first call, "held" always.
+                if outcome == "held" or histogram.total or histogram.count:
+                    round_trips[op].add_metric([state.lease, outcome],
+                                               histogram.cumulative(), histogram.total)
+        yield from gauges.values()
         yield transitions
+        yield changes
         yield duplicates
+        yield from round_trips.values()
+
+    @staticmethod
+    def _build_info() -> Metric:
+        info = GaugeMetricFamily(f"{PREFIX}build_info", "version of this sidecar (always 1)",
+                                 labels=["version"])
+        info.add_metric([__version__], 1.0)
+        return info
 
 
 def registry_for(states: list[LeaseState]) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(LeaseCollector(states))
+    # process_* (memory, CPU, open files): watched against the chart's memory limit.
+    ProcessCollector(registry=registry)
     return registry

@@ -22,7 +22,8 @@ from sidecar.lease import Backend, create_backend
 from sidecar.metrics import registry_for
 from sidecar.publish import Publisher
 from sidecar.publish.file import FilePublisher
-from sidecar.publish.http import HttpServer, build_app
+from sidecar.publish.http import HttpServer, ReleaseOutcome, build_app
+from sidecar.redact import redact_tree
 from sidecar.state import Clock, LeaseState, SystemClock
 from sidecar.statedir import resolve_state_dir
 
@@ -125,14 +126,14 @@ class Sidecar:
     def ready(self) -> bool:
         return all(state.facts.backend_ok for state in self.states)
 
-    def release(self, name: str | None) -> bool:
-        if not self.contends:
-            return True
+    def release(self, name: str | None) -> ReleaseOutcome:
+        """``POST /release``: only a holder can step down; a standby's refusal is final."""
+        if (name or self.settings.name) not in self.settings.names:
+            return "no-such-lease"
         elector = self.electors.get(name or self.settings.name)
-        if elector is None:
-            return False
-        elector.request_release()
-        return True
+        if elector is None or not elector.request_release():
+            return "not-holding"
+        return "released"
 
     def status(self) -> dict[str, Any]:
         leases = []
@@ -147,5 +148,6 @@ class Sidecar:
                 "state_version": facts.version,
                 "transitions": list(state.transitions),
             })
-        return {"identity": self.settings.identity, "role": self.settings.role,
-                "settings": self.settings.public(), "leases": leases}
+        # Reasons carry backend error text, which may echo a DSN.
+        return redact_tree({"identity": self.settings.identity, "role": self.settings.role,
+                            "settings": self.settings.public(), "leases": leases})

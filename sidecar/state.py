@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from sidecar.stats import CallStats
+
 
 class Clock(Protocol):
     def monotonic(self) -> float: ...
@@ -60,12 +62,19 @@ class Claim:
     facts: Facts
 
 
-def rfc3339(wall: float | None) -> str | None:
-    """UTC, millisecond precision, rounded *down* (a claim never reads longer than it is)."""
+def epoch_ms(wall: float | None) -> int | None:
+    """Unix milliseconds, rounded *down* (a claim never reads longer than it is)."""
     if wall is None:
         return None
-    floored = math.floor(wall * 1000) / 1000
-    return datetime.fromtimestamp(floored, tz=UTC).isoformat(
+    return math.floor(wall * 1000)
+
+
+def rfc3339(wall: float | None) -> str | None:
+    """UTC, millisecond precision, rounded *down* like :func:`epoch_ms`."""
+    ms = epoch_ms(wall)
+    if ms is None:
+        return None
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(
         timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -79,6 +88,7 @@ class LeaseState:
     facts: Facts = field(default_factory=Facts)
     transitions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
     event_counts: dict[str, int] = field(default_factory=dict)
+    stats: CallStats = field(default_factory=CallStats)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _encoded_key: tuple[int, bool, int | None] | None = None
     _encoded: bytes = b""
@@ -104,6 +114,10 @@ class LeaseState:
         self._changed.set()
         self._changed = asyncio.Event()
         return new
+
+    def observe_call(self, operation: str, seconds: float, outcome: str) -> None:
+        """One backend round trip (see :mod:`sidecar.stats`), for the metrics."""
+        self.stats.observe(operation, seconds, outcome, self.clock.wall())
 
     # -- read by publishers ----------------------------------------------------------
     def claim(self) -> Claim:
@@ -150,6 +164,8 @@ class LeaseState:
             "fencing_token": facts.fencing_token if claim.leader else None,
             "since": rfc3339(facts.since),
             "valid_until": rfc3339(until_wall),
+            # The same instant as Unix milliseconds: easy to compare in a shell.
+            "valid_until_ms": epoch_ms(until_wall),
             "role": self.role,
         }
 

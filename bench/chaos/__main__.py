@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--renew-interval", type=parse_duration, default=Timing.renew_interval)
     p.add_argument("--renew-deadline", type=parse_duration, default=Timing.renew_deadline)
     p.add_argument("--claim-horizon", type=parse_duration, default=Timing.claim_horizon)
-    p.add_argument("--safety-margin", type=parse_duration, default=Timing.safety_margin)
+    p.add_argument("--safety-margin", type=parse_duration, default=None,
+                   help="default 500ms; 1s on kubernetes, the least that backend accepts")
     p.add_argument("--workdir", type=Path, default=None,
                    help="where sidecar logs and state go (default: a new temp dir)")
     p.add_argument("--out", type=Path, default=None,
@@ -50,8 +51,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    margin = (args.safety_margin if args.safety_margin is not None
+              else Timing.default_margin(args.backend))
     timing = Timing(args.lease_duration, args.renew_interval, args.renew_deadline,
-                    args.claim_horizon, args.safety_margin)
+                    args.claim_horizon, margin)
     env = make_env(args.backend, timing)
     faults = tuple(args.faults.split(",")) if args.faults else env.faults
     config = Config(backend=args.backend, seed=args.seed, duration=args.duration,

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             _background.add(asyncio.get_running_loop().create_task(loop()))
 
     # kopf reloads the PEM when it changes (checked every file_check_interval seconds).
-    server = kopf.WebhookServer(addr=host, port=port, certfile=pem, pkeyfile=pem,
+    server = webhook.InjectorServer(addr=host, port=port, certfile=pem, pkeyfile=pem,
                                 file_check_interval=60.0)
     kopf.run(registry=registry, settings=webhook.settings(server), clusterwide=True,
              standalone=True, liveness_endpoint=f"http://{health_host}:{health_port}/healthz")

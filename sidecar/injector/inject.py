@@ -12,8 +12,12 @@ that spec into a Pod:
   env (``LEASE_LEADER_FILE`` / ``LEASE_LEADER_URL``) unless it sets those names itself.
 
 Per-pod settings come from annotations (``lease-sidecar/name``, ``lease-sidecar/role``)
-and are validated here with the sidecar's own parsers, so a typo rejects the Pod with a
-clear message instead of producing a crash-looping sidecar.
+and are validated here with the sidecar's own rules (for the kubernetes backend, the
+Lease object name rule of :mod:`sidecar.names`), so a typo rejects the Pod with a clear
+message instead of producing a crash-looping sidecar.
+
+Only ``CREATE`` is mutated: a sidecar cannot be added to a running Pod, and the
+apiserver refuses most changes of a Pod's spec on ``UPDATE`` anyway.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.config import ROLES, parse_names
+from sidecar.names import object_name_problem
 
 OPT_IN_LABEL = "lease-sidecar/inject"
 INJECTED_ANNOTATION = "lease-sidecar/injected"
@@ -33,6 +38,8 @@ OVERRIDES = {
     "lease-sidecar/name": "LEASE_NAME",
     "lease-sidecar/role": "LEASE_ROLE",
 }
+# What the sidecar assumes when the chart-rendered spec does not say (sidecar.config).
+DEFAULT_KEY_PREFIX = "lease-sidecar"
 
 
 class InjectionError(ValueError):
@@ -51,6 +58,14 @@ class InjectionSpec:
     @property
     def container_name(self) -> str:
         return str(self.container["name"])
+
+    def env(self, name: str) -> str | None:
+        """The sidecar's literal env value ``name`` (the last one wins, as in a Pod)."""
+        found = None
+        for item in self.container.get("env") or []:
+            if item.get("name") == name and "value" in item:
+                found = str(item["value"])
+        return found
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InjectionSpec:
@@ -74,6 +89,43 @@ class InjectionSpec:
             raise ValueError(f"injection spec {path} is not JSON: {exc}") from None
 
 
+def _list_of_maps(value: Any) -> bool:
+    return value is None or (isinstance(value, list) and all(isinstance(v, dict) for v in value))
+
+
+def _map_of_strings(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()))
+
+
+def pod_problem(pod: Any) -> str | None:
+    """What in ``pod`` has a shape no Pod can have, among the parts injection touches.
+
+    The apiserver only sends well-formed Pods; anyone else reaching the webhook gets one
+    clear line instead of a Python error.
+    """
+    if not isinstance(pod, dict):
+        return "the object is not a map"
+    metadata = pod.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        return "metadata is not a map"
+    for key in ("labels", "annotations"):
+        if not _map_of_strings((metadata or {}).get(key)):
+            return f"metadata.{key} is not a map of strings"
+    spec = pod.get("spec")
+    if spec is not None and not isinstance(spec, dict):
+        return "spec is not a map"
+    for key in ("initContainers", "containers", "volumes"):
+        if not _list_of_maps((spec or {}).get(key)):
+            return f"spec.{key} is not a list of maps"
+    for key in ("initContainers", "containers"):
+        for i, container in enumerate((spec or {}).get(key) or []):
+            for field in ("env", "volumeMounts"):
+                if not _list_of_maps(container.get(field)):
+                    return f"spec.{key}[{i}].{field} is not a list of maps"
+    return None
+
+
 def opted_in(pod: dict[str, Any]) -> bool:
     labels = (pod.get("metadata") or {}).get("labels") or {}
     return labels.get(OPT_IN_LABEL) == "true"
@@ -86,7 +138,19 @@ def already_injected(pod: dict[str, Any], spec: InjectionSpec) -> bool:
     return spec.container_name in names
 
 
-def _overrides(pod: dict[str, Any]) -> dict[str, str]:
+def check_names(value: str, spec: InjectionSpec) -> None:
+    """``ValueError`` unless the sidecar would accept ``value`` as its LEASE_NAME."""
+    names = parse_names(value)
+    if spec.env("LEASE_BACKEND") == "kubernetes":
+        prefix = spec.env("LEASE_KEY_PREFIX")
+        for name in names:
+            problem = object_name_problem(DEFAULT_KEY_PREFIX if prefix is None else prefix,
+                                          name)
+            if problem:
+                raise ValueError(problem)
+
+
+def _overrides(pod: dict[str, Any], spec: InjectionSpec) -> dict[str, str]:
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     env: dict[str, str] = {}
     for annotation, variable in OVERRIDES.items():
@@ -97,7 +161,7 @@ def _overrides(pod: dict[str, Any]) -> dict[str, str]:
             if variable == "LEASE_ROLE" and value not in ROLES:
                 raise ValueError(f"{value!r} is not one of {', '.join(ROLES)}")
             if variable == "LEASE_NAME":
-                parse_names(value)
+                check_names(value, spec)
         except ValueError as exc:
             raise InjectionError(f"annotation {annotation}: {exc}") from None
         env[variable] = value
@@ -129,9 +193,12 @@ def inject(pod: dict[str, Any], spec: InjectionSpec) -> bool:
     Idempotent: a Pod that already has a container of the sidecar's name is left alone,
     whether we injected it before or the user declared the sidecar by hand.
     """
+    problem = pod_problem(pod)
+    if problem:
+        raise InjectionError(f"malformed pod: {problem}")
     if not opted_in(pod) or already_injected(pod, spec):
         return False
-    overrides = _overrides(pod)  # validate before touching anything
+    overrides = _overrides(pod, spec)  # validate before touching anything
     pod_spec = pod.setdefault("spec", {})
     pod_spec["initContainers"] = [_sidecar(spec, overrides),
                                   *(pod_spec.get("initContainers") or [])]

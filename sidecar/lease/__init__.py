@@ -91,7 +91,7 @@ class Backend(Protocol):
 
 # (identity, lease) -> acquire attempts that found a live lease under our identity while
 # we did not hold it: a second process with the same identity. Exported as the metric
-# ``lease_duplicate_identity`` by :mod:`sidecar.metrics`.
+# ``lease_sidecar_duplicate_identity_total`` by :mod:`sidecar.metrics`.
 duplicate_identity: Counter[tuple[str, str]] = Counter()
 
 

@@ -43,7 +43,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -57,13 +56,13 @@ from kubernetes.client.exceptions import ApiException
 from sidecar.config import ConfigError, Settings
 from sidecar.kube import REQUEST_TIMEOUT, KubeAccess, connect, one_line, request
 from sidecar.lease import BackendError, Grant, Holder
+from sidecar.names import object_name_problem
 from sidecar.state import Clock, SystemClock
 
 log = logging.getLogger("sidecar.lease.kubernetes")
 
 T = TypeVar("T")
 
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 # A watch request ends after this many seconds and is re-opened; re-opening without a
 # resourceVersion replays the current object, so a missed event heals within one period.
 WATCH_SECONDS = 60
@@ -72,13 +71,10 @@ WATCH_RETRY_MAX = 5.0
 
 def object_name(settings: Settings, name: str) -> str:
     """The Lease object's name; ``ConfigError`` (exit 2) unless it is a DNS subdomain."""
-    candidate = settings.row_name(name)
-    if len(candidate) > 253 or not _DNS_SUBDOMAIN.match(candidate):
-        raise ConfigError(
-            f"LEASE_NAME / --name: {candidate!r} (key prefix + name) is not a valid Kubernetes "
-            "object name: lowercase letters, digits, '-' and '.', starting and ending with a "
-            "letter or digit, at most 253 characters")
-    return candidate
+    problem = object_name_problem(settings.key_prefix, name)
+    if problem:
+        raise ConfigError(f"LEASE_NAME / --name: {problem}")
+    return settings.row_name(name)
 
 
 def micro_time(wall: float) -> str:

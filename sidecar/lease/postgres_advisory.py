@@ -45,7 +45,8 @@ from typing import Any
 
 import asyncpg
 
-from sidecar.config import Settings, redact_dsn
+from sidecar.config import Settings, check_dsn, redact_dsn
+from sidecar.dsn import check_postgres_url
 from sidecar.lease import BackendError, Grant, Holder
 
 log = logging.getLogger("sidecar.lease.postgres")
@@ -444,6 +445,11 @@ async def list_holders(settings: Settings) -> list[dict[str, Any]]:
             if row and row["backend_start"] else None,
         })
     return result
+
+
+def validate_settings(settings: Settings) -> None:
+    """Refuse up front a URL asyncpg would reject or could never connect with."""
+    check_dsn(settings, check_postgres_url)
 
 
 def create(settings: Settings) -> AdvisoryBackend:

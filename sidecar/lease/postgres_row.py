@@ -13,10 +13,11 @@ proxy (PgBouncer ``pool_mode=transaction``); LISTEN does not, which only costs w
 
 from __future__ import annotations
 
-from sidecar.config import Settings
+from sidecar.config import Settings, check_dsn
+from sidecar.dsn import check_postgres_url
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
 from sidecar.lease.sql.dialect import PostgresDialect
-from sidecar.lease.sql.store import SqlRowBackend, SqlRowStore, request_timeout
+from sidecar.lease.sql.store import SqlRowBackend, SqlRowStore, check_names, request_timeout
 from sidecar.lease.sql.store import list_holders as _list_holders
 
 
@@ -28,6 +29,12 @@ def _store(settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
     driver = AsyncpgDriver(dsn, timeout=request_timeout(settings),
                            label="postgres-row replica" if replica else "postgres-row")
     return SqlRowStore(_dialect(settings), driver, replica=replica)
+
+
+def validate_settings(settings: Settings) -> None:
+    """Refuse up front a URL asyncpg would reject, or names too long for the table."""
+    check_dsn(settings, check_postgres_url)
+    check_names(settings)
 
 
 def create(settings: Settings) -> SqlRowBackend:

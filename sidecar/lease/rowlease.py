@@ -9,7 +9,7 @@ statements; this module holds the rules that are the same everywhere:
   with our identity (or to our previous term, whose release failed). Refreshing it, as
   a re-entrant acquire would, gives two processes the same lease and the same token; we
   wait for it to expire instead, log a warning once and count it
-  (``lease_duplicate_identity``). An acquire while holding is a renew;
+  (``lease_sidecar_duplicate_identity_total``). An acquire while holding is a renew;
 - renew only touches a row we own that has not expired, by the database's clock;
 - release deletes only a row we own;
 - a server-assigned version that only grows is the fencing token;

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TypeVar
 
-from sidecar.config import ConfigError, Settings
+from sidecar.config import ConfigError, Settings, check_dsn
+from sidecar.dsn import check_sqlite
 from sidecar.lease import BackendError, Grant
 from sidecar.lease.rowlease import Row, RowLease
 
@@ -242,8 +243,14 @@ class SqliteStore:
                     os.unlink(self._path + suffix)
         conn = sqlite3.connect(self._path, timeout=2.0, isolation_level=None)
         try:
-            with contextlib.suppress(sqlite3.OperationalError):  # busy: stays as it is
-                conn.execute("PRAGMA journal_mode=DELETE")
+            (mode,) = conn.execute("PRAGMA journal_mode").fetchone()
+            if str(mode).lower() == "wal":
+                try:  # a database made by an older version
+                    conn.execute("PRAGMA journal_mode=DELETE")
+                except sqlite3.OperationalError as exc:
+                    raise sqlite3.OperationalError(
+                        f"cannot leave WAL mode ({exc}): is a sidecar of an older version "
+                        "still using this file?") from None
             conn.executescript(self._sql(_SCHEMA))
             identity = _identity(self._path)
             if identity is None or (before is not None and identity != before):
@@ -464,6 +471,12 @@ async def apply_schema(settings: Settings) -> None:
         await store.read("")  # connecting creates the file and the tables
     finally:
         await store.close()
+
+
+def validate_settings(settings: Settings) -> None:
+    """Refuse up front a DSN that is not one file shared by the contenders on this host
+    (``:memory:``, a directory, a parent that is a file): it would fail or never lead."""
+    check_dsn(settings, check_sqlite)
 
 
 def create(settings: Settings) -> SqliteBackend:

@@ -1,6 +1,6 @@
 """``sqlserver``: the TTL row lease of the SQL Server lease design, over pyodbc.
 
-``[lease].[Leases]`` per DESIGN.md; acquire is one batch (sweep ``DELETE`` + ``MERGE …
+``[lease].[Leases]`` (docs/design.md); acquire is one batch (sweep ``DELETE`` + ``MERGE …
 WITH (UPDLOCK, HOLDLOCK, ROWLOCK)``), renew and release are single owner-filtered
 statements, all time is ``SYSDATETIMEOFFSET()``, and ``RowVersion`` is the fencing token.
 With ``LEASE_REPLICA_DSN`` an acquisition counts only once the replica shows the same
@@ -13,10 +13,11 @@ when the connection string names none.
 
 from __future__ import annotations
 
-from sidecar.config import Settings
+from sidecar.config import Settings, check_dsn
+from sidecar.dsn import check_odbc
 from sidecar.lease.sql.dialect import TsqlDialect
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
-from sidecar.lease.sql.store import SqlRowBackend, SqlRowStore, request_timeout
+from sidecar.lease.sql.store import SqlRowBackend, SqlRowStore, check_names, request_timeout
 from sidecar.lease.sql.store import list_holders as _list_holders
 
 
@@ -27,6 +28,12 @@ def _store(settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
                           label="sqlserver replica" if replica else "sqlserver")
     return SqlRowStore(TsqlDialect(settings.schema, settings.table_name), driver,
                        replica=replica)
+
+
+def validate_settings(settings: Settings) -> None:
+    """Refuse up front an ODBC string the driver manager cannot parse, or long names."""
+    check_dsn(settings, check_odbc)
+    check_names(settings)
 
 
 def create(settings: Settings) -> SqlRowBackend:

@@ -28,7 +28,7 @@ SECONDS = float(os.environ.get("CHAOS_SECONDS", "110"))
 
 async def _run(backend: str, seed: int, tmp_path, server=None,  # type: ignore[no-untyped-def]
                control_plane=None) -> Result:
-    timing = Timing()
+    timing = Timing.for_backend(backend)
     env = make_env(backend, timing, server, control_plane)
     config = Config(backend=backend, seed=seed, duration=SECONDS, faults=env.faults,
                     timing=timing, workdir=tmp_path)

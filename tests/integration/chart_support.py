@@ -28,6 +28,12 @@ VALUE_SETS: dict[str, list[str]] = {
                         "injector.replicas=1"],
     "api-role": ["lease.role=api", "sidecar.readinessProbePath=/readyz",
                  "example.enabled=true", "rbac.extraServiceAccounts={web,jobs}"],
+    "network-policy": ["networkPolicy.enabled=true",
+                       "networkPolicy.probeSources={10.0.0.0/16,fd00::/64}",
+                       "example.enabled=true"],
+    "lease-names": [r"lease.name=sweeps\,reports", "rbac.leaseNames={batch}",
+                    "injector.enabled=true"],
+    "any-lease": ["rbac.anyLease=true", "rbac.createLeases=false"],
 }
 
 
@@ -82,6 +88,15 @@ def env_map(container: dict[str, Any]) -> dict[str, Any]:
 def rules_set(role: dict[str, Any]) -> set[tuple[str, str, str]]:
     """A Role's rules as (apiGroup, resource, verb) triples, so layout does not matter."""
     return {(group, resource, verb)
+            for rule in role.get("rules") or []
+            for group in rule.get("apiGroups", [])
+            for resource in rule.get("resources", [])
+            for verb in rule.get("verbs", [])}
+
+
+def named_rules(role: dict[str, Any]) -> set[tuple[str, str, str, tuple[str, ...]]]:
+    """As ``rules_set``, with each rule's resourceNames (sorted; () for any name)."""
+    return {(group, resource, verb, tuple(sorted(rule.get("resourceNames", ()))))
             for rule in role.get("rules") or []
             for group in rule.get("apiGroups", [])
             for resource in rule.get("resources", [])

@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client, config, watch
 
 from tests.support import REPO, SidecarProcess
@@ -28,9 +29,23 @@ SERVICE_ACCOUNT = "lease-sidecar"
 FAST = ["--lease-duration", "3s", "--renew-interval", "500ms", "--renew-deadline", "2s"]
 
 
-def install_rbac(cp: ControlPlane, namespace: str) -> Path:
-    """Apply deploy/rbac.yaml; return a kubeconfig authenticating as its ServiceAccount."""
-    cp.kubectl("-n", namespace, "apply", "-f", str(RBAC))
+def rbac_manifest(leases: tuple[str, ...] = ("lease-sidecar.jobs",)) -> str:
+    """deploy/rbac.yaml with its lease resourceNames edited to ``leases`` (Lease object
+    names), as the file tells its users to do."""
+    docs = list(yaml.safe_load_all(RBAC.read_text()))
+    for doc in docs:
+        if doc["kind"] == "Role":
+            named = [r for r in doc["rules"] if "resourceNames" in r]
+            assert len(named) == 1, "deploy/rbac.yaml should name its Leases in one rule"
+            named[0]["resourceNames"] = list(leases)
+    return yaml.safe_dump_all(docs)
+
+
+def install_rbac(cp: ControlPlane, namespace: str,
+                 leases: tuple[str, ...] = ("lease-sidecar.jobs",)) -> Path:
+    """Apply deploy/rbac.yaml naming ``leases``; return a kubeconfig authenticating as its
+    ServiceAccount."""
+    cp.kubectl("-n", namespace, "apply", "-f", "-", input=rbac_manifest(leases))
     return cp.service_account_kubeconfig(namespace, SERVICE_ACCOUNT, create=False)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
 import pytest
 
@@ -20,11 +21,12 @@ from tests.integration.chart_support import (
     env_map,
     find,
     helm,
+    named_rules,
     rules_set,
     set_args,
     template,
 )
-from tests.support import REPO
+from tests.support import REPO, SidecarProcess, wait_until
 from tests.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
@@ -133,16 +135,156 @@ def test_injector_spec_is_the_chart_sidecar() -> None:
 
 
 def test_role_matches_deploy_rbac() -> None:
-    """deploy/rbac.yaml (for kubectl users) and the chart grant exactly the same."""
+    """deploy/rbac.yaml (for kubectl users, who let the sidecar create its Lease) and the
+    chart with rbac.createLeases=false grant exactly the same, names included."""
     path = REPO / "deploy" / "rbac.yaml"
     assert path.exists(), "deploy/rbac.yaml is missing"
     deploy_role = find(documents(path.read_text()), "Role")
-    chart_role = find(documents(template("r", "apps", []).stdout), "Role")
-    assert rules_set(chart_role) == rules_set(deploy_role)
-    assert rules_set(chart_role) == (
-        {("", "pods", v) for v in ("get", "list", "watch", "patch")}
-        | {("coordination.k8s.io", "leases", v)
-           for v in ("get", "list", "watch", "create", "update")})
+    chart_role = find(documents(template("r", "apps", ["rbac.createLeases=false"]).stdout),
+                      "Role")
+    assert named_rules(chart_role) == named_rules(deploy_role)
+    assert named_rules(chart_role) == (
+        {("", "pods", v, ()) for v in ("get", "list", "watch", "patch")}
+        | {("coordination.k8s.io", "leases", v, ("lease-sidecar.default",))
+           for v in ("get", "list", "watch", "update")}
+        | {("coordination.k8s.io", "leases", "create", ())})
+
+
+def test_role_names_only_this_releases_leases_which_the_chart_creates() -> None:
+    """Before: update on every Lease of the namespace (other controllers' included)."""
+    docs = documents(template("r", "apps", VALUE_SETS["lease-names"]).stdout)
+    objects = ("lease-sidecar.batch", "lease-sidecar.reports", "lease-sidecar.sweeps")
+    assert named_rules(find(docs, "Role", "r-lease-sidecar")) == (
+        {("", "pods", v, ()) for v in ("get", "list", "watch", "patch")}
+        | {("coordination.k8s.io", "leases", v, objects)
+           for v in ("get", "list", "watch", "update")})  # no create: the chart creates them
+    leases = [d for d in docs if d["kind"] == "Lease"]
+    assert sorted(d["metadata"]["name"] for d in leases) == list(objects)
+    for lease in leases:
+        # Kept on uninstall (the fencing token survives), and no spec: the sidecars own it.
+        assert lease["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+        assert "spec" not in lease
+    # The sidecar creates them instead: then the Role needs create, on any name.
+    docs = documents(template("r", "apps", ["rbac.createLeases=false"]).stdout)
+    assert not [d for d in docs if d["kind"] == "Lease"]
+    assert ("coordination.k8s.io", "leases", "create", ()) in named_rules(find(docs, "Role"))
+    # Names chosen at will by injected pods: every Lease of the namespace.
+    docs = documents(template("r", "apps", VALUE_SETS["any-lease"]).stdout)
+    assert {r for r in named_rules(find(docs, "Role")) if r[1] == "leases"} == {
+        ("coordination.k8s.io", "leases", v, ())
+        for v in ("get", "list", "watch", "create", "update")}
+    # No Lease rules or objects without the kubernetes backend.
+    docs = documents(template("r", "apps", ["lease.backend=postgres",
+                                            "lease.dsnSecret.name=pg"]).stdout)
+    assert not [d for d in docs if d["kind"] == "Lease"]
+    assert {r[1] for r in named_rules(find(docs, "Role"))} == {"pods"}
+
+
+@pytest.mark.parametrize("values", [
+    ["lease.name=Upper_Case"],
+    [r"lease.name=ok\,Not_Ok"],
+    ["rbac.leaseNames={Bad_Name}"],
+    ["lease.keyPrefix=Prefix"],
+], ids=["upper", "second-name", "lease-names", "prefix"])
+def test_kubernetes_lease_names_must_be_object_names(values: list[str]) -> None:
+    """The same rule as the backend (sidecar/names.py), before anything is installed."""
+    proc = template("r", "apps", values, check=False)
+    assert proc.returncode != 0
+    # One line (helm adds its own hint about --debug below it).
+    assert "(key prefix + name) is not a valid Kubernetes object name" in (
+        proc.stderr.splitlines()[0])
+    # A database backend keeps its wider names.
+    assert template("r", "apps", [*values, "lease.backend=postgres",
+                                  "lease.dsnSecret.name=pg"], check=False).returncode == 0
+
+
+@pytest.mark.parametrize("dsn", [
+    "postgresql://app:s3cret@db:5432/app",
+    "postgresql://app:p@ss@db/app",  # a raw @ in the password
+    "postgres://db/app?sslmode=require&password=s3cret",
+    "host=db dbname=app user=app password=s3cret",
+    "host=db sslpassword=s3cret",
+    "Driver=FreeTDS;Server=mssql;UID=app;PWD=s3cret",
+    "Driver=FreeTDS;Server=mssql;UID=app; PWD =s3cret",
+    "Driver=FreeTDS;Server=mssql;UID=app;Password = s3cret",
+    "Driver=FreeTDS;Server=mssql;UID=app;pwd={a}};b}",
+])
+def test_a_password_in_lease_dsn_is_refused(dsn: str) -> None:
+    """Before: rendered in plain text into the pod spec and the injector's ConfigMap."""
+    values = ["lease.backend=postgres-row", f"lease.dsn={dsn}", "injector.enabled=true"]
+    proc = template("r", "apps", values, check=False)
+    assert proc.returncode != 0
+    assert "lease.dsn holds a password" in proc.stderr and "s3cret" not in proc.stderr
+    # (helm lint runs templates with fail() turned into an INFO line: install and
+    # template refuse, lint cannot.)
+
+
+@pytest.mark.parametrize("dsn", [
+    "postgresql://app@db:5432/app?sslmode=verify-full",
+    "Driver=FreeTDS;Server=mssql;Database=app;Trusted_Connection=yes",
+    "Driver={ODBC Driver 18 for SQL Server};Server=s;Authentication=ActiveDirectoryPassword",
+])
+def test_a_dsn_never_goes_into_the_injectors_configmap(dsn: str) -> None:
+    values = ["lease.backend=postgres-row", f"lease.dsn={dsn}", "injector.enabled=true",
+              "example.enabled=true"]
+    docs = documents(template("r", "apps", values).stdout)
+    configmap = find(docs, "ConfigMap", "-injector")
+    assert dsn not in json.dumps(configmap)
+    spec = json.loads(configmap["data"]["sidecar.json"])
+    ref = {"secretKeyRef": {"name": "r-lease-sidecar-dsn", "key": "dsn"}}
+    assert env_map(spec["container"])["LEASE_DSN"] == ref
+    pod = find(docs, "Deployment", "-example")["spec"]["template"]["spec"]
+    assert env_map(pod["initContainers"][0])["LEASE_DSN"] == ref
+    secret = find(docs, "Secret", "-dsn")
+    assert secret["stringData"] == {"dsn": dsn}
+    assert [d["metadata"]["name"] for d in docs if dsn in json.dumps(d)] == ["r-lease-sidecar-dsn"]
+    # A DSN of the user's own Secret: referenced, and the chart makes no Secret of its own.
+    docs = documents(template("r", "apps", [*values, "lease.dsnSecret.name=mine",
+                                            "lease.dsnSecret.key=url"]).stdout)
+    spec = json.loads(find(docs, "ConfigMap", "-injector")["data"]["sidecar.json"])
+    assert env_map(spec["container"])["LEASE_DSN"] == {
+        "secretKeyRef": {"name": "mine", "key": "url"}}
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith(
+        "-dsn")]
+
+
+def test_a_literal_dsn_in_extra_env_is_refused() -> None:
+    for name in ("LEASE_DSN", "LEASE_REPLICA_DSN"):
+        proc = template("r", "apps", [f"sidecar.extraEnv[0].name={name}",
+                                      "sidecar.extraEnv[0].value=postgresql://a:b@c/d"],
+                        check=False)
+        assert proc.returncode != 0
+        assert f"sidecar.extraEnv: {name} must come from a Secret" in proc.stderr
+    ok = template("r", "apps", ["sidecar.extraEnv[0].name=LEASE_REPLICA_DSN",
+                                "sidecar.extraEnv[0].valueFrom.secretKeyRef.name=replica",
+                                "sidecar.extraEnv[0].valueFrom.secretKeyRef.key=dsn"])
+    assert ok.returncode == 0
+
+
+def test_network_policy_admits_the_sidecar_port_only_from_probe_sources() -> None:
+    docs = documents(template("r", "apps", VALUE_SETS["network-policy"]).stdout)
+    policy = find(docs, "NetworkPolicy")["spec"]
+    assert policy["podSelector"] == {} and policy["policyTypes"] == ["Ingress"]
+    probes, others = policy["ingress"]
+    assert probes == {"from": [{"ipBlock": {"cidr": "10.0.0.0/16"}},
+                               {"ipBlock": {"cidr": "fd00::/64"}}],
+                      "ports": [{"protocol": "TCP", "port": 8099}]}
+    # Every other port stays open to everyone: the policy narrows only the sidecar's.
+    assert "from" not in others
+    assert others["ports"] == [
+        {"protocol": "TCP", "port": 1, "endPort": 8098},
+        {"protocol": "TCP", "port": 8100, "endPort": 65535},
+        {"protocol": "UDP", "port": 1, "endPort": 65535},
+        {"protocol": "SCTP", "port": 1, "endPort": 65535}]
+    docs = documents(template("r", "apps", [*VALUE_SETS["network-policy"], "sidecar.port=1",
+                                            "networkPolicy.podSelector.matchLabels.a=b"]).stdout)
+    policy = find(docs, "NetworkPolicy")["spec"]
+    assert policy["podSelector"] == {"matchLabels": {"a": "b"}}
+    assert policy["ingress"][1]["ports"][0] == {"protocol": "TCP", "port": 2, "endPort": 65535}
+    assert not [d for d in documents(template("r", "apps", []).stdout)
+                if d["kind"] == "NetworkPolicy"]
+    proc = template("r", "apps", ["networkPolicy.enabled=true"], check=False)
+    assert proc.returncode != 0 and "networkPolicy.probeSources: give the CIDR" in proc.stderr
 
 
 @pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
@@ -163,7 +305,7 @@ def test_server_accepts_rendered_manifests(
 
 
 def test_install_notes_rbac_and_upgrade_keeps_injector_tls(
-    control_plane: ControlPlane, kube_namespace: str
+    control_plane: ControlPlane, kube_namespace: str, tmp_path: Path
 ) -> None:
     cp, ns = control_plane, kube_namespace
     kubeconfig = ["--kubeconfig", str(cp.kubeconfig), "--namespace", ns]
@@ -171,12 +313,40 @@ def test_install_notes_rbac_and_upgrade_keeps_injector_tls(
     proc = helm("install", "demo", str(CHART), *kubeconfig, *values)
     try:
         _check_installed(cp, ns, proc.stdout, kubeconfig, values)
+        token = _sidecar_leads_with_the_release_role(cp, ns, tmp_path)
     finally:
         # Leave no webhook behind that would refuse opted-in pods in other tests.
         helm("uninstall", "demo", *kubeconfig)
     gone = cp.kubectl("get", "mutatingwebhookconfiguration",
                       f"{ns}-demo-lease-sidecar-injector", check=False)
     assert gone.returncode != 0 and "NotFound" in gone.stderr
+    # The Leases outlive the release (and the upgrade that renamed the lease), so a
+    # fencing token never restarts from zero.
+    kept = json.loads(cp.kubectl("-n", ns, "get", "lease", "lease-sidecar.other", "-o",
+                                 "json").stdout)
+    assert kept["spec"]["leaseTransitions"] == token
+    assert cp.kubectl("-n", ns, "get", "lease", "lease-sidecar.default").returncode == 0
+
+
+def _sidecar_leads_with_the_release_role(cp: ControlPlane, ns: str, tmp_path: Path) -> int:
+    """A real sidecar as the release's ServiceAccount: the chart's Lease and its narrowed
+    Role (no create) are all it needs to lead. (The release was upgraded to lease.name
+    "other".)"""
+    kubeconfig = cp.service_account_kubeconfig(ns, "demo-lease-sidecar", create=False)
+    proc = SidecarProcess(tmp_path, "chart-pod", args=[
+        "--backend", "kubernetes", "--name", "other", "--pod-label", "off",
+        "--lease-duration", "3s", "--renew-interval", "500ms", "--renew-deadline", "2s"],
+        env={"POD_NAMESPACE": ns, "KUBECONFIG": str(kubeconfig)}).start()
+    try:
+        proc.wait_http()
+        wait_until(lambda: proc.leader() == 200, timeout=20)
+    finally:
+        assert proc.stop() == 0, proc.logs()
+    assert "Forbidden" not in proc.logs() and "403" not in proc.logs()
+    spec = json.loads(cp.kubectl("-n", ns, "get", "lease", "lease-sidecar.other", "-o",
+                                 "json").stdout)["spec"]
+    assert spec["leaseTransitions"] >= 1
+    return int(spec["leaseTransitions"])
 
 
 def _check_installed(cp: ControlPlane, ns: str, notes: str, kubeconfig: list[str],
@@ -186,14 +356,17 @@ def _check_installed(cp: ControlPlane, ns: str, notes: str, kubeconfig: list[str
 
     # The Role really lets the sidecar's ServiceAccount do its job, and no more.
     sa = f"system:serviceaccount:{ns}:demo-lease-sidecar"
-    for verb, resource in [("patch", "pods"), ("watch", "pods"),
-                           ("update", "leases.coordination.k8s.io")]:
+    ours = "leases.coordination.k8s.io/lease-sidecar.default"
+    for verb, resource in [("patch", "pods"), ("watch", "pods"), ("update", ours),
+                           ("get", ours), ("watch", ours)]:
         assert cp.kubectl("auth", "can-i", verb, resource, "-n", ns, "--as", sa,
-                          check=False).stdout.strip() == "yes"
-    for verb, resource in [("delete", "pods"), ("get", "secrets"),
-                           ("delete", "leases.coordination.k8s.io")]:
+                          check=False).stdout.strip() == "yes", (verb, resource)
+    for verb, resource in [("delete", "pods"), ("get", "secrets"), ("delete", ours),
+                           ("create", "leases.coordination.k8s.io"),
+                           ("update", "leases.coordination.k8s.io/kube-scheduler"),
+                           ("get", "leases.coordination.k8s.io/kube-scheduler")]:
         assert cp.kubectl("auth", "can-i", verb, resource, "-n", ns, "--as", sa,
-                          check=False).stdout.strip() == "no"
+                          check=False).stdout.strip() == "no", (verb, resource)
 
     # The injector stores its certificates in the chart's Secret; an upgrade keeps them
     # and fills the webhook's caBundle from them (lookup), instead of blanking either.

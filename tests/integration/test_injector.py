@@ -20,6 +20,8 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,6 +263,83 @@ def test_tls_is_kept_in_the_secret_and_trusted_by_the_webhook(env: Env) -> None:
     assert ctx.verify_mode == ssl.CERT_REQUIRED
 
 
+def test_name_the_lease_object_cannot_have_refuses_the_pod(env: Env) -> None:
+    """Before: injected as is; the sidecar then crash-looped (exit 2) on its own settings."""
+    pod = env.pod("upper", labels={LABEL: "true"},
+                  annotations={"lease-sidecar/name": "Upper_Case"})
+    proc = env.create(pod)
+    assert proc.returncode != 0
+    assert ("annotation lease-sidecar/name: 'lease-sidecar.Upper_Case' (key prefix + name) is "
+            "not a valid Kubernetes object name") in proc.stderr
+    assert env.cp.kubectl("-n", env.namespace, "get", "pod", "upper",
+                          check=False).returncode != 0
+
+
+def _post_review(env: Env, body: bytes) -> tuple[int, bytes]:
+    """POST straight to the injector's HTTPS port, trusting the CA it keeps in its Secret."""
+    context = ssl.create_default_context(cadata=_ca(env).decode())
+    context.check_hostname = False  # the certificate names 127.0.0.1 as an IP SAN
+    request = urllib.request.Request(
+        f"https://127.0.0.1:{env.injector.port}/lease-sidecar-inject", data=body,
+        method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _review(env: Env, operation: str, name: str) -> dict[str, Any]:
+    pod = env.pod(name, labels={LABEL: "true"})
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+            "request": {"uid": f"uid-{name}", "operation": operation,
+                        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                        "resource": {"group": "", "version": "v1", "resource": "pods"},
+                        "namespace": env.namespace, "name": name,
+                        "userInfo": {"username": "tester"},
+                        "object": pod, "oldObject": pod if operation == "UPDATE" else None}}
+
+
+def test_only_create_is_mutated(env: Env) -> None:
+    """Before: an UPDATE review of an opted-in pod came back with the injection patch."""
+    status, raw = _post_review(env, json.dumps(_review(env, "CREATE", "c")).encode())
+    created = json.loads(raw)["response"]
+    assert status == 200 and created["allowed"] is True and created["patchType"] == "JSONPatch"
+    status, raw = _post_review(env, json.dumps(_review(env, "UPDATE", "u")).encode())
+    assert status == 200
+    assert json.loads(raw)["response"] == {"uid": "uid-u", "allowed": True}
+    # The chart sends CREATE only in the first place.
+    config = json.loads(env.cp.kubectl("get", "mutatingwebhookconfiguration",
+                                       env.webhook_config, "-o", "json").stdout)
+    assert [r["operations"] for r in config["webhooks"][0]["rules"]] == [["CREATE"]]
+
+
+def test_malformed_reviews_get_a_denial_or_400_never_exception_text(env: Env) -> None:
+    """Before: 500 with Python exception text ("'str' object has no attribute 'get'")."""
+    broken_pod = _review(env, "CREATE", "broken")
+    broken_pod["request"]["object"]["spec"]["containers"] = "app"
+    no_user = _review(env, "CREATE", "nouser")
+    del no_user["request"]["userInfo"]
+    cases = [
+        (b"{not json", 400, b"the body is not a JSON AdmissionReview"),
+        (b"[1, 2]", 400, b"the body is not a JSON object"),
+        (b'{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {}}',
+         400, b"request.uid is missing"),
+        (json.dumps(no_user).encode(), 200, b"request.userInfo is missing or not a map"),
+        (json.dumps(broken_pod).encode(), 200,
+         b"malformed pod: spec.containers is not a list of maps"),
+    ]
+    for body, status, text in cases:
+        got, raw = _post_review(env, body)
+        assert got == status and text in raw, (body[:60], got, raw)
+        if status == 200:
+            answer = json.loads(raw)["response"]
+            assert answer["allowed"] is False and answer["status"]["code"] == 400
+        assert b"Traceback" not in raw and b"object has no attribute" not in raw
+    assert "Traceback" not in env.injector.logs()
+
+
+# Last: it leaves the injector stopped and the failure policy at Ignore.
 def test_failure_policy_with_the_injector_stopped(env: Env) -> None:
     """Fail (the default): opted-in Pods are refused, others created; Ignore: created bare."""
     ca = _ca(env)
@@ -294,3 +373,4 @@ def test_failure_policy_with_the_injector_stopped(env: Env) -> None:
     stored = env.stored("ignored")
     assert "initContainers" not in stored["spec"]
     assert "lease-sidecar/injected" not in (stored["metadata"].get("annotations") or {})
+

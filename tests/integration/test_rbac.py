@@ -20,12 +20,17 @@ from tests.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
 
+OURS = "leases.coordination.k8s.io/lease-sidecar.jobs"  # the Lease install_rbac names
+THEIRS = "leases.coordination.k8s.io/kube-scheduler"  # another controller's Lease
 ALLOWED = [(verb, "pods") for verb in ("get", "list", "watch", "patch")] + [
-    (verb, "leases.coordination.k8s.io")
-    for verb in ("get", "list", "watch", "create", "update")]
+    (verb, OURS) for verb in ("get", "list", "watch", "update")] + [
+    ("create", "leases.coordination.k8s.io")]
 DENIED = [("delete", "pods"), ("create", "pods"), ("update", "pods"), ("get", "secrets"),
-          ("list", "configmaps"), ("create", "events"), ("delete", "leases.coordination.k8s.io"),
-          ("patch", "leases.coordination.k8s.io"), ("get", "roles.rbac.authorization.k8s.io")]
+          ("list", "configmaps"), ("create", "events"), ("delete", OURS), ("patch", OURS),
+          ("get", "roles.rbac.authorization.k8s.io"),
+          # Other Leases of the namespace: not even readable, let alone writable.
+          *((verb, THEIRS) for verb in ("get", "list", "watch", "update", "patch", "delete")),
+          ("update", "leases.coordination.k8s.io"), ("list", "leases.coordination.k8s.io")]
 
 
 def can_i(cp: ControlPlane, kubeconfig: Path, namespace: str, verb: str, resource: str) -> str:
@@ -41,14 +46,17 @@ def sa(control_plane: ControlPlane, kube_namespace: str) -> Path:
 
 def test_the_file_grants_exactly_the_sidecars_rules() -> None:
     role = next(d for d in yaml.safe_load_all(RBAC.read_text()) if d["kind"] == "Role")
-    granted = {(group, resource, verb) for rule in role["rules"]
+    granted = {(group, resource, verb, tuple(rule.get("resourceNames", ())))
+               for rule in role["rules"]
                for group in rule["apiGroups"] for resource in rule["resources"]
                for verb in rule["verbs"]}
-    assert granted == ({("", "pods", verb) for verb in ("get", "list", "watch", "patch")}
-                       | {("coordination.k8s.io", "leases", verb)
-                          for verb in ("get", "list", "watch", "create", "update")})
-    assert all("resourceNames" not in rule and "nonResourceURLs" not in rule
-               for rule in role["rules"])
+    named = ("lease-sidecar.default",)
+    assert granted == (
+        {("", "pods", verb, ()) for verb in ("get", "list", "watch", "patch")}
+        | {("coordination.k8s.io", "leases", verb, named)
+           for verb in ("get", "list", "watch", "update")}
+        | {("coordination.k8s.io", "leases", "create", ())})
+    assert all("nonResourceURLs" not in rule for rule in role["rules"])
 
 
 @pytest.mark.parametrize(("verb", "resource"), ALLOWED)
@@ -88,17 +96,22 @@ def test_real_requests_as_the_service_account(control_plane: ControlPlane,
     code, out = run("-n", ns, "get", "pods", "-o", "json")
     assert code == 0 and [p["metadata"]["name"] for p in json.loads(out)["items"]] == ["mine"]
     lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-             "metadata": {"name": "probe"}, "spec": {"holderIdentity": "mine"}}
+             "metadata": {"name": "lease-sidecar.jobs"}, "spec": {"holderIdentity": "mine"}}
     assert cp.kubectl("-n", ns, "create", "-f", "-", kubeconfig=sa,
                       input=json.dumps(lease), check=False).returncode == 0
     lease["spec"]["holderIdentity"] = ""
     assert cp.kubectl("-n", ns, "replace", "-f", "-", kubeconfig=sa,
                       input=json.dumps(lease), check=False).returncode == 0
+    # Its watch: a list with a metadata.name field selector, which RBAC checks by name.
+    code, out = run("-n", ns, "get", "leases", "--field-selector",
+                    "metadata.name=lease-sidecar.jobs", "-o", "name")
+    assert code == 0 and out.strip() == "lease.coordination.k8s.io/lease-sidecar.jobs"
 
     # Denied, by the apiserver: each answer is a 403 naming the missing verb.
     for args in (("-n", ns, "delete", "pod", "mine", "--wait=false"),
                  ("-n", ns, "get", "secrets"),
-                 ("-n", ns, "delete", "lease", "probe"),
+                 ("-n", ns, "delete", "lease", "lease-sidecar.jobs"),
+                 ("-n", ns, "get", "leases"),
                  ("-n", other, "label", "pod", "theirs", "lease-role=leader"),
                  ("-n", other, "get", "pods")):
         code, out = run(*args)
@@ -108,3 +121,31 @@ def test_real_requests_as_the_service_account(control_plane: ControlPlane,
     labels = json.loads(cp.kubectl("-n", other, "get", "pod", "theirs", "-o", "json")
                         .stdout)["metadata"].get("labels", {})
     assert "lease-role" not in labels
+
+
+def test_cannot_touch_another_controllers_lease(control_plane: ControlPlane,
+                                               kube_namespace: str, sa: Path) -> None:
+    """Before: the Role could update every Lease of the namespace, other controllers'
+    leader-election Leases included."""
+    cp, ns = control_plane, kube_namespace
+    theirs = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+              "metadata": {"name": "kube-scheduler"},
+              "spec": {"holderIdentity": "scheduler-1", "leaseDurationSeconds": 15,
+                       "leaseTransitions": 7}}
+    cp.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(theirs))
+    hijack = {**theirs, "spec": {**theirs["spec"], "holderIdentity": "mallory"}}
+    for verb, args, stdin in (
+            ("replace", ("replace", "-f", "-"), json.dumps(hijack)),
+            ("patch", ("patch", "lease", "kube-scheduler", "--type=merge", "-p",
+                       '{"spec": {"holderIdentity": "mallory"}}'), None),
+            ("get", ("get", "lease", "kube-scheduler"), None),
+            ("delete", ("delete", "lease", "kube-scheduler"), None)):
+        proc = cp.kubectl("-n", ns, *args, kubeconfig=sa, input=stdin, check=False)
+        assert proc.returncode != 0 and "Forbidden" in proc.stderr, (verb, proc.stderr)
+    # Creating a Lease of that name is refused as well: it exists (create never overwrites).
+    proc = cp.kubectl("-n", ns, "create", "-f", "-", kubeconfig=sa, input=json.dumps(hijack),
+                      check=False)
+    assert proc.returncode != 0 and "AlreadyExists" in proc.stderr
+    spec = json.loads(cp.kubectl("-n", ns, "get", "lease", "kube-scheduler", "-o", "json")
+                      .stdout)["spec"]
+    assert spec["holderIdentity"] == "scheduler-1" and spec["leaseTransitions"] == 7

@@ -137,7 +137,7 @@ def test_two_sidecars_with_one_identity_never_both_lead(tmp_path):
         assert len(warnings) == 1 and warnings[0]["level"] == "warning"
         metrics = get_json(second.url + "/metrics")[1]
         count = [line for line in metrics.splitlines()
-                 if line.startswith('lease_duplicate_identity_total{lease="default"}')]
+                 if line.startswith('lease_sidecar_duplicate_identity_total{lease="default"}')]
         assert count and float(count[0].split()[-1]) >= 1
         # When the first one goes, the twin takes over (after the row expires).
         first.stop()

@@ -139,10 +139,12 @@ def test_bad_env_setting_exits_2(tmp_path):
 
 
 def test_unreachable_backend_keeps_running_and_recovers(tmp_path: Path):
-    blocker = tmp_path / "db-dir"
-    blocker.write_text("a file where a directory should be")
-    proc = SidecarProcess(tmp_path, "lonely",
-                          args=["--dsn", str(blocker / "leases.db"), *FAST]).start()
+    # Another process's exclusive lock makes the database unusable until it lets go (a
+    # DSN that can never work, like a path under a regular file, is refused up front).
+    db = tmp_path / "leases.db"
+    blocker = sqlite3.connect(db, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    proc = SidecarProcess(tmp_path, "lonely", args=["--dsn", str(db), *FAST]).start()
     try:
         proc.wait_http()
         time.sleep(2.0)  # several retries
@@ -150,7 +152,8 @@ def test_unreachable_backend_keeps_running_and_recovers(tmp_path: Path):
         assert proc.leader() == 503
         assert get_json(proc.url + "/readyz")[0] == 503
         assert get_json(proc.url + "/healthz")[0] == 200
-        blocker.unlink()
+        blocker.execute("ROLLBACK")
+        blocker.close()
         wait_until(lambda: proc.leader() == 200, timeout=LEASE_DURATION * 3)
         assert get_json(proc.url + "/readyz")[0] == 200
         lines = [json.loads(line) for line in proc.logs().splitlines() if line.startswith("{")]
@@ -158,6 +161,7 @@ def test_unreachable_backend_keeps_running_and_recovers(tmp_path: Path):
         assert len(unreachable) == 1  # one line per state change, not one per retry
         assert any(line["msg"] == "backend reachable again" for line in lines)
     finally:
+        blocker.close()
         proc.stop()
 
 

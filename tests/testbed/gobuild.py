@@ -40,12 +40,16 @@ from pathlib import Path
 KUBERNETES_VERSIONS: tuple[str, ...] = ("v1.37.2", "v1.36.3", "v1.35.4", "v1.34.4")
 ETCD_VERSION = "v3.6.16"
 HELM_VERSION = "v3.22.0"
+# promtool (checks the chart's PrometheusRule); Prometheus 3.x publishes its Go module as v0.3xx.
+PROMTOOL_VERSION = "v0.316.0"
 
 # Used only when a module's go.mod asks for a newer Go than the one installed; this is the
 # toolchain version approved for this project (fetched by the go command itself).
 FALLBACK_TOOLCHAIN = "go1.27.3"
 
 TOOLS: tuple[str, ...] = ("kube-apiserver", "kubectl", "etcd", "helm")
+# Built on demand only (not by ``all``): the rule check is its only user.
+OPTIONAL_TOOLS: tuple[str, ...] = ("promtool",)
 
 
 class BuildError(RuntimeError):
@@ -70,6 +74,7 @@ class Recipe:
     ldflags: tuple[str, ...] = ()
     replace_staging_k8s: bool = False  # restate k8s.io/kubernetes' staging replaces
     version_args: tuple[str, ...] = ("--version",)
+    tags: tuple[str, ...] = ()  # go build -tags
 
 
 def cache_root() -> Path:
@@ -129,14 +134,27 @@ def recipe(tool: str, version: str) -> Recipe:
             ldflags=(f"-X helm.sh/helm/v3/internal/version.version={version}",),
             version_args=("version", "--short"),
         )
-    raise ValueError(f"unknown tool {tool!r}; expected one of {', '.join(TOOLS)}")
+    if tool == "promtool":
+        return Recipe(
+            tool,
+            version,
+            "github.com/prometheus/prometheus",
+            "github.com/prometheus/prometheus/cmd/promtool",
+            ldflags=(f"-X github.com/prometheus/common/version.Version={version}",),
+            # Leaves out the service-discovery plugins (cloud SDKs): rule checks need
+            # none, and the build takes minutes instead of a quarter of an hour.
+            tags=("remove_all_sd",),
+        )
+    known = ", ".join(TOOLS + OPTIONAL_TOOLS)
+    raise ValueError(f"unknown tool {tool!r}; expected one of {known}")
 
 
 def candidate_versions(tool: str) -> tuple[str, ...]:
     if tool in ("kube-apiserver", "kubectl"):
         pinned = os.environ.get("LEASE_TESTBED_K8S_VERSION")
         return (pinned,) if pinned else KUBERNETES_VERSIONS
-    return {"etcd": (ETCD_VERSION,), "helm": (HELM_VERSION,)}[tool]
+    return {"etcd": (ETCD_VERSION,), "helm": (HELM_VERSION,),
+            "promtool": (PROMTOOL_VERSION,)}[tool]
 
 
 # --------------------------------------------------------------------------- go helpers
@@ -253,6 +271,8 @@ def _compile(
     cmd = [go, "build", "-v", "-trimpath", "-o", str(out)]
     if r.ldflags:
         cmd += ["-ldflags", "-s -w " + " ".join(r.ldflags)]
+    if r.tags:
+        cmd += ["-tags", ",".join(r.tags)]
     cmd.append(r.package)
     log(f"{r.tool} {r.version}: compiling (first time: many minutes on 2 cores) ...")
     started = time.monotonic()

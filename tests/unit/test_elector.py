@@ -157,6 +157,35 @@ async def test_release_request_steps_down_and_sits_out():
     assert ("release" in [what for what, _ in lease.calls])
 
 
+async def test_release_request_to_a_standby_is_refused_and_forgotten():
+    """Before: remembered, and the next term ended right after it began."""
+    clock = FakeClock()
+    lease = FakeLease(clock, grant=False)
+    elector, state, _ = make(clock, lease)
+    assert elector.request_release() is False
+    lease.grant = True
+    await elector._acquire_once()
+    assert state.facts.holding
+    await elector._renew_once()
+    assert state.facts.holding and "release" not in [what for what, _ in lease.calls]
+
+
+async def test_a_release_asked_of_an_ended_term_does_not_end_the_next():
+    """A request accepted while holding, then the lease lost before the loop acted on it
+    (the renew in flight came back refused): the next term must not inherit it."""
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    assert elector.request_release() is True
+    await elector._step_down("lost lease: renew refused", release=False)
+    calls = len(lease.calls)
+    await elector._acquire_once()
+    await elector._renew_once()
+    assert state.facts.holding
+    assert "release" not in [what for what, _ in lease.calls[calls:]]
+
+
 @pytest.mark.parametrize("spread", [0.1, 0.2])
 def test_jitter_stays_in_bounds(spread):
     from sidecar.elector import jittered

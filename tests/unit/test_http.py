@@ -1,36 +1,95 @@
-"""The HTTP contract, served by the real aiohttp app on a loopback port."""
+"""The HTTP contract, served by the real server (``HttpServer``) on a loopback port.
+
+The sidecar's own process is tested in tests/integration/test_http_limits.py; here the
+limits are lowered (``Limits``, ``header_timeout``) so each bound is reached quickly.
+"""
+
+from __future__ import annotations
 
 import asyncio
+import logging
+import re
+import time
+from typing import Any
 from unittest import mock
 
+import aiohttp
+import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
+from aiohttp.test_utils import make_mocked_request
 
 from sidecar.metrics import registry_for
-from sidecar.publish.http import build_app, is_loopback
+from sidecar.publish.http import (
+    HttpServer,
+    Limits,
+    ReleaseOutcome,
+    build_app,
+    host_allowed,
+    is_loopback,
+    release_hosts,
+)
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock
 
 
-def make_app(clock: FakeClock, released: list[str | None] | None = None):  # type: ignore[no-untyped-def]
+def make_app(clock: FakeClock, released: list[str | None] | None = None,
+             limits: Limits | None = None, holding: bool = True):  # type: ignore[no-untyped-def]
     states = [LeaseState(lease=n, identity="me", role="all", claim_horizon=0.25, clock=clock)
               for n in ("first", "second")]
 
-    def release(name: str | None) -> bool:
+    def release(name: str | None) -> ReleaseOutcome:
+        if name not in (None, "first", "second"):
+            return "no-such-lease"
+        if not holding:
+            return "not-holding"
         if released is not None:
             released.append(name)
-        return name in (None, "first", "second")
+        return "released"
 
     app = build_app(states, registry_for(states), status=lambda: {"ok": True},
                     alive=lambda: True, ready=lambda: states[0].facts.backend_ok,
-                    release=release)
+                    release=release, limits=limits)
     return app, states
 
 
-async def client_for(app: web.Application) -> TestClient:
-    client = TestClient(TestServer(app, host="127.0.0.1"))
-    await client.start_server()
-    return client
+class Client:
+    """The real HttpServer on 127.0.0.1:<free port> and an aiohttp client session."""
+
+    def __init__(self, app: web.Application, header_timeout: float = 5.0) -> None:
+        self.server = HttpServer(app, "127.0.0.1", 0, header_timeout=header_timeout)
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> Client:
+        await self.server.start()
+        self.port = self.server.bound_port
+        self.session = aiohttp.ClientSession(f"http://127.0.0.1:{self.port}")
+        return self
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        assert self.session is not None
+        return self.session.get(path, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> Any:
+        assert self.session is not None
+        return self.session.post(path, **kwargs)
+
+    async def raw(self, data: bytes, timeout: float = 2.0) -> bytes:
+        """Send ``data`` on a new connection; everything the server answers until it closes."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        writer.write(data)
+        try:
+            return await asyncio.wait_for(reader.read(), timeout)
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        await self.server.stop()
+
+
+async def client_for(app: web.Application, header_timeout: float = 5.0) -> Client:
+    return await Client(app, header_timeout).start()
 
 
 def lead(state: LeaseState, clock: FakeClock) -> None:
@@ -108,8 +167,8 @@ async def test_other_endpoints_and_errors():
         lead(states[0], clock)
         assert (await client.get("/readyz")).status == 200
         metrics = await (await client.get("/metrics")).text()
-        assert 'lease_is_leader{lease="first"} 1.0' in metrics
-        assert 'lease_is_leader{lease="second"} 0.0' in metrics
+        assert 'lease_sidecar_leader{lease="first"} 1.0' in metrics
+        assert 'lease_sidecar_leader{lease="second"} 0.0' in metrics
         assert (await client.get("/status")).status == 200
         missing = await client.get("/no/such/path")
         assert missing.status == 404
@@ -121,6 +180,10 @@ async def test_other_endpoints_and_errors():
         assert released == [None]
         assert (await client.post("/release/second")).status == 202
         assert (await client.post("/release/nope")).status == 404
+        # Bound-related metrics are served too.
+        metrics = await (await client.get("/metrics")).text()
+        assert "lease_http_waiters 0.0" in metrics
+        assert 'lease_http_refused_total{bound="connections"} 0.0' in metrics
     finally:
         await client.close()
 
@@ -167,5 +230,208 @@ async def test_an_unexpected_error_is_a_bare_500():
         assert response.status == 500
         text = await response.text()
         assert "Traceback" not in text and "secret internals" not in text
+    finally:
+        await client.close()
+
+
+# -- POST /release: who may ask, and only a holder can step down --------------------------
+
+@pytest.mark.parametrize(("host", "allowed"), [
+    ("127.0.0.1:8099", True), ("localhost:8099", True), ("LOCALHOST:8099", True),
+    ("[::1]:8099", True), ("127.0.0.2:8099", True),
+    ("127.0.0.1:8100", False), ("localhost", False), ("evil.example:8099", False),
+    ("localhost.:8099", False), ("user@localhost:8099", False), ("localhost:8099/x", False),
+    ("10.1.2.3:8099", False), ("[::1", False), ("localhost:99999", False), ("", False),
+    (None, False),
+])
+def test_release_host_rule(host: str | None, allowed: bool) -> None:
+    assert host_allowed(host, release_hosts("0.0.0.0", 8099)) is allowed
+
+
+def test_release_host_rule_names_a_specific_bound_address() -> None:
+    hosts = release_hosts("10.1.2.3", 8099)
+    assert host_allowed("10.1.2.3:8099", hosts)
+    assert host_allowed("localhost:8099", hosts)
+    assert not host_allowed("10.1.2.4:8099", hosts)
+
+
+async def test_release_refused_with_origin_or_foreign_host() -> None:
+    """A web page (Origin) or a rebinding DNS name (Host) cannot make us step down."""
+    released: list[str | None] = []
+    app, _ = make_app(FakeClock(), released)
+    client = await client_for(app)
+    try:
+        for headers in ({"Origin": "http://evil.example"}, {"Origin": "null"},
+                        {"Host": f"evil.example:{client.port}"},
+                        {"Host": f"127.0.0.1:{client.port + 1}"}):
+            response = await client.post("/release", headers=headers)
+            assert response.status == 403, headers
+            assert "error" in await response.json()
+        # HTTP/1.0 without any Host header.
+        answer = await client.raw(b"POST /release HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.0 403") or answer.startswith(b"HTTP/1.1 403")
+        assert released == []
+        for host in (f"localhost:{client.port}", f"127.0.0.1:{client.port}",
+                     f"[::1]:{client.port}"):
+            assert (await client.post("/release", headers={"Host": host})).status == 202
+        assert released == [None, None, None]
+    finally:
+        await client.close()
+
+
+async def test_release_on_a_standby_is_409() -> None:
+    app, _ = make_app(FakeClock(), holding=False)
+    client = await client_for(app)
+    try:
+        response = await client.post("/release")
+        assert response.status == 409
+        assert (await response.json())["released"] is False
+        assert (await client.post("/release/nope")).status == 404
+    finally:
+        await client.close()
+
+
+# -- bounds ---------------------------------------------------------------------------------
+
+async def _parked(client: Client, tag: str) -> asyncio.Task[Any]:
+    async def one() -> tuple[int, dict[str, str]]:
+        async with client.get("/leader?wait=30", headers={"If-None-Match": tag}) as r:
+            await r.read()
+            return r.status, dict(r.headers)
+    return asyncio.ensure_future(one())
+
+
+async def test_waiter_cap_answers_at_once_with_the_true_state() -> None:
+    clock = FakeClock()
+    limits = Limits(max_waiters=2)
+    app, states = make_app(clock, limits=limits)
+    lead(states[0], clock)
+    client = await client_for(app)
+    try:
+        tag = (await client.get("/leader")).headers["ETag"]
+        parked = [await _parked(client, tag) for _ in range(2)]
+        for _ in range(100):
+            if limits.waiters == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert limits.waiters == 2
+        started = time.monotonic()
+        full = await client.get("/leader?wait=30", headers={"If-None-Match": tag})
+        assert time.monotonic() - started < 1
+        # The leader is told it leads (a true claim), not a made-up 503.
+        assert full.status == 200 and (await full.json())["leader"] is True
+        assert full.headers["Lease-Wait"] == "full" and full.headers["Retry-After"] == "1"
+        # As a standby: the answer at once is the true "not leader".
+        states[0].update(holding=False)
+        done = await asyncio.wait_for(asyncio.gather(*parked), 2)
+        assert [status for status, _ in done] == [503, 503]
+        assert limits.waiters == 0
+        tag = (await client.get("/leader")).headers["ETag"]
+        parked = [await _parked(client, tag) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        full = await client.get("/leader?wait=30", headers={"If-None-Match": tag})
+        assert full.status == 503 and (await full.json())["leader"] is False
+        assert full.headers["Lease-Wait"] == "full"
+        assert limits.waits_refused == 2
+        states[0].update(reason="wake")
+        await asyncio.wait_for(asyncio.gather(*parked), 2)
+        metrics = await (await client.get("/metrics")).text()
+        assert 'lease_http_refused_total{bound="waiters"} 2.0' in metrics
+    finally:
+        await client.close()
+
+
+async def test_a_client_that_leaves_frees_its_waiter_slot_at_once() -> None:
+    clock = FakeClock()
+    limits = Limits(max_waiters=1)
+    app, _ = make_app(clock, limits=limits)
+    client = await client_for(app)
+    try:
+        tag = (await client.get("/leader")).headers["ETag"]
+        _, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(f"GET /leader?wait=300 HTTP/1.1\r\nHost: x\r\nIf-None-Match: {tag}\r\n\r\n"
+                     .encode())
+        for _ in range(100):
+            if limits.waiters == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert limits.waiters == 1
+        writer.close()
+        for _ in range(100):
+            if limits.waiters == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert limits.waiters == 0
+    finally:
+        await client.close()
+
+
+async def test_connection_cap_answers_503_with_retry_after() -> None:
+    limits = Limits(max_connections=3)
+    app, _ = make_app(FakeClock(), limits=limits)
+    client = await client_for(app)
+    held = []
+    try:
+        for _ in range(3):
+            held.append(await asyncio.open_connection("127.0.0.1", client.port))
+        await asyncio.sleep(0.1)
+        for _ in range(2):
+            answer = await client.raw(b"GET /leader HTTP/1.1\r\nHost: x\r\n\r\n")
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 ")
+            assert b"Retry-After: 1" in head and b"Connection: close" in head
+            assert body == b'{"error": "too many connections"}'
+        assert limits.refused_connections == 2
+        for _, writer in held:
+            writer.close()
+        await asyncio.sleep(0.2)
+        assert (await client.raw(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close"
+                                 b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    finally:
+        await client.close()
+
+
+async def test_a_half_sent_request_is_closed_after_the_header_timeout() -> None:
+    app, _ = make_app(FakeClock())
+    client = await client_for(app, header_timeout=0.5)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        started = time.monotonic()
+        writer.write(b"GET /leader HTTP/1.1\r\nHost: x\r\n")
+        closed = None
+        for i in range(30):  # one more header line every 100 ms: never a full head
+            try:
+                if await asyncio.wait_for(reader.read(100), 0.1) == b"":
+                    closed = time.monotonic() - started
+                    break
+            except TimeoutError:
+                writer.write(f"X-{i}: y\r\n".encode())
+        writer.close()
+        assert closed is not None and 0.4 < closed < 1.2
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    b"GET /leader HTTP/1.1\r\nHost: x\r\n\r\nGET /x HTTP/1.1\r\nBad Header\r\n\r\n",
+    b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\n\r\n",
+    b"GET / HTTP/1.1\r\nX: " + b"b" * 5000 + b"\r\n\r\n",
+    b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(40)) + b"\r\n",
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03",
+], ids=["bad-header", "pipelined-bad", "long-line", "long-field", "many-headers", "tls"])
+async def test_malformed_requests_are_a_400_and_one_debug_line(
+        raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    app, _ = make_app(FakeClock())
+    client = await client_for(app)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+            answer = await client.raw(raw)
+        assert re.search(rb"HTTP/1\.[01] 400 ", answer), answer[:200]
+        assert b"Traceback" not in answer
+        records = [r for r in caplog.records if r.name == "aiohttp.server"]
+        assert records, "the malformed request should be logged at debug"
+        assert all(r.levelno == logging.DEBUG and r.exc_info is None for r in records)
+        assert all("\n" not in r.getMessage() for r in records)
     finally:
         await client.close()

@@ -99,3 +99,59 @@ def test_spec_must_be_a_native_sidecar(tmp_path: Path) -> None:
         InjectionSpec.load(path)
     with pytest.raises(ValueError, match="cannot read injection spec"):
         InjectionSpec.load(tmp_path / "missing.json")
+
+
+def _spec(backend: str, key_prefix: str | None = "lease-sidecar") -> InjectionSpec:
+    env = [{"name": "LEASE_BACKEND", "value": backend}, {"name": "LEASE_NAME", "value": "x"}]
+    if key_prefix is not None:
+        env.append({"name": "LEASE_KEY_PREFIX", "value": key_prefix})
+    return InjectionSpec(container={**SPEC.container, "env": env}, volumes=SPEC.volumes,
+                         app_mount=SPEC.app_mount, app_env=SPEC.app_env)
+
+
+@pytest.mark.parametrize("name", ["Upper_Case", "jobs,Nightly", "under_score"])
+def test_kubernetes_backend_refuses_names_its_lease_object_cannot_have(name: str) -> None:
+    """Before: accepted, and the injected sidecar then crash-looped on its settings."""
+    pod = _pod(**{"lease-sidecar/name": name})
+    before = copy.deepcopy(pod)
+    with pytest.raises(InjectionError, match=r"annotation lease-sidecar/name: .* is not a "
+                                             r"valid Kubernetes object name"):
+        inject(pod, _spec("kubernetes"))
+    assert pod == before
+
+
+def test_object_name_rule_counts_the_key_prefix() -> None:
+    long = "n" * 200  # the longest lease name; with the prefix and dot at most 253
+    inject(_pod(**{"lease-sidecar/name": long}), _spec("kubernetes", key_prefix="p" * 52))
+    with pytest.raises(InjectionError, match="not a valid Kubernetes object name"):
+        inject(_pod(**{"lease-sidecar/name": long}), _spec("kubernetes", key_prefix="p" * 53))
+    # No LEASE_KEY_PREFIX in the spec: the sidecar's default prefix applies.
+    with pytest.raises(InjectionError, match=r"'lease-sidecar\.Upper'"):
+        inject(_pod(**{"lease-sidecar/name": "Upper"}), _spec("kubernetes", key_prefix=None))
+
+
+def test_database_backends_keep_their_wider_names() -> None:
+    pod = _pod(**{"lease-sidecar/name": "Upper_Case"})
+    assert inject(pod, _spec("postgres")) is True
+
+
+@pytest.mark.parametrize(("pod", "message"), [
+    ([], "the object is not a map"),
+    ({"metadata": "x"}, "metadata is not a map"),
+    ({"metadata": {"labels": ["lease-sidecar/inject"]}}, "metadata.labels is not a map"),
+    ({"metadata": {"labels": {"lease-sidecar/inject": True}}}, "metadata.labels is not a map"),
+    ({"metadata": {"annotations": {"a": 1}}}, "metadata.annotations is not a map"),
+    ({"spec": []}, "spec is not a map"),
+    ({"spec": {"containers": "app"}}, "spec.containers is not a list of maps"),
+    ({"spec": {"containers": ["app"]}}, "spec.containers is not a list of maps"),
+    ({"spec": {"initContainers": {}}}, "spec.initContainers is not a list of maps"),
+    ({"spec": {"volumes": "v"}}, "spec.volumes is not a list of maps"),
+    ({"spec": {"containers": [{"name": "a", "env": "X=1"}]}},
+     r"spec.containers\[0\].env is not a list of maps"),
+    ({"spec": {"containers": [{"name": "a", "volumeMounts": [1]}]}},
+     r"spec.containers\[0\].volumeMounts is not a list of maps"),
+])
+def test_malformed_pod_is_one_clear_line(pod: object, message: str) -> None:
+    """Before: TypeError/AttributeError text, which kopf sent back as a 500."""
+    with pytest.raises(InjectionError, match=f"malformed pod: {message}"):
+        inject(pod, SPEC)  # type: ignore[arg-type]

@@ -187,3 +187,19 @@ def test_a_new_database_seeds_its_counter_above_the_wall_clock(tmp_path):
 
     token = asyncio.run(first_token())
     assert token > before
+
+
+async def test_a_wal_database_of_an_older_version_is_switched_to_a_rollback_journal(tmp_path):
+    """In WAL mode, closing the last connection deletes ``-wal``/``-shm`` by name: after a
+    replacement those would be the new database's files."""
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as old:
+        old.execute("PRAGMA journal_mode=WAL")
+        old.executescript(schema_sql(type("S", (), {"table_name": "leases"})()))
+    store = SqliteStore(str(path), "leases")
+    try:
+        assert (await lease(store, "a").try_acquire()).held
+    finally:
+        await store.close()
+    with sqlite3.connect(path) as check:
+        assert check.execute("PRAGMA journal_mode").fetchone() == ("delete",)

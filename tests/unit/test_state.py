@@ -1,4 +1,7 @@
-"""The claim rules of DESIGN.md, on a fake clock (no sleeping)."""
+"""The claim rules (docs/design.md), on a fake clock (no sleeping)."""
+
+import math
+from datetime import datetime
 
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock
@@ -78,4 +81,24 @@ def test_body_times_are_rfc3339_utc():
     assert body["fencing_token"] == 5
     assert body["holder"] == "me"
     assert set(body) == {"leader", "lease", "identity", "holder", "fencing_token", "since",
-                         "valid_until", "role"}
+                         "valid_until", "valid_until_ms", "role"}
+
+
+def test_valid_until_ms_is_the_same_instant_rounded_down():
+    clock = FakeClock()
+    state = make_state(clock)
+    state.update(holding=True, claim_from=clock.now, valid_until=clock.now + 10)
+    clock.advance(0.0007)  # the claim ends 0.7 ms into a millisecond
+    claim = state.claim()
+    exact = state.to_wall(claim.valid_until)
+    assert exact is not None
+    body = state.body(claim)
+    assert isinstance(body["valid_until_ms"], int)
+    assert body["valid_until_ms"] == math.floor(exact * 1000)
+    assert body["valid_until_ms"] / 1000 < exact  # never later than the claim's end
+    parsed = datetime.fromisoformat(body["valid_until"]).timestamp()
+    assert round(parsed * 1000) == body["valid_until_ms"]
+    # Not leading: both are null, never a stale time.
+    state.update(holding=False)
+    standby = state.body(state.claim())
+    assert standby["valid_until"] is None and standby["valid_until_ms"] is None

@@ -83,8 +83,10 @@ env:
     value: {{ .Values.lease.role | quote }}
   - name: LEASE_DURATION
     value: {{ .Values.lease.duration | quote }}
+  {{- with .Values.lease.renewInterval }}
   - name: LEASE_RENEW_INTERVAL
-    value: {{ .Values.lease.renewInterval | quote }}
+    value: {{ . | quote }}
+  {{- end }}
   - name: LEASE_CLAIM_HORIZON
     value: {{ .Values.lease.claimHorizon | quote }}
   - name: LEASE_POD_LABEL
@@ -93,15 +95,14 @@ env:
     value: {{ include "lease-sidecar.httpAddr" . | quote }}
   - name: LEASE_STATE_DIR
     value: {{ include "lease-sidecar.stateDir" . | quote }}
-  {{- if .Values.lease.dsnSecret.name }}
+  {{- if or .Values.lease.dsnSecret.name .Values.lease.dsn }}
+  {{- /* Always from a Secret: the injector's ConfigMap carries this container, and
+  a DSN never goes into a ConfigMap (templates/dsn-secret.yaml holds lease.dsn). */}}
   - name: LEASE_DSN
     valueFrom:
       secretKeyRef:
-        name: {{ .Values.lease.dsnSecret.name }}
-        key: {{ .Values.lease.dsnSecret.key }}
-  {{- else if .Values.lease.dsn }}
-  - name: LEASE_DSN
-    value: {{ .Values.lease.dsn | quote }}
+        name: {{ include "lease-sidecar.dsnSecretName" . }}
+        key: {{ .Values.lease.dsnSecret.key | default "dsn" }}
   {{- end }}
   {{- with .Values.sidecar.extraEnv }}
   {{- toYaml . | nindent 2 }}
@@ -181,6 +182,27 @@ readOnly: true
     "appMount" (include "lease-sidecar.appVolumeMount" . | fromYaml)
     "appEnv" (include "lease-sidecar.appEnv" . | fromYamlArray) -}}
 {{- toPrettyJson $spec }}
+{{- end }}
+
+{{/* The Secret LEASE_DSN comes from: lease.dsnSecret.name, else the chart's own. */}}
+{{- define "lease-sidecar.dsnSecretName" -}}
+{{- .Values.lease.dsnSecret.name | default (printf "%s-dsn" (include "lease-sidecar.fullname" .) | trunc 63 | trimSuffix "-") }}
+{{- end }}
+
+{{/* lease-sidecar.leaseObjects: the Lease objects of this release, as a JSON list:
+"{keyPrefix}.{name}" for every name of lease.name and rbac.leaseNames (the key the
+kubernetes backend uses, sidecar/names.py). */}}
+{{- define "lease-sidecar.leaseObjects" -}}
+{{- $objects := list }}
+{{- $names := concat (splitList "," .Values.lease.name) (.Values.rbac.leaseNames | default list) }}
+{{- range $names }}
+{{- $name := trim . }}
+{{- if $name }}
+{{- $object := ternary (printf "%s.%s" $.Values.lease.keyPrefix $name) $name (ne $.Values.lease.keyPrefix "") }}
+{{- $objects = append $objects $object }}
+{{- end }}
+{{- end }}
+{{- $objects | uniq | toJson }}
 {{- end }}
 
 {{/* Cluster-scoped, so it carries the namespace to stay unique across releases. */}}

@@ -166,7 +166,7 @@ SELECT pg_notify('{self.channel}', lease_name) FROM gone""")
 
 
 class TsqlDialect(Dialect):
-    """``[schema].[table]`` exactly per DESIGN.md; ROWVERSION is the fencing token."""
+    """``[schema].[table]`` as docs/design.md specifies it; ROWVERSION is the fencing token."""
 
     channel = None
 

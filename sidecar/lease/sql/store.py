@@ -11,7 +11,7 @@ from sidecar.config import ConfigError, Settings
 from sidecar.lease.rowlease import ReplicaCheck, Row, RowLease
 from sidecar.lease.sql.dialect import Dialect, Statement
 
-# Column sizes of the table (DESIGN.md): names and owners longer than this cannot be stored.
+# Column sizes of the table (docs/design.md): longer names and owners cannot be stored.
 MAX_ROW_NAME = 200
 MAX_OWNER = 128
 
