@@ -3,6 +3,9 @@
 import asyncio
 import sqlite3
 
+import pytest
+
+from sidecar.lease import BackendError
 from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sqlite import SqliteStore, schema_sql, sqlite_path
 
@@ -193,10 +196,14 @@ async def test_a_wal_database_of_an_older_version_is_switched_to_a_rollback_jour
     """In WAL mode, closing the last connection deletes ``-wal``/``-shm`` by name: after a
     replacement those would be the new database's files."""
     path = tmp_path / "old.db"
-    with sqlite3.connect(path) as old:
-        old.execute("PRAGMA journal_mode=WAL")
-        old.executescript(schema_sql(type("S", (), {"table_name": "leases"})()))
+    old = sqlite3.connect(path)
+    old.execute("PRAGMA journal_mode=WAL")
+    old.executescript(schema_sql(type("S", (), {"table_name": "leases"})()))
     store = SqliteStore(str(path), "leases")
+    # While the older version has it open, the switch is refused with a clear reason.
+    with pytest.raises(BackendError, match="cannot leave WAL mode"):
+        await lease(store, "a").try_acquire()
+    old.close()
     try:
         assert (await lease(store, "a").try_acquire()).held
     finally:
