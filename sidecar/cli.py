@@ -2,7 +2,8 @@
 
 Exit codes: 0 clean stop, 1 the backend failed, 2 bad settings (one line naming the
 setting, before anything connects), 3 ``status``: no such lease, database or table,
-75 ``exec --acquire-timeout`` ran out, otherwise the command's own code.
+75 ``exec --acquire-timeout`` ran out, 126 / 127 ``exec``'s command is not
+executable / not found (one line, as shells do), otherwise the command's own code.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from sidecar import cli_status, config, jsonlog
+from sidecar import cli_status, config, jsonlog, supervise
 from sidecar.config import ConfigError, Settings
 from sidecar.lease import BackendError, NotFound, backend_module
+from sidecar.publish.http import ReleaseOutcome
 from sidecar.redact import redact
 from sidecar.runtime import Sidecar
 
@@ -90,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if not cmd:
                 raise ConfigError("exec: no command given (lease-sidecar exec -- CMD ARGS...)")
+            unusable = supervise.check_command(cmd[0])
+            if unusable is not None:
+                code, line = unusable
+                return _fail(f"exec: {line}", code=code)
             timeout = (config.parse_duration(args.acquire_timeout)
                        if args.acquire_timeout is not None else None)
             return asyncio.run(_exec(settings, cmd, timeout))
@@ -163,15 +169,49 @@ async def _run(settings: Settings) -> int:
     return 0
 
 
+# Signals whose default action would end the supervisor: each stops the job first
+# (SIGKILL cannot be caught; the guard handles that case).
+EXEC_STOP_SIGNALS = tuple(getattr(signal, name) for name in (
+    "SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM",
+    "SIGPROF", "SIGXCPU", "SIGXFSZ", "SIGPWR", "SIGIO") if hasattr(signal, name))
+
+
+class _ExecSidecar(Sidecar):
+    """``POST /release`` under ``exec`` ends the command first, then releases the lease:
+    the work stops while the lease is still ours, never after another holder started."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.release_requested = asyncio.Event()
+        self.job_running = False
+        super().__init__(settings)
+
+    def release(self, name: str | None) -> ReleaseOutcome:
+        if self.job_running and (name or self.settings.name) == self.settings.name:
+            self.release_requested.set()
+            return "released"
+        return super().release(name)
+
+
 async def _exec(settings: Settings, cmd: list[str], acquire_timeout: float | None) -> int:
-    """Start ``cmd`` once we lead; stop it when we stop leading; mirror its exit code."""
+    """Start ``cmd`` once we lead; stop it (and all it started) when we stop leading;
+    mirror its exit code."""
+    supervise.become_subreaper()
     stop = asyncio.Event()
-    _stop_on_signals(stop)
-    sidecar = Sidecar(settings)
+    kill = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # A second signal (an impatient Ctrl-C) skips the grace.
+        (kill if stop.is_set() else stop).set()
+
+    for sig in EXEC_STOP_SIGNALS:
+        with contextlib.suppress(ValueError, OSError, RuntimeError):
+            loop.add_signal_handler(sig, on_signal)
+    sidecar = _ExecSidecar(settings)
     await _start(sidecar)
     state = sidecar.states[0]
-    loop = asyncio.get_running_loop()
     deadline = loop.time() + acquire_timeout if acquire_timeout is not None else None
+    job: supervise.Job | None = None
     try:
         while not state.claim().leader:
             if stop.is_set():
@@ -180,38 +220,39 @@ async def _exec(settings: Settings, cmd: list[str], acquire_timeout: float | Non
                 log.warning("lease not acquired in time", extra={"lease": state.lease})
                 return EXIT_NOT_ACQUIRED
             await _wait_any(state.wait_for_change(state.facts.version, 0.05), stop.wait())
-        child = await asyncio.create_subprocess_exec(*cmd)
-        log.info("started command", extra={"lease": state.lease, "pid": child.pid,
+        job = await supervise.Job.start(cmd, state.facts.valid_until, settings.exec_grace,
+                                        settings.safety_margin)
+        sidecar.job_running = True
+        log.info("started command", extra={"lease": state.lease, "pid": job.pid,
                                            "fencing_token": state.facts.fencing_token})
-        exited = asyncio.ensure_future(child.wait())
+        exited = asyncio.ensure_future(job.wait())
+        stopping: str | None = None
         # Poll the claim at a fraction of the horizon: a claim can lapse with no state
         # change at all (a renew that hangs until the validity runs out).
         while not exited.done():
-            if stop.is_set() or not state.claim().leader:
-                reason = "signal" if stop.is_set() else "lease lost"
-                await _terminate(child, exited, settings.exec_grace, reason)
-                break
-            await _wait_any(exited, stop.wait(),
+            leading = state.claim().leader
+            if leading:
+                # Also while stopping on request: the lease is still ours, so the
+                # command gets its whole grace.
+                job.extend(state.facts.valid_until)
+            reason = ("signal" if stop.is_set() else
+                      "release requested" if sidecar.release_requested.is_set() else
+                      None if leading else "lease lost")
+            if reason and stopping is None:
+                stopping = reason
+                log.warning("stopping command", extra={"pid": job.pid, "reason": reason})
+                job.stop()
+            if kill.is_set():
+                job.kill()
+            await _wait_any(exited, stop.wait(), kill.wait(), sidecar.release_requested.wait(),
                             state.wait_for_change(state.facts.version,
                                                   settings.claim_horizon / 2))
-        code = await exited
-        return 128 - code if code < 0 else code
+        return await exited
     finally:
+        if job is not None:
+            job.close()
+        # Only now, with the command and everything it started gone, is the lease released.
         await sidecar.stop()
-
-
-async def _terminate(child: asyncio.subprocess.Process, exited: asyncio.Future[int],
-                     grace: float, reason: str) -> None:
-    log.warning("stopping command", extra={"pid": child.pid, "reason": reason})
-    with contextlib.suppress(ProcessLookupError):
-        child.send_signal(signal.SIGTERM)
-    try:
-        async with asyncio.timeout(grace):
-            await asyncio.shield(exited)
-    except TimeoutError:
-        log.warning("command ignored SIGTERM; killing it", extra={"pid": child.pid})
-        with contextlib.suppress(ProcessLookupError):
-            child.kill()
 
 
 async def _wait_any(*waitables) -> None:  # type: ignore[no-untyped-def]

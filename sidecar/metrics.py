@@ -22,6 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
+from sidecar.lease import duplicate_identity
 from sidecar.state import LeaseState
 from sidecar.stats import OPERATIONS, OUTCOMES
 
@@ -64,6 +65,10 @@ class LeaseCollector(Collector):
             f"round trip of one {op} call to the backend, by outcome "
             f"({', '.join(OUTCOMES[op])})",
             labels=["lease", "outcome"]) for op in OPERATIONS}
+        duplicates = CounterMetricFamily(
+            f"{PREFIX}duplicate_identity",
+            "acquire attempts that found the lease held by another live process with this "
+            "contender's identity (identities must be unique)", labels=["lease"])
         for state in self._states:
             facts = state.facts
             lease = [state.lease]
@@ -83,6 +88,7 @@ class LeaseCollector(Collector):
             for event, count in counts.items():
                 transitions.add_metric([state.lease, event], count)
             changes.add_metric(lease, facts.version)
+            duplicates.add_metric(lease, duplicate_identity[(state.identity, state.lease)])
             for (op, outcome), histogram in state.stats.histograms.items():
                 # 16 lines per histogram, most of a scrape's cost: the rarer outcomes
                 # appear with their first call, "held" always.
@@ -92,6 +98,7 @@ class LeaseCollector(Collector):
         yield from gauges.values()
         yield transitions
         yield changes
+        yield duplicates
         yield from round_trips.values()
 
     @staticmethod

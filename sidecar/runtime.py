@@ -14,12 +14,9 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
-import os
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from sidecar.config import ConfigError, Settings
+from sidecar.config import Settings
 from sidecar.elector import Elector
 from sidecar.lease import Backend, create_backend
 from sidecar.metrics import registry_for
@@ -28,32 +25,9 @@ from sidecar.publish.file import FilePublisher
 from sidecar.publish.http import HttpServer, ReleaseOutcome, build_app
 from sidecar.redact import redact_tree
 from sidecar.state import Clock, LeaseState, SystemClock
+from sidecar.statedir import resolve_state_dir
 
 log = logging.getLogger("sidecar")
-
-
-def resolve_state_dir(settings: Settings) -> Path:
-    """The configured directory, or — only when the default is unusable — a private one.
-
-    On a VM a non-root user cannot create ``/run/lease``; an explicit setting that does
-    not work is an error instead, because the application reads that exact path.
-    """
-    wanted = Path(settings.state_dir)
-    try:
-        wanted.mkdir(parents=True, exist_ok=True)
-        if os.access(wanted, os.W_OK):
-            return wanted
-        problem = "not writable"
-    except OSError as exc:
-        problem = exc.strerror or str(exc)
-    if "state_dir" in settings.explicit:
-        raise ConfigError(f"LEASE_STATE_DIR / --state-dir: {wanted}: {problem}")
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    fallback = Path(base) / f"lease-sidecar-{os.getuid()}"
-    fallback.mkdir(parents=True, exist_ok=True)
-    log.warning("default state dir unusable; using a private one",
-                extra={"wanted": str(wanted), "problem": problem, "state_dir": str(fallback)})
-    return fallback
 
 
 def pod_label_wanted(settings: Settings) -> bool:

@@ -16,6 +16,7 @@ pyodbc, kopf or the kubernetes client.
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import ModuleType
@@ -101,6 +102,12 @@ class Backend(Protocol):
     def lease(self, name: str) -> Lease: ...
 
     async def close(self) -> None: ...
+
+
+# (identity, lease) -> acquire attempts that found a live lease under our identity while
+# we did not hold it: a second process with the same identity. Exported as the metric
+# ``lease_sidecar_duplicate_identity_total`` by :mod:`sidecar.metrics`.
+duplicate_identity: Counter[tuple[str, str]] = Counter()
 
 
 class BackendError(Exception):

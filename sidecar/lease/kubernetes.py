@@ -78,7 +78,7 @@ from kubernetes.client.exceptions import ApiException
 from sidecar.config import ConfigError, Settings
 from sidecar.kube import REQUEST_TIMEOUT, KubeAccess, connect, one_line, request
 from sidecar.lease import BackendError, Grant, Holder, LeaseInfo
-from sidecar.names import object_name_problem
+from sidecar.names import object_name_problem, prefixed
 from sidecar.state import Clock, SystemClock
 
 log = logging.getLogger("sidecar.lease.kubernetes")
@@ -549,26 +549,32 @@ def create(settings: Settings, clock: Clock | None = None) -> KubeBackend:
 
 
 async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list[LeaseInfo]:
-    """``lease-sidecar status``: every Lease of this key prefix in the namespace, listed
-    (never created). A Lease whose holder is empty or whose term ran out on this host's
-    clock exists but is free."""
+    """``lease-sidecar status``: the named Leases, each read with ``get`` (which the Role's
+    ``resourceNames`` allow), or with no names every Lease of this key prefix in the
+    namespace (``list``, which needs a Role without ``resourceNames``); never created. A
+    Lease whose holder is empty or whose term ran out on this host's clock exists but is
+    free."""
     backend = KubeBackend(settings)
     try:
         api = await backend.api()
         prefix = f"{settings.key_prefix}." if settings.key_prefix else ""
         now = datetime.now(UTC)
+        if names:
+            found = [(name, await api.get(prefixed(settings.key_prefix, name)))
+                     for name in names]
+            records = [(name, record) for name, record in found if record is not None]
+        else:
+            records = [(obj["metadata"]["name"][len(prefix):], Record.from_object(obj))
+                       for obj in await api.list()
+                       if obj["metadata"]["name"].startswith(prefix)]
         rows = []
-        for obj in await api.list():
-            name = obj["metadata"]["name"]
-            if not name.startswith(prefix):
-                continue
-            record = Record.from_object(obj)
+        for name, record in records:
             expires = record.expires_at()
             live = bool(record.holder) and expires is not None and expires > now
-            rows.append(LeaseInfo(lease=name[len(prefix):],
+            rows.append(LeaseInfo(lease=name,
                                   holder=record.holder if live else None,
                                   fencing_token=record.transitions, expires_at=expires,
-                                  details={"object": f"{api.namespace}/{name}"}))
+                                  details={"object": f"{api.namespace}/{prefix}{name}"}))
         return rows
     finally:
         await backend.close()

@@ -3,8 +3,13 @@
 One row per lease name; the row is the lock. A store (SQL plus a driver) runs the
 statements; this module holds the rules that are the same everywhere:
 
-- acquire is one round trip that sweeps expired rows, then inserts, takes over an
-  expired row, refreshes our own row (re-entrant) or loses to a live foreign owner;
+- acquire is one round trip that sweeps expired rows, then inserts or takes over an
+  expired row, or loses to a live row — also one that names *our* identity: acquire is
+  only called while we do not hold the lease, so such a row belongs to a second process
+  with our identity (or to our previous term, whose release failed). Refreshing it, as
+  a re-entrant acquire would, gives two processes the same lease and the same token; we
+  wait for it to expire instead, log a warning once and count it
+  (``lease_sidecar_duplicate_identity_total``). An acquire while holding is a renew;
 - renew only touches a row we own that has not expired, by the database's clock;
 - release deletes only a row we own;
 - a server-assigned version that only grows is the fencing token;
@@ -19,12 +24,16 @@ margin for clock-rate differences between this host and the server.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from sidecar.lease import Grant, Holder
+from sidecar.lease import Grant, Holder, duplicate_identity
+
+log = logging.getLogger("sidecar.lease")
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -43,6 +52,9 @@ class Row:
     owner: str
     version: int
     expires_at: datetime | None = None
+    # From acquire: this very statement inserted or took over the row. False: it only
+    # read a live row (possibly one naming us, written by another process).
+    won: bool = True
 
 
 class RowStore(Protocol):
@@ -92,29 +104,56 @@ class RowLease:
         self._owner = owner
         self._duration = duration
         self._valid_for = duration - safety_margin
+        self._margin = safety_margin
         self._metadata = metadata
         self._replica = replica
         self._token: int | None = None
+        # Monotonic: until when a row we wrote may still be live (ours, not a duplicate's).
+        self._own_row_until = float("-inf")
+        self._duplicate_warned = False
 
     async def try_acquire(self) -> Grant:
+        if self._token is not None:
+            return await self.try_renew()  # we hold it: extend, same term, same token
+        sent = time.monotonic()
         row = await self._store.acquire(self._row_name, self._owner, self._duration, self._metadata)
         if row is None or row.owner != self._owner:
             return Grant(held=False, holder=row.owner if row else None,
                          reason=f"held by {row.owner}" if row else "no row")
+        if not row.won:
+            return self._same_identity(row, sent)
         if self._replica and not await self._replica_confirms(row.version):
             await self._store.release(self._row_name, self._owner)
             return Grant(held=False, holder=None, reason="replica did not confirm in time")
-        # Re-entrant refresh keeps the term's token; a new term takes the new version.
-        if self._token is None:
-            self._token = row.version
+        self._token = row.version
+        self._own_row_until = sent + self._duration + self._margin
+        self._duplicate_warned = False
         return Grant(held=True, valid_for=self._valid_for, fencing_token=self._token,
                      holder=self._owner)
 
+    def _same_identity(self, row: Row, sent: float) -> Grant:
+        """A live row names us, but we do not hold the lease: wait for it to expire."""
+        if sent < self._own_row_until:
+            return Grant(held=False, holder=row.owner,
+                         reason="our previous term's row has not expired yet")
+        duplicate_identity[(self._owner, self.name)] += 1
+        if not self._duplicate_warned:
+            self._duplicate_warned = True
+            log.warning("another live holder has our identity; not taking the lease over "
+                        "until its row expires (identities must be unique)", extra={
+                            "lease": self.name, "identity": self._owner,
+                            "expires_at": row.expires_at.isoformat() if row.expires_at
+                            else None})
+        return Grant(held=False, holder=row.owner,
+                     reason="held by another process with our identity")
+
     async def try_renew(self) -> Grant:
+        sent = time.monotonic()
         row = await self._store.renew(self._row_name, self._owner, self._duration)
         if row is None:
             self._token = None
             return Grant(held=False, reason="row expired or taken over")
+        self._own_row_until = sent + self._duration + self._margin
         return Grant(held=True, valid_for=self._valid_for, fencing_token=self._token,
                      holder=self._owner)
 

@@ -5,6 +5,14 @@ The file exists exactly while this contender leads; its content is the JSON of
 so a sidecar that dies or freezes stops claiming within one horizon even
 though nobody removes its file. Writes are atomic: a temp file in the same directory,
 then ``rename``.
+
+No symlink is ever followed, so nobody who can write to the directory can make us write
+into another file: the temp file has a random name and is created with
+``O_CREAT | O_EXCL | O_NOFOLLOW`` (an existing file or symlink of that name is an error,
+and we pick another name), and ``rename`` replaces a ``leader`` symlink itself, never
+its target. Files are created with mode 0644 less the umask: the application usually
+runs as another user and must read it; the claim is not a secret. (The directory itself
+is vetted by :mod:`sidecar.statedir`.)
 """
 
 from __future__ import annotations
@@ -13,21 +21,52 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 from pathlib import Path
 
+from sidecar.config import ConfigError
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.file")
 
 
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_ATTEMPTS = 8
+
+
+def temp_name(path: Path) -> Path:
+    """A name nobody can predict, so nobody can plant anything there in advance."""
+    return path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+
+
 def write_atomically(path: Path, data: bytes) -> None:
-    tmp = f"{path.parent}/.{path.name}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
+    for _ in range(_ATTEMPTS):
+        tmp = temp_name(path)
+        try:
+            fd = os.open(tmp, _CREATE, 0o644)
+        except FileExistsError:
+            continue  # something already has that name (planted or not): never reuse it
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
         os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return
+    raise FileExistsError(f"{path.parent}: no free temporary name in {_ATTEMPTS} attempts")
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 class FilePublisher:
@@ -46,7 +85,13 @@ class FilePublisher:
     async def start(self) -> None:
         self._dir.mkdir(parents=True, exist_ok=True)
         for state in self._states:  # a previous run's leftovers are not our claims
-            self._publish(state)
+            try:
+                self._publish(state)
+            except OSError as exc:
+                # A state-dir problem (a directory named ``leader``...) says so, not
+                # something else that happens to be started next.
+                raise ConfigError(f"LEASE_STATE_DIR / --state-dir: "
+                                  f"{exc.filename or self._dir}: {exc.strerror or exc}") from None
         horizon = min(s.claim_horizon for s in self._states)
         # Half a horizon: the file always has at least half a horizon left, at two
         # writes per horizon (each write costs CPU on an idle sidecar).

@@ -64,13 +64,32 @@ class RowStoreContract:
         assert theirs.version == mine.version  # the loser changed nothing
         assert (await store.read(name)).owner == "a"
 
-    async def test_reacquire_by_the_owner_refreshes_its_row(self, store: SqlRowStore) -> None:
+    async def test_acquire_never_refreshes_a_live_row_even_one_naming_us(
+            self, store: SqlRowStore) -> None:
+        """A second process with our identity must not extend (and share) our term."""
         name = fresh()
         first = await store.acquire(name, "a", SHORT, "")
+        assert first is not None and first.won
         again = await store.acquire(name, "a", LONG, "")
-        assert again is not None and again.owner == "a"
-        assert again.expires_at > first.expires_at
-        assert again.version > first.version  # a new write, a new version
+        assert again is not None and again.owner == "a" and not again.won
+        assert again.version == first.version and again.expires_at == first.expires_at
+        await asyncio.sleep(SHORT + 0.4)
+        taken = await store.acquire(name, "a", LONG, "")  # expired: a new term
+        assert taken is not None and taken.won and taken.version > first.version
+
+    async def test_row_lease_refuses_a_live_row_under_its_own_identity(
+            self, make_store: MakeStore) -> None:
+        name = fresh()
+        holder = RowLease(make_store(), "n", name, "twin", duration=SHORT, safety_margin=0.1)
+        twin = RowLease(make_store(), "n", name, "twin", duration=SHORT, safety_margin=0.1)
+        held = await holder.try_acquire()
+        assert held.held
+        refused = await twin.try_acquire()
+        assert not refused.held and refused.reason == "held by another process with our identity"
+        assert (await holder.try_acquire()).fencing_token == held.fencing_token  # re-entrant
+        await asyncio.sleep(SHORT + 0.4)
+        taken = await twin.try_acquire()
+        assert taken.held and taken.fencing_token > held.fencing_token
 
     async def test_renew_only_by_the_owner_and_only_while_live(self, store: SqlRowStore) -> None:
         name = fresh()
@@ -142,7 +161,8 @@ class RowStoreContract:
         rows = await asyncio.gather(*(s.acquire(name, f"c{i}", LONG, "")
                                       for i, s in enumerate(stores)))
         owners = {row.owner for row in rows if row is not None}
-        winners = [i for i, row in enumerate(rows) if row is not None and row.owner == f"c{i}"]
+        winners = [i for i, row in enumerate(rows)
+                   if row is not None and row.won and row.owner == f"c{i}"]
         assert len(winners) == 1 and owners <= {f"c{winners[0]}"}
 
     async def test_concurrent_takeover_of_an_expired_row_has_one_winner(
@@ -153,7 +173,8 @@ class RowStoreContract:
         await asyncio.sleep(SHORT + 0.4)
         rows = await asyncio.gather(*(s.acquire(name, f"c{i}", LONG, "")
                                       for i, s in enumerate(stores)))
-        winners = [i for i, row in enumerate(rows) if row is not None and row.owner == f"c{i}"]
+        winners = [i for i, row in enumerate(rows)
+                   if row is not None and row.won and row.owner == f"c{i}"]
         assert len(winners) == 1
 
     async def test_row_lease_grants_tokens_and_names_the_holder(

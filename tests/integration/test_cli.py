@@ -364,7 +364,9 @@ def test_status_postgres_row(tmp_path: Path, pg: PgServer, pg_dsn: str) -> None:
 @pytest.mark.slow
 def test_status_kubernetes_reads_and_never_creates_a_lease(
         control_plane: ControlPlane, kube_namespace: str, tmp_path: Path) -> None:
-    kubeconfig = install_rbac(control_plane, kube_namespace)
+    # The Role names both Leases (resourceNames), so "nosuch" is readable and absent.
+    kubeconfig = install_rbac(control_plane, kube_namespace,
+                              ("lease-sidecar.jobs", "lease-sidecar.nosuch"))
     create_pods(control_plane, kube_namespace, "pod-a")
     proc = kube_sidecar(tmp_path, "pod-a", kube_namespace, kubeconfig)
     # As the sidecar's own ServiceAccount, in its namespace: what `kubectl exec` would run.
@@ -379,7 +381,7 @@ def test_status_kubernetes_reads_and_never_creates_a_lease(
         wait_until(lambda: one_leader([proc]), timeout=15)
         token = leader_body(proc, "jobs")["fencing_token"]
         spec = lease_spec(control_plane, kube_namespace)
-        result = status()
+        result = status("--name", "jobs")
         assert result.returncode == 0, result.stderr
         [row] = table(result.stdout)
         assert row["LEASE"] == "jobs" and row["HOLDER"] == "pod-a"
@@ -387,6 +389,12 @@ def test_status_kubernetes_reads_and_never_creates_a_lease(
         parse_time(row["EXPIRES"])
         entry = json.loads(status("--json", "--name", "jobs").stdout)["leases"][0]
         assert entry["object"] == f"{kube_namespace}/lease-sidecar.jobs"
+
+        # Listing every Lease needs list without resourceNames, which this Role lacks:
+        # one line saying so, exit 1.
+        listed = status()
+        assert listed.returncode == 1 and "cannot list resource" in listed.stderr
+        assert len(listed.stderr.strip().splitlines()) == 1
 
         missing = status("--name", "nosuch")
         assert missing.returncode == 3 and "no such lease: nosuch" in missing.stderr

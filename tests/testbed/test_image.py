@@ -245,9 +245,12 @@ def _get(url: str) -> tuple[int, bytes]:
 def test_run_on_sqlite_with_read_only_root_answers_leader(bundle: Path) -> None:
     """The image's own entrypoint and cmd (`lease-sidecar run`), unchanged."""
     port = _free_port()
+    # POD_NAME and POD_NAMESPACE as the chart sets them: only in a pod is a root-owned
+    # 0777 volume an acceptable state dir (outside one, others could plant a leader file).
     lease_dir = _runtime_config(bundle, env={"LEASE_DSN": "/run/lease/leases.sqlite3",
                                  "LEASE_HTTP_ADDR": f"127.0.0.1:{port}",
-                                 "LEASE_IDENTITY": "image-test"})
+                                 "LEASE_IDENTITY": "image-test", "POD_NAME": "image-test",
+                                 "POD_NAMESPACE": "default", "LEASE_POD_LABEL": "off"})
     name = _unique("lease-image-run")
     with _container(bundle, name) as runc:
         proc = subprocess.Popen([*runc, "run", "--bundle", str(bundle), name],

@@ -57,3 +57,76 @@ async def test_file_is_refreshed_and_removed_when_validity_lapses(tmp_path):
         assert not (tmp_path / "leader").exists()
     finally:
         await publisher.stop()
+
+
+async def test_a_symlink_planted_at_the_old_temp_name_is_not_followed(tmp_path):
+    """Issue 11: a neighbour planted ``.leader.<pid>.tmp`` → a file of theirs (or ours)."""
+    import os
+
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    for name in ("leader", "a"):
+        (state_dir / f".{name}.{os.getpid()}.tmp").symlink_to(target)
+    (state,) = states_for("a")
+    publisher = FilePublisher([state], state_dir)
+    await publisher.start()
+    try:
+        lead(state)
+        await publisher.changed(state)
+        assert json.loads((state_dir / "leader").read_text())["leader"] is True
+    finally:
+        await publisher.stop()
+    assert target.read_text() == "precious\n"
+
+
+async def test_temp_name_collisions_never_follow_or_reuse(tmp_path, monkeypatch):
+    """Whatever sits at the temp name (a symlink, a file) is skipped, never opened.
+
+    The random name is forced to collide with planted entries (the only stand-in here:
+    a neighbour cannot predict 64 random bits); the files and the symlink are real.
+    """
+    from sidecar.publish import file as file_module
+
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    planted_link = state_dir / ".leader.planted-link.tmp"
+    planted_link.symlink_to(target)
+    planted_file = state_dir / ".leader.planted-file.tmp"
+    planted_file.write_text("theirs\n")
+    names = iter([planted_link, planted_file])
+    real = file_module.temp_name
+    monkeypatch.setattr(file_module, "temp_name", lambda path: next(names, None) or real(path))
+    file_module.write_atomically(state_dir / "leader", b'{"leader": true}')
+    assert (state_dir / "leader").read_bytes() == b'{"leader": true}'
+    assert target.read_text() == "precious\n"
+    assert planted_file.read_text() == "theirs\n" and planted_link.is_symlink()
+    assert (state_dir / "leader").stat().st_mode & 0o777 == 0o644 & ~_umask()
+
+
+async def test_a_leader_symlink_is_replaced_not_followed(tmp_path):
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "leader").symlink_to(target)
+    (state,) = states_for("a")
+    publisher = FilePublisher([state], tmp_path / "state")
+    lead(state)
+    await publisher.start()
+    try:
+        assert not (tmp_path / "state" / "leader").is_symlink()
+        assert json.loads((tmp_path / "state" / "leader").read_text())["leader"] is True
+    finally:
+        await publisher.stop()
+    assert target.read_text() == "precious\n"
+
+
+def _umask() -> int:
+    import os
+
+    current = os.umask(0)
+    os.umask(current)
+    return current

@@ -3,6 +3,9 @@
 import asyncio
 import sqlite3
 
+import pytest
+
+from sidecar.lease import BackendError
 from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sqlite import SqliteStore, schema_sql, sqlite_path
 
@@ -101,3 +104,109 @@ def test_sqlite_dsn_forms():
     assert sqlite_path("/var/tmp/x.db") == "/var/tmp/x.db"
     assert sqlite_path("sqlite:////var/tmp/x.db") == "/var/tmp/x.db"
     assert sqlite_path("sqlite:///rel.db") == "rel.db"
+
+
+async def test_a_second_process_with_our_identity_is_refused_and_counted(tmp_path):
+    from sidecar.lease import duplicate_identity
+
+    first = SqliteStore(str(tmp_path / "l.db"), "leases")
+    second = SqliteStore(str(tmp_path / "l.db"), "leases")  # the twin "process"
+    try:
+        holder = RowLease(first, name="twins", row_name="p.twins", owner="same",
+                          duration=0.6, safety_margin=0.1)
+        twin = RowLease(second, name="twins", row_name="p.twins", owner="same",
+                        duration=0.6, safety_margin=0.1)
+        before = duplicate_identity[("same", "twins")]
+        held = await holder.try_acquire()
+        assert held.held
+        refused = await twin.try_acquire()
+        assert not refused.held and refused.holder == "same"
+        assert duplicate_identity[("same", "twins")] == before + 1
+        assert (await holder.try_renew()).held  # the twin did not touch the row
+        await asyncio.sleep(0.8)
+        taken = await twin.try_acquire()  # expired: now it is a new term
+        assert taken.held and taken.fencing_token > held.fencing_token
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_our_own_unreleased_row_is_not_a_duplicate(tmp_path):
+    from sidecar.lease import duplicate_identity
+
+    store = SqliteStore(str(tmp_path / "l.db"), "leases")
+    try:
+        mine = RowLease(store, name="solo", row_name="p.solo", owner="me", duration=0.6,
+                        safety_margin=0.1)
+        assert (await mine.try_acquire()).held
+        mine._token = None  # as after a step-down whose release failed
+        again = await mine.try_acquire()
+        assert not again.held and "previous term" in again.reason
+        assert duplicate_identity[("me", "solo")] == 0
+    finally:
+        await store.close()
+
+
+async def test_a_deleted_database_makes_the_holder_step_down_and_holds_off(tmp_path):
+    path = tmp_path / "l.db"
+    a_store = SqliteStore(str(path), "leases", holdoff=0.5)
+    b_store = SqliteStore(str(path), "leases", holdoff=0.5)
+    try:
+        from sidecar.lease.sqlite import SqliteLease
+
+        a = SqliteLease(a_store, name="job", row_name="p.job", owner="a", duration=5,
+                        safety_margin=0.5)
+        b = SqliteLease(b_store, name="job", row_name="p.job", owner="b", duration=5,
+                        safety_margin=0.5)
+        first = await a.try_acquire()
+        assert first.held and not (await b.try_acquire()).held
+        path.unlink()
+        lost = await a.try_renew()
+        assert not lost.held and "deleted or replaced" in lost.reason
+        # b notices too, reopens on a new file, and holds off for the hold-off time.
+        assert "deleted or replaced" in (await b.try_acquire()).reason
+        held_off = await b.try_acquire()
+        assert not held_off.held and "no acquisition before" in held_off.reason
+        await asyncio.sleep(0.6)
+        taken = await b.try_acquire()
+        assert taken.held and taken.fencing_token > first.fencing_token
+    finally:
+        await a_store.close()
+        await b_store.close()
+
+
+def test_a_new_database_seeds_its_counter_above_the_wall_clock(tmp_path):
+    import time
+
+    before = time.time_ns() // 1000
+
+    async def first_token() -> int:
+        store = SqliteStore(str(tmp_path / "l.db"), "leases")
+        try:
+            grant = await lease(store, "a").try_acquire()
+            return int(grant.fencing_token)
+        finally:
+            await store.close()
+
+    token = asyncio.run(first_token())
+    assert token > before
+
+
+async def test_a_wal_database_of_an_older_version_is_switched_to_a_rollback_journal(tmp_path):
+    """In WAL mode, closing the last connection deletes ``-wal``/``-shm`` by name: after a
+    replacement those would be the new database's files."""
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.execute("PRAGMA journal_mode=WAL")
+    old.executescript(schema_sql(type("S", (), {"table_name": "leases"})()))
+    store = SqliteStore(str(path), "leases")
+    # While the older version has it open, the switch is refused with a clear reason.
+    with pytest.raises(BackendError, match="cannot leave WAL mode"):
+        await lease(store, "a").try_acquire()
+    old.close()
+    try:
+        assert (await lease(store, "a").try_acquire()).held
+    finally:
+        await store.close()
+    with sqlite3.connect(path) as check:
+        assert check.execute("PRAGMA journal_mode").fetchone() == ("delete",)

@@ -73,10 +73,10 @@ def test_acquire_is_one_batch_of_sweep_then_locked_merge_with_output() -> None:
     matched = [w for w in whens if w.args.get("matched")]
     inserted = [w for w in whens if not w.args.get("matched")]
     assert len(matched) == 1 and len(inserted) == 1
-    # Matched: re-entrant refresh (same owner) or takeover (expired); else: lose.
+    # Matched: takeover of an expired row only — a live row is never refreshed, not even
+    # one naming us (a second process with our identity); else: lose.
     assert matched[0].args["condition"].sql("tsql") == (
-        "(target.OwnerInstanceId = source.OwnerInstanceId "
-        "OR target.ExpiresAtUtc <= SYSDATETIMEOFFSET())")
+        "target.ExpiresAtUtc <= SYSDATETIMEOFFSET()")
     assert isinstance(matched[0].args["then"], exp.Update)
     assert isinstance(inserted[0].args["then"], exp.Insert)
 

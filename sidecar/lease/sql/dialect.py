@@ -102,9 +102,11 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
         # expired row is instead taken over by the upsert's WHERE (expired → take over).
         # When we lose, the last SELECT reads the row so the caller learns who holds it,
         # flagged ``won = false``: that read sees the statement's snapshot, which can
-        # predate a rival's takeover that ON CONFLICT waited for — it may even still show
-        # us as the owner, so only ``won`` decides. The CROSS JOIN forces the NOTIFY for
-        # swept rows to be evaluated.
+        # predate a rival's takeover that ON CONFLICT waited for, so only ``won`` decides.
+        # Only a live row is taken over or reported — never refreshed, ours included:
+        # acquire comes only from a contender that does not hold the lease, so a live row
+        # naming us belongs to a second process with our identity (see rowlease). The
+        # CROSS JOIN forces the NOTIFY for swept rows to be evaluated.
         self.acquire = Statement(f"""WITH sweep AS (
     DELETE FROM {t} WHERE expires_at <= now() AND lease_name <> CAST(:name AS varchar)
     RETURNING lease_name
@@ -115,13 +117,12 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
             now() + {duration}, CAST(:metadata AS varchar), nextval('{seq}'))
     ON CONFLICT (lease_name) DO UPDATE SET
         owner_instance_id = excluded.owner_instance_id,
-        acquired_at = CASE WHEN l.owner_instance_id = excluded.owner_instance_id
-                           THEN l.acquired_at ELSE excluded.acquired_at END,
+        acquired_at = excluded.acquired_at,
         renewed_at = excluded.renewed_at,
         expires_at = excluded.expires_at,
         metadata = excluded.metadata,
         version = excluded.version
-    WHERE l.owner_instance_id = excluded.owner_instance_id OR l.expires_at <= now()
+    WHERE l.expires_at <= now()
     RETURNING {raw}
 ), woken AS (
     SELECT count(pg_notify('{self.channel}', lease_name)) AS n FROM sweep
@@ -130,7 +131,8 @@ SELECT {row}, won FROM (
     SELECT {raw}, true AS won FROM won
     UNION ALL
     SELECT {raw}, false FROM {t}
-    WHERE lease_name = CAST(:name AS varchar) AND NOT EXISTS (SELECT 1 FROM won)
+    WHERE lease_name = CAST(:name AS varchar) AND expires_at > now()
+      AND NOT EXISTS (SELECT 1 FROM won)
 ) AS r CROSS JOIN woken""")
         # Like ROWVERSION, every write draws a new version, so a replica showing the
         # version proves it has this exact write.
@@ -205,7 +207,8 @@ END;"""
         # make MERGE's read-then-write atomic against a competing caller. The winner's
         # row goes to @won; when we lose, the live row is read instead, so one result set
         # names the holder; ``Won`` says which, so the store never mistakes a read row
-        # for a win (see the PostgreSQL acquire).
+        # for a win (see the PostgreSQL acquire). A live row is never refreshed, not even
+        # our own (see the PostgreSQL acquire).
         self.acquire = Statement(f"""SET NOCOUNT ON;
 DECLARE @won TABLE (OwnerInstanceId NVARCHAR(128), ExpiresAtUtc DATETIMEOFFSET(7),
                     RowVersion BINARY(8));
@@ -213,11 +216,9 @@ DELETE FROM {t} WHERE ExpiresAtUtc <= SYSDATETIMEOFFSET();
 MERGE {t} WITH (UPDLOCK, HOLDLOCK, ROWLOCK) AS target
 USING (SELECT :name AS LeaseName, :owner AS OwnerInstanceId, :metadata AS Metadata) AS source
 ON target.LeaseName = source.LeaseName
-WHEN MATCHED AND (target.OwnerInstanceId = source.OwnerInstanceId
-                  OR target.ExpiresAtUtc <= SYSDATETIMEOFFSET()) THEN
+WHEN MATCHED AND target.ExpiresAtUtc <= SYSDATETIMEOFFSET() THEN
     UPDATE SET OwnerInstanceId = source.OwnerInstanceId,
-               AcquiredAtUtc = CASE WHEN target.OwnerInstanceId = source.OwnerInstanceId
-                                    THEN target.AcquiredAtUtc ELSE SYSDATETIMEOFFSET() END,
+               AcquiredAtUtc = SYSDATETIMEOFFSET(),
                RenewedAtUtc = SYSDATETIMEOFFSET(),
                ExpiresAtUtc = {expiry},
                Metadata = source.Metadata
@@ -230,7 +231,7 @@ IF EXISTS (SELECT 1 FROM @won)
     SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion, CAST(1 AS BIT) AS Won FROM @won;
 ELSE
     SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion, CAST(0 AS BIT) AS Won FROM {t}
-    WHERE LeaseName = :name;""")
+    WHERE LeaseName = :name AND ExpiresAtUtc > SYSDATETIMEOFFSET();""")
         self.renew = Statement(f"""UPDATE {t}
 SET RenewedAtUtc = SYSDATETIMEOFFSET(), ExpiresAtUtc = {expiry}
 OUTPUT {out}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Protocol
 
 from sidecar.config import ConfigError, Settings
@@ -26,6 +27,16 @@ class Driver(Protocol):
     async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def _flag(value: object) -> bool:
+    """A boolean column as drivers hand it over: psqlODBC sends ``'0'``/``'1'`` text
+    (true for ``bool()``), asyncpg and SQL Server's ``BIT`` real booleans."""
+    if isinstance(value, bytes):
+        value = value.decode()
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "t", "true")
+    return bool(value)
 
 
 class SqlRowStore:
@@ -55,9 +66,9 @@ class SqlRowStore:
         if not rows:
             return None
         *columns, won = rows[0]
-        row = self.dialect.decode(tuple(columns))
-        # A row we only read may be stale and still name us; we hold it only if we won.
-        return row if won or row.owner != owner else None
+        # Only ``won`` says we hold it: a row we only read may name us (a second process
+        # with our identity); RowLease tells those apart.
+        return replace(self.dialect.decode(tuple(columns)), won=_flag(won))
 
     async def renew(self, name: str, owner: str, duration: float) -> Row | None:
         return await self._one(self.dialect.renew, {
