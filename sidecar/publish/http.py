@@ -2,8 +2,9 @@
 ``/status`` and ``POST /release``.
 
 ``/leader`` is answered from :meth:`LeaseState.claim` at request time. A blocking query
-(``?wait=SECONDS`` with ``If-None-Match``) parks the request until the state version
-changes, so applications need not poll hard.
+(``?wait=SECONDS`` with ``If-None-Match``) parks the request until the answer's
+leadership changes (leader, holder, fencing token, role: the ETag) or ``wait`` runs out;
+renews do not end it, so applications need not poll hard and are not woken for nothing.
 
 Bounds, because anything on the host (or, with a non-loopback bind, the network) can
 connect:
@@ -39,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sidecar.state import LeaseState
+from sidecar.state import Claim, LeaseState
 
 MAX_WAIT = 300.0
 # An app's processes long-polling one sidecar number in the tens; these caps keep a
@@ -132,8 +133,9 @@ def host_allowed(header: str | None, allowed: frozenset[tuple[str, int]]) -> boo
     return (host, port) in allowed or (is_loopback(host) and ("127.0.0.1", port) in allowed)
 
 
-def etag(state: LeaseState) -> str:
-    return f'"{state.lease}-{state.facts.version}"'
+def etag(state: LeaseState, claim: Claim | None = None) -> str:
+    """Follows leadership only (leader, holder, fencing token, role), not renews."""
+    return state.leadership_tag(claim or state.claim())
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -165,7 +167,10 @@ async def leader(request: web.Request) -> web.Response:
     headers = {"ETag": ""}
     if wait:
         seen = request.headers.get("If-None-Match")
-        if seen is None or seen == etag(state):
+        current = etag(state)
+        # Weak comparison (RFC 9110 for If-None-Match): a client that drops the W/ of
+        # the tag it echoes still parks.
+        if seen is None or seen.removeprefix("W/") == current.removeprefix("W/"):
             limits: Limits = request.app[_LIMITS]
             if limits.waiters >= limits.max_waiters:
                 # Full: answer now with what a query without wait gets. The claim is
@@ -176,11 +181,11 @@ async def leader(request: web.Request) -> web.Response:
             else:
                 limits.waiters += 1
                 try:
-                    await state.wait_for_change(state.facts.version, wait)
+                    await state.wait_for_leadership_change(current, wait)
                 finally:
                     limits.waiters -= 1
     claim = state.claim()
-    headers["ETag"] = etag(state)
+    headers["ETag"] = etag(state, claim)
     return web.Response(body=state.encoded(claim), status=200 if claim.leader else 503,
                         headers=headers, content_type="application/json")
 

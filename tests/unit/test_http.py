@@ -156,6 +156,44 @@ async def test_blocking_query_returns_on_change():
         await client.close()
 
 
+async def test_renews_do_not_end_a_blocking_query():
+    """The ETag follows leadership only: a parked query on an idle leader returns at its
+    wait, with the same tag and a fresh valid_until, though the state changed meanwhile."""
+    clock = FakeClock()
+    app, states = make_app(clock)
+    lead(states[0], clock)
+    client = await client_for(app)
+    try:
+        first = await client.get("/leader")
+        tag, before = first.headers["ETag"], (await first.json())["valid_until_ms"]
+        assert tag.startswith('W/"first-')
+        loop = asyncio.get_running_loop()
+
+        async def renew() -> None:
+            for _ in range(6):
+                await asyncio.sleep(0.05)
+                clock.advance(0.05)
+                states[0].update(valid_until=clock.now + 10)
+
+        for echoed in (tag, tag.removeprefix("W/")):  # weak comparison: either form parks
+            renewing = asyncio.ensure_future(renew())
+            started = loop.time()
+            response = await client.get("/leader?wait=0.4", headers={"If-None-Match": echoed})
+            waited = loop.time() - started
+            await renewing
+            assert waited >= 0.39, echoed
+            assert response.status == 200 and response.headers["ETag"] == tag
+            assert (await response.json())["valid_until_ms"] > before
+        # A step-down wakes it at once.
+        loop.call_later(0.1, lambda: states[0].update(released=True))
+        started = loop.time()
+        response = await client.get("/leader?wait=5", headers={"If-None-Match": tag})
+        assert response.status == 503 and loop.time() - started < 1
+        assert response.headers["ETag"] != tag
+    finally:
+        await client.close()
+
+
 async def test_other_endpoints_and_errors():
     clock = FakeClock()
     released: list[str | None] = []
@@ -333,7 +371,7 @@ async def test_waiter_cap_answers_at_once_with_the_true_state() -> None:
         assert full.status == 503 and (await full.json())["leader"] is False
         assert full.headers["Lease-Wait"] == "full"
         assert limits.waits_refused == 2
-        states[0].update(reason="wake")
+        states[0].update(holder="someone-else")  # a change of the answer wakes them
         await asyncio.wait_for(asyncio.gather(*parked), 2)
         metrics = await (await client.get("/metrics")).text()
         assert 'lease_http_refused_total{bound="waiters"} 2.0' in metrics
