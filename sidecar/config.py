@@ -196,6 +196,10 @@ OPTIONS: tuple[Option, ...] = (
            "keep the lease-role pod label (auto: when POD_NAME/POD_NAMESPACE are set)"),
     Option("exec_grace", "LEASE_EXEC_GRACE", "--grace", parse_duration, "10s",
            "exec: time between SIGTERM and SIGKILL of the command on lease loss", (0.0, HOUR)),
+    Option("work_stall_after", "LEASE_WORK_STALL_AFTER", "--work-stall-after", parse_duration,
+           None, "step down when the application has not POSTed /heartbeat for this long "
+           "while leading (unset: no work watchdog)", (0.1, 24 * HOUR),
+           "a shorter period leaves no room for the application's heartbeats"),
     Option("log_level", "LEASE_LOG_LEVEL", "--log-level",
            _choice(("debug", "info", "warning", "error")), "info", "log level"),
 )
@@ -232,6 +236,7 @@ class Settings:
     odbc_driver: str | None = None
     pod_label: str = "auto"
     exec_grace: float = 10.0
+    work_stall_after: float | None = None
     log_level: str = "info"
     pod_name: str | None = None
     pod_namespace: str | None = None
@@ -267,6 +272,7 @@ class Settings:
             "http_addr": f"{self.http_addr[0]}:{self.http_addr[1]}",
             "state_dir": self.state_dir,
             "role": self.role,
+            "work_stall_after": self.work_stall_after,
         }
 
 

@@ -70,6 +70,18 @@ class Claim:
     facts: Facts
 
 
+@dataclass
+class WorkBeats:
+    """The application's ``POST /heartbeat``s and what the work watchdog made of them
+    (:mod:`sidecar.watchdog`); read by ``/status`` and the metrics."""
+
+    stall_after: float | None = None  # LEASE_WORK_STALL_AFTER; None: no watchdog
+    last_beat: float | None = None  # monotonic
+    last_beat_wall: float = 0.0  # Unix time; 0: never
+    stalls: int = 0
+    last_stall: dict[str, Any] | None = None  # {"at": RFC 3339, "reason": ...}
+
+
 def epoch_ms(wall: float | None) -> int | None:
     """Unix milliseconds, rounded *down* (a claim never reads longer than it is)."""
     if wall is None:
@@ -97,6 +109,7 @@ class LeaseState:
     transitions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
     event_counts: dict[str, int] = field(default_factory=dict)
     stats: CallStats = field(default_factory=CallStats)
+    work: WorkBeats = field(default_factory=WorkBeats)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _encoded_key: tuple[int, bool, int | None] | None = None
     _encoded: bytes = b""

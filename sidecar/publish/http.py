@@ -1,5 +1,5 @@
 """The HTTP endpoint (aiohttp): ``/leader``, ``/healthz``, ``/readyz``, ``/metrics``,
-``/status`` and ``POST /release``.
+``/status``, ``POST /release`` and ``POST /heartbeat`` (the work watchdog's input).
 
 ``/leader`` is answered from :meth:`LeaseState.claim` at request time. A blocking query
 (``?wait=SECONDS`` with ``If-None-Match``) parks the request until the answer's
@@ -61,6 +61,8 @@ LINGER = 1.0
 SHUTDOWN_TIMEOUT = 2.0
 
 ReleaseOutcome = Literal["released", "not-holding", "no-such-lease"]
+# "beat" with the JSON to answer, "not-leading" (409), "no-such-lease" (404).
+HeartbeatAnswer = tuple[Literal["beat", "not-leading", "no-such-lease"], dict[str, Any]]
 
 _STATES = web.AppKey("states", dict)
 _LIMITS = web.AppKey("limits", object)
@@ -190,11 +192,33 @@ async def leader(request: web.Request) -> web.Response:
                         headers=headers, content_type="application/json")
 
 
+def _not_local(request: web.Request, limits: Limits, what: str) -> web.Response | None:
+    """``403`` unless the request comes from a process of this pod, never a web page.
+
+    Browsers send Origin with every POST, and a page that re-points its own name at
+    127.0.0.1 (DNS rebinding) still sends that name as Host.
+    """
+    if not is_loopback(request.remote):
+        return _json({"error": f"{what} is accepted only from loopback"}, 403)
+    if "Origin" in request.headers:
+        return _json({"error": f"{what} is refused to requests with an Origin header"}, 403)
+    if not host_allowed(request.headers.get("Host"), limits.release_hosts):
+        return _json({"error": f"{what} needs Host: localhost or 127.0.0.1 with this "
+                               "endpoint's port"}, 403)
+    return None
+
+
+def _no_heartbeat(name: str | None) -> HeartbeatAnswer:
+    return "not-leading", {}
+
+
 def build_app(states: list[LeaseState], registry: CollectorRegistry,
               status: Callable[[], dict[str, Any]], alive: Callable[[], bool],
               ready: Callable[[], bool],
               release: Callable[[str | None], ReleaseOutcome],
-              limits: Limits | None = None) -> web.Application:
+              limits: Limits | None = None,
+              heartbeat: Callable[[str | None], HeartbeatAnswer] = _no_heartbeat,
+              ) -> web.Application:
     # No middleware: aiohttp already answers 404/405 as short text and an unexpected
     # error as a bare 500 (the traceback goes to the log, never to the client), and any
     # middleware costs a third of /leader's throughput.
@@ -219,17 +243,9 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
         return _json(status())
 
     async def release_handler(request: web.Request) -> web.Response:
-        # A step-down is for a process of this pod, never for a web page: browsers send
-        # Origin with every POST, and a page that re-points its own name at 127.0.0.1
-        # (DNS rebinding) still sends that name as Host.
-        if not is_loopback(request.remote):
-            return _json({"error": "release is accepted only from loopback"}, 403)
-        if "Origin" in request.headers:
-            return _json({"error": "release is refused to requests with an Origin header"},
-                         403)
-        if not host_allowed(request.headers.get("Host"), limits.release_hosts):
-            return _json({"error": "release needs Host: localhost or 127.0.0.1 with this "
-                                   "endpoint's port"}, 403)
+        refused = _not_local(request, limits, "release")
+        if refused is not None:
+            return refused
         name = request.match_info.get("name")
         outcome = release(name)
         if outcome == "no-such-lease":
@@ -241,6 +257,21 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
                           "error": "this contender does not hold the lease"}, 409)
         return _json({"released": True, "at": time.time()}, 202)
 
+    async def heartbeat_handler(request: web.Request) -> web.Response:
+        # Same rules as a release: a beat keeps a leader leading, which a web page must
+        # not be able to do for a stalled application.
+        refused = _not_local(request, limits, "heartbeat")
+        if refused is not None:
+            return refused
+        name = request.match_info.get("name")
+        outcome, answer = heartbeat(name)
+        if outcome == "no-such-lease":
+            raise web.HTTPNotFound(text=f"no lease named {name!r}\n")
+        if outcome == "not-leading":
+            return _json({"ok": False, "error": "this contender does not lead: there is "
+                                                "no work to vouch for"}, 409)
+        return _json({"ok": True, **answer})
+
     app.router.add_get("/leader", leader, allow_head=True)
     app.router.add_get("/leader/{name}", leader, allow_head=True)
     app.router.add_get("/healthz", healthz)
@@ -249,6 +280,8 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     app.router.add_get("/status", status_handler)
     app.router.add_post("/release", release_handler)
     app.router.add_post("/release/{name}", release_handler)
+    app.router.add_post("/heartbeat", heartbeat_handler)
+    app.router.add_post("/heartbeat/{name}", heartbeat_handler)
     return app
 
 

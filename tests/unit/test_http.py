@@ -473,3 +473,85 @@ async def test_malformed_requests_are_a_400_and_one_debug_line(
         assert all("\n" not in r.getMessage() for r in records)
     finally:
         await client.close()
+
+
+# -- POST /heartbeat: the work watchdog's input -------------------------------------------
+
+def beat_app(clock: FakeClock):  # type: ignore[no-untyped-def]
+    from sidecar import watchdog
+
+    states = [LeaseState(lease=n, identity="me", role="all", claim_horizon=0.25, clock=clock)
+              for n in ("first", "second")]
+    by_name = {s.lease: s for s in states}
+
+    def heartbeat(name: str | None):  # type: ignore[no-untyped-def]
+        state = by_name.get(name or "first")
+        return watchdog.beat(state) if state else ("no-such-lease", {})
+
+    app = build_app(states, registry_for(states), status=lambda: {}, alive=lambda: True,
+                    ready=lambda: True, release=lambda name: "not-holding",
+                    heartbeat=heartbeat)
+    return app, states
+
+
+async def test_heartbeat_is_taken_from_a_leader_only() -> None:
+    clock = FakeClock()
+    app, states = beat_app(clock)
+    client = await client_for(app)
+    try:
+        response = await client.post("/heartbeat")
+        assert response.status == 409
+        assert (await response.json())["ok"] is False
+        assert states[0].work.last_beat is None
+        lead(states[0], clock)
+        response = await client.post("/heartbeat")
+        assert response.status == 200
+        body = await response.json()
+        assert body["ok"] is True and body["lease"] == "first"
+        assert body["at"].endswith("Z") and body["stall_after"] is None
+        assert states[0].work.last_beat == clock.now
+        assert (await client.post("/heartbeat/second")).status == 409
+        assert (await client.post("/heartbeat/nope")).status == 404
+        assert (await client.get("/heartbeat")).status == 405
+        metrics = await (await client.get("/metrics")).text()
+        found = re.search(r'^lease_sidecar_last_work_heartbeat_timestamp_seconds'
+                          r'\{lease="first"\} (\S+)$', metrics, re.M)
+        assert found and float(found.group(1)) == clock.wall()
+    finally:
+        await client.close()
+
+
+async def test_heartbeat_follows_the_release_rules() -> None:
+    """A web page must not keep a stalled leader leading: Origin and foreign Host are
+    refused, as for POST /release."""
+    clock = FakeClock()
+    app, states = beat_app(clock)
+    lead(states[0], clock)
+    client = await client_for(app)
+    try:
+        for headers in ({"Origin": "http://evil.example"},
+                        {"Host": f"evil.example:{client.port}"}):
+            response = await client.post("/heartbeat", headers=headers)
+            assert response.status == 403, headers
+            assert "heartbeat" in (await response.json())["error"]
+        assert states[0].work.last_beat is None
+        assert (await client.post("/heartbeat",
+                                  headers={"Host": f"localhost:{client.port}"})).status == 200
+    finally:
+        await client.close()
+
+
+async def test_heartbeat_refused_from_a_non_loopback_peer() -> None:
+    """No non-loopback address may be used here, so the peer address is faked."""
+    clock = FakeClock()
+    app, states = beat_app(clock)
+    lead(states[0], clock)
+    handler = next(r.handler for r in app.router.routes()
+                   if r.method == "POST" and r.resource.canonical == "/heartbeat")
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = (
+        lambda key, default=None: ("10.1.2.3", 40000) if key == "peername" else default)
+    request = make_mocked_request("POST", "/heartbeat", app=app, transport=transport)
+    response = await handler(request)
+    assert response.status == 403
+    assert states[0].work.last_beat is None
