@@ -114,6 +114,8 @@ class LeaseState:
     _encoded_key: tuple[int, bool, int | None] | None = None
     _encoded: bytes = b""
     _tag_key: tuple[Any, ...] | None = None
+    _tag_facts: Facts | None = None
+    _tag_leader: bool | None = None
     _tag: str = ""
 
     def __post_init__(self) -> None:
@@ -218,11 +220,16 @@ class LeaseState:
         """A weak ETag of :meth:`leadership`: the body's bytes change with every claim
         (``valid_until``), what it says does not. Derived from the content, not from a
         counter, so it means the same answer across restarts of the sidecar."""
+        # The hot path of GET /leader: facts are replaced whole, so the same facts
+        # object and leader flag give the same tag without building the key.
+        if claim.facts is self._tag_facts and claim.leader is self._tag_leader:
+            return self._tag
         key = self.leadership(claim)
         if key != self._tag_key:
             digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()
             self._tag = f'W/"{self.lease}-{digest}"'
             self._tag_key = key
+        self._tag_facts, self._tag_leader = claim.facts, claim.leader
         return self._tag
 
     def _next_boundary(self, now: float) -> float | None:
