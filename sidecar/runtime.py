@@ -116,9 +116,9 @@ class Sidecar:
             self.electors[state.lease] = elector
             self._tasks.append(asyncio.create_task(elector.run(), name=f"elector-{state.lease}"))
             if self.settings.work_stall_after is not None:
-                watchdog = WorkWatchdog(state, self.settings.work_stall_after,
-                                        elector.request_release)
-                self._tasks.append(asyncio.create_task(watchdog.run(),
+                dog = WorkWatchdog(state, self.settings.work_stall_after,
+                                   elector.request_release)
+                self._tasks.append(asyncio.create_task(dog.run(),
                                                        name=f"watchdog-{state.lease}"))
         log.info("started", extra={"settings": self.settings.public(),
                                    "state_dir": str(self.state_dir),
