@@ -215,6 +215,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("exec_grace", "LEASE_EXEC_GRACE", "--grace", parse_duration, "10s",
            "exec: time between SIGTERM and SIGKILL of the command on lease loss", (0.0, HOUR),
            commands=frozenset({"exec"})),
+    Option("work_stall_after", "LEASE_WORK_STALL_AFTER", "--work-stall-after", parse_duration,
+           None, "step down when the application has not POSTed /heartbeat for this long "
+           "while leading (unset: no work watchdog)", (0.1, 24 * HOUR),
+           "a shorter period leaves no room for the application's heartbeats"),
     Option("log_level", "LEASE_LOG_LEVEL", "--log-level",
            _choice(("debug", "info", "warning", "error")), "info", "log level"),
 )
@@ -251,6 +255,7 @@ class Settings:
     odbc_driver: str | None = None
     pod_label: str = "auto"
     exec_grace: float = 10.0
+    work_stall_after: float | None = None
     log_level: str = "info"
     pod_name: str | None = None
     pod_namespace: str | None = None
@@ -286,6 +291,7 @@ class Settings:
             "http_addr": f"{self.http_addr[0]}:{self.http_addr[1]}",
             "state_dir": self.state_dir,
             "role": self.role,
+            "work_stall_after": self.work_stall_after,
         }
 
 

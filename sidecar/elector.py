@@ -76,14 +76,16 @@ class Elector:
         self._clock = state.clock
         self._wake = asyncio.Event()
         self._release_requested = False
+        self._release_reason = "released on request"
         self._last_tick = self._clock.monotonic()
         self._failures = 0
         self._stopping = False
 
     # -- control from outside ----------------------------------------------------------
-    def request_release(self) -> bool:
-        """Step down voluntarily (``POST /release``): unpublish, wait out the claims
-        handed out, release; then sit out one lease duration.
+    def request_release(self, reason: str = "released on request") -> bool:
+        """Step down voluntarily (``POST /release``, the work watchdog): unpublish, wait
+        out the claims handed out, release; then sit out one lease duration. ``reason``
+        goes to the state (``/status``) and the log.
 
         Only a holder can: False (and nothing remembered) otherwise, since a remembered
         request would end the next term right after it began.
@@ -91,6 +93,7 @@ class Elector:
         if not self.state.facts.holding:
             return False
         self._release_requested = True
+        self._release_reason = reason
         self._wake.set()
         return True
 
@@ -155,11 +158,14 @@ class Elector:
         await self._notify()
 
     async def _renew_once(self) -> None:
-        await self._sleep_or_wake(jittered(self.settings.renew_interval, 0.1), watch_lease=False,
-                                  watch_loss=True)
+        # A request that came during the previous renew is acted on now: the sleep would
+        # clear its wake-up and hold it back one renew interval.
+        if not self._release_requested:
+            await self._sleep_or_wake(jittered(self.settings.renew_interval, 0.1),
+                                      watch_lease=False, watch_loss=True)
         if self._release_requested:
             self._release_requested = False
-            await self._step_down("released on request", release=True)
+            await self._step_down(self._release_reason, release=True)
             await self._sleep_or_wake(self.settings.lease_duration, watch_lease=False)
             return
         facts = self.state.facts

@@ -43,6 +43,8 @@ _GAUGES = {
         "renew succeeds (0 when not holding)",
     "last_renew_timestamp_seconds":
         "Unix time of the last acquire or renew that held the lease (0: never)",
+    "last_work_heartbeat_timestamp_seconds":
+        "Unix time of the application's last accepted POST /heartbeat (0: never)",
 }
 
 
@@ -57,6 +59,10 @@ class LeaseCollector(Collector):
         transitions = CounterMetricFamily(
             f"{PREFIX}transitions", "leadership transitions of this contender, by event",
             labels=["lease", "event"])
+        stalls = CounterMetricFamily(
+            f"{PREFIX}work_stalls",
+            "step-downs by the work watchdog: no POST /heartbeat for LEASE_WORK_STALL_AFTER "
+            "while leading", labels=["lease"])
         changes = CounterMetricFamily(
             f"{PREFIX}state_changes",
             "updates of this lease's state by the elector, renews included", labels=["lease"])
@@ -80,6 +86,7 @@ class LeaseCollector(Collector):
                 "fencing_token": (facts.fencing_token or 0) if facts.holding else 0,
                 "claim_expiry_timestamp_seconds": holding_until or 0.0,
                 "last_renew_timestamp_seconds": state.stats.last_success_wall,
+                "last_work_heartbeat_timestamp_seconds": state.work.last_beat_wall,
             }
             for name, value in values.items():
                 gauges[name].add_metric(lease, float(value))
@@ -87,6 +94,7 @@ class LeaseCollector(Collector):
             counts.update(state.event_counts)
             for event, count in counts.items():
                 transitions.add_metric([state.lease, event], count)
+            stalls.add_metric(lease, state.work.stalls)
             changes.add_metric(lease, facts.version)
             duplicates.add_metric(lease, duplicate_identity[(state.identity, state.lease)])
             for (op, outcome), histogram in state.stats.histograms.items():
@@ -97,6 +105,7 @@ class LeaseCollector(Collector):
                                                histogram.cumulative(), histogram.total)
         yield from gauges.values()
         yield transitions
+        yield stalls
         yield changes
         yield duplicates
         yield from round_trips.values()

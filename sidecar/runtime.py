@@ -16,16 +16,18 @@ import importlib.util
 import logging
 from typing import Any
 
+from sidecar import watchdog
 from sidecar.config import Settings
 from sidecar.elector import Elector
 from sidecar.lease import Backend, create_backend
 from sidecar.metrics import registry_for
 from sidecar.publish import Publisher
 from sidecar.publish.file import FilePublisher
-from sidecar.publish.http import HttpServer, ReleaseOutcome, build_app
+from sidecar.publish.http import HeartbeatAnswer, HttpServer, ReleaseOutcome, build_app
 from sidecar.redact import redact_tree
 from sidecar.state import Clock, LeaseState, SystemClock
 from sidecar.statedir import resolve_state_dir
+from sidecar.watchdog import WorkWatchdog
 
 log = logging.getLogger("sidecar")
 
@@ -63,7 +65,8 @@ class Sidecar:
         self.http: HttpServer | None = None
         if serve_http:
             app = build_app(self.states, registry_for(self.states), status=self.status,
-                            alive=self.alive, ready=self.ready, release=self.release)
+                            alive=self.alive, ready=self.ready, release=self.release,
+                            heartbeat=self.heartbeat)
             self.http = HttpServer(app, *settings.http_addr)
 
     @property
@@ -87,6 +90,11 @@ class Sidecar:
                               self.publishers)
             self.electors[state.lease] = elector
             self._tasks.append(asyncio.create_task(elector.run(), name=f"elector-{state.lease}"))
+            if self.settings.work_stall_after is not None:
+                dog = WorkWatchdog(state, self.settings.work_stall_after,
+                                   elector.request_release)
+                self._tasks.append(asyncio.create_task(dog.run(),
+                                                       name=f"watchdog-{state.lease}"))
         log.info("started", extra={"settings": self.settings.public(),
                                    "state_dir": str(self.state_dir),
                                    "http_port": self.http.bound_port if self.http else None})
@@ -136,6 +144,13 @@ class Sidecar:
             return "not-holding"
         return "released"
 
+    def heartbeat(self, name: str | None) -> HeartbeatAnswer:
+        """``POST /heartbeat``: the application vouches for its work while we lead."""
+        state = next((s for s in self.states if s.lease == (name or self.settings.name)), None)
+        if state is None:
+            return "no-such-lease", {}
+        return watchdog.beat(state)
+
     def status(self) -> dict[str, Any]:
         leases = []
         for state in self.states:
@@ -147,6 +162,7 @@ class Sidecar:
                 "backend_ok": facts.backend_ok,
                 "reason": facts.reason,
                 "state_version": facts.version,
+                "work": watchdog.status(state),
                 "transitions": list(state.transitions),
             })
         # Reasons carry backend error text, which may echo a DSN.

@@ -10,12 +10,20 @@ claim outlives the moment we stop handing them out by at most one horizon. The s
 remembers the latest expiry it handed out (``issued_until``): a holder that steps down
 waits until then before it gives the lease back, so a next holder that does not wait
 (a client-go elector) never overlaps a claim of ours.
+
+Two ways to wait: :meth:`LeaseState.wait_for_change` wakes on every update of the facts
+(renews included); :meth:`LeaseState.wait_for_leadership_change` only when the answer a
+reader gets changes — leader or not, holder, fencing token, role — including the moments
+a claim becomes valid or lapses with no update at all (the first claim one horizon after
+the acquire, a renew that hangs until validity runs out). The long-poll and its ETag
+follow the latter, so an idle leader's waiters sleep through renews.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import math
 import time
@@ -64,6 +72,18 @@ class Claim:
     facts: Facts
 
 
+@dataclass
+class WorkBeats:
+    """The application's ``POST /heartbeat``s and what the work watchdog made of them
+    (:mod:`sidecar.watchdog`); read by ``/status`` and the metrics."""
+
+    stall_after: float | None = None  # LEASE_WORK_STALL_AFTER; None: no watchdog
+    last_beat: float | None = None  # monotonic
+    last_beat_wall: float = 0.0  # Unix time; 0: never
+    stalls: int = 0
+    last_stall: dict[str, Any] | None = None  # {"at": RFC 3339, "reason": ...}
+
+
 def epoch_ms(wall: float | None) -> int | None:
     """Unix milliseconds, rounded *down* (a claim never reads longer than it is)."""
     if wall is None:
@@ -94,9 +114,14 @@ class LeaseState:
     # Monotonic: the latest ``valid_until`` of any claim handed out so far. Only the
     # event loop's thread asks for claims, so a plain compare-and-store is enough.
     issued_until: float = 0.0
+    work: WorkBeats = field(default_factory=WorkBeats)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _encoded_key: tuple[int, bool, int | None] | None = None
     _encoded: bytes = b""
+    _tag_key: tuple[Any, ...] | None = None
+    _tag_facts: Facts | None = None
+    _tag_leader: bool | None = None
+    _tag: str = ""
 
     def __post_init__(self) -> None:
         self.facts = replace(self.facts, since=self.clock.wall())
@@ -182,10 +207,70 @@ class LeaseState:
         }
 
     async def wait_for_change(self, version: int, timeout: float) -> None:
-        """Block while the state still has ``version``, at most ``timeout`` seconds."""
+        """Block while the state still has ``version``, at most ``timeout`` seconds.
+
+        Any update wakes it, renews included; a claim that lapses without an update does
+        not (see :meth:`wait_for_leadership_change`).
+        """
         if self.facts.version != version or timeout <= 0:
             return
         event = self._changed
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await event.wait()
+
+    # -- leadership: what a reader's answer depends on, renews aside -----------------
+    def leadership(self, claim: Claim) -> tuple[bool, str | None, int | None, str]:
+        """The parts of the answer that only a change of leadership changes (the body's
+        ``valid_until`` moves with every claim; ``since`` moves with ``holding``, which
+        changes ``holder`` or ``leader`` too)."""
+        facts = claim.facts
+        return (claim.leader, self.identity if claim.leader else facts.holder,
+                facts.fencing_token if claim.leader else None, self.role)
+
+    def leadership_tag(self, claim: Claim) -> str:
+        """A weak ETag of :meth:`leadership`: the body's bytes change with every claim
+        (``valid_until``), what it says does not. Derived from the content, not from a
+        counter, so it means the same answer across restarts of the sidecar."""
+        # The hot path of GET /leader: facts are replaced whole, so the same facts
+        # object and leader flag give the same tag without building the key.
+        if claim.facts is self._tag_facts and claim.leader is self._tag_leader:
+            return self._tag
+        key = self.leadership(claim)
+        if key != self._tag_key:
+            digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()
+            self._tag = f'W/"{self.lease}-{digest}"'
+            self._tag_key = key
+        self._tag_facts, self._tag_leader = claim.facts, claim.leader
+        return self._tag
+
+    def _next_boundary(self, now: float) -> float | None:
+        """The next moment the claim rule flips with the facts as they are: the first
+        claim of a term (``claim_from``) or the end of validity (``valid_until``)."""
+        facts = self.facts
+        if not facts.holding or facts.released:
+            return None
+        later = [t for t in (facts.claim_from, facts.valid_until) if t > now]
+        return min(later) if later else None
+
+    async def wait_for_leadership_change(self, tag: str, timeout: float) -> None:
+        """Block while :meth:`leadership_tag` is still ``tag``, at most ``timeout`` s.
+
+        Updates that leave the answer alone (renews, a standby's retries) wake this
+        loop, not its caller. Between updates it sleeps at most until the claim rule's
+        next boundary, since the answer can change there with no update at all.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.leadership_tag(self.claim()) == tag:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            now = self.clock.monotonic()
+            boundary = self._next_boundary(now)
+            if boundary is not None:
+                remaining = min(remaining, boundary - now)
+            event = self._changed
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await event.wait()

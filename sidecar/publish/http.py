@@ -1,9 +1,10 @@
 """The HTTP endpoint (aiohttp): ``/leader``, ``/healthz``, ``/readyz``, ``/metrics``,
-``/status`` and ``POST /release``.
+``/status``, ``POST /release`` and ``POST /heartbeat`` (the work watchdog's input).
 
 ``/leader`` is answered from :meth:`LeaseState.claim` at request time. A blocking query
-(``?wait=SECONDS`` with ``If-None-Match``) parks the request until the state version
-changes, so applications need not poll hard.
+(``?wait=SECONDS`` with ``If-None-Match``) parks the request until the answer's
+leadership changes (leader, holder, fencing token, role: the ETag) or ``wait`` runs out;
+renews do not end it, so applications need not poll hard and are not woken for nothing.
 
 Bounds, because anything on the host (or, with a non-loopback bind, the network) can
 connect:
@@ -39,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sidecar.state import LeaseState
+from sidecar.state import Claim, LeaseState
 
 MAX_WAIT = 300.0
 # An app's processes long-polling one sidecar number in the tens; these caps keep a
@@ -60,6 +61,8 @@ LINGER = 1.0
 SHUTDOWN_TIMEOUT = 2.0
 
 ReleaseOutcome = Literal["released", "not-holding", "no-such-lease"]
+# "beat" with the JSON to answer, "not-leading" (409), "no-such-lease" (404).
+HeartbeatAnswer = tuple[Literal["beat", "not-leading", "no-such-lease"], dict[str, Any]]
 
 _STATES = web.AppKey("states", dict)
 _LIMITS = web.AppKey("limits", object)
@@ -132,8 +135,9 @@ def host_allowed(header: str | None, allowed: frozenset[tuple[str, int]]) -> boo
     return (host, port) in allowed or (is_loopback(host) and ("127.0.0.1", port) in allowed)
 
 
-def etag(state: LeaseState) -> str:
-    return f'"{state.lease}-{state.facts.version}"'
+def etag(state: LeaseState, claim: Claim | None = None) -> str:
+    """Follows leadership only (leader, holder, fencing token, role), not renews."""
+    return state.leadership_tag(claim or state.claim())
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -165,7 +169,10 @@ async def leader(request: web.Request) -> web.Response:
     headers = {"ETag": ""}
     if wait:
         seen = request.headers.get("If-None-Match")
-        if seen is None or seen == etag(state):
+        current = etag(state)
+        # Weak comparison (RFC 9110 for If-None-Match): a client that drops the W/ of
+        # the tag it echoes still parks.
+        if seen is None or seen.removeprefix("W/") == current.removeprefix("W/"):
             limits: Limits = request.app[_LIMITS]
             if limits.waiters >= limits.max_waiters:
                 # Full: answer now with what a query without wait gets. The claim is
@@ -176,20 +183,42 @@ async def leader(request: web.Request) -> web.Response:
             else:
                 limits.waiters += 1
                 try:
-                    await state.wait_for_change(state.facts.version, wait)
+                    await state.wait_for_leadership_change(current, wait)
                 finally:
                     limits.waiters -= 1
     claim = state.claim()
-    headers["ETag"] = etag(state)
+    headers["ETag"] = etag(state, claim)
     return web.Response(body=state.encoded(claim), status=200 if claim.leader else 503,
                         headers=headers, content_type="application/json")
+
+
+def _not_local(request: web.Request, limits: Limits, what: str) -> web.Response | None:
+    """``403`` unless the request comes from a process of this pod, never a web page.
+
+    Browsers send Origin with every POST, and a page that re-points its own name at
+    127.0.0.1 (DNS rebinding) still sends that name as Host.
+    """
+    if not is_loopback(request.remote):
+        return _json({"error": f"{what} is accepted only from loopback"}, 403)
+    if "Origin" in request.headers:
+        return _json({"error": f"{what} is refused to requests with an Origin header"}, 403)
+    if not host_allowed(request.headers.get("Host"), limits.release_hosts):
+        return _json({"error": f"{what} needs Host: localhost or 127.0.0.1 with this "
+                               "endpoint's port"}, 403)
+    return None
+
+
+def _no_heartbeat(name: str | None) -> HeartbeatAnswer:
+    return "not-leading", {}
 
 
 def build_app(states: list[LeaseState], registry: CollectorRegistry,
               status: Callable[[], dict[str, Any]], alive: Callable[[], bool],
               ready: Callable[[], bool],
               release: Callable[[str | None], ReleaseOutcome],
-              limits: Limits | None = None) -> web.Application:
+              limits: Limits | None = None,
+              heartbeat: Callable[[str | None], HeartbeatAnswer] = _no_heartbeat,
+              ) -> web.Application:
     # No middleware: aiohttp already answers 404/405 as short text and an unexpected
     # error as a bare 500 (the traceback goes to the log, never to the client), and any
     # middleware costs a third of /leader's throughput.
@@ -214,17 +243,9 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
         return _json(status())
 
     async def release_handler(request: web.Request) -> web.Response:
-        # A step-down is for a process of this pod, never for a web page: browsers send
-        # Origin with every POST, and a page that re-points its own name at 127.0.0.1
-        # (DNS rebinding) still sends that name as Host.
-        if not is_loopback(request.remote):
-            return _json({"error": "release is accepted only from loopback"}, 403)
-        if "Origin" in request.headers:
-            return _json({"error": "release is refused to requests with an Origin header"},
-                         403)
-        if not host_allowed(request.headers.get("Host"), limits.release_hosts):
-            return _json({"error": "release needs Host: localhost or 127.0.0.1 with this "
-                                   "endpoint's port"}, 403)
+        refused = _not_local(request, limits, "release")
+        if refused is not None:
+            return refused
         name = request.match_info.get("name")
         outcome = release(name)
         if outcome == "no-such-lease":
@@ -236,6 +257,21 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
                           "error": "this contender does not hold the lease"}, 409)
         return _json({"released": True, "at": time.time()}, 202)
 
+    async def heartbeat_handler(request: web.Request) -> web.Response:
+        # Same rules as a release: a beat keeps a leader leading, which a web page must
+        # not be able to do for a stalled application.
+        refused = _not_local(request, limits, "heartbeat")
+        if refused is not None:
+            return refused
+        name = request.match_info.get("name")
+        outcome, answer = heartbeat(name)
+        if outcome == "no-such-lease":
+            raise web.HTTPNotFound(text=f"no lease named {name!r}\n")
+        if outcome == "not-leading":
+            return _json({"ok": False, "error": "this contender does not lead: there is "
+                                                "no work to vouch for"}, 409)
+        return _json({"ok": True, **answer})
+
     app.router.add_get("/leader", leader, allow_head=True)
     app.router.add_get("/leader/{name}", leader, allow_head=True)
     app.router.add_get("/healthz", healthz)
@@ -244,6 +280,8 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     app.router.add_get("/status", status_handler)
     app.router.add_post("/release", release_handler)
     app.router.add_post("/release/{name}", release_handler)
+    app.router.add_post("/heartbeat", heartbeat_handler)
+    app.router.add_post("/heartbeat/{name}", heartbeat_handler)
     return app
 
 

@@ -21,8 +21,9 @@ import pytest
 from sidecar.publish.http import HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_WAITERS
 from tests.support import SidecarProcess, get_json, one_leader, wait_until
 
-# A renew every 20 s: a leader's state does not change on its own for that long, so a
-# blocking query stays parked (every renew is a state change that answers waiters).
+# A renew every 20 s: a leader's state does not change on its own for that long (renews
+# no longer end a blocking query — tests/integration/test_longpoll.py — but a quiet
+# leader keeps these figures free of renew work).
 QUIET = ["--lease-duration", "60s", "--renew-interval", "20s", "--renew-deadline", "30s"]
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]

@@ -101,6 +101,13 @@ def test_durations_print_as_go_writes_them(seconds, text):
     ("LEASE_EXEC_GRACE", "2h", "LEASE_EXEC_GRACE / --grace: 2h is more than the maximum 1h"),
     ("LEASE_EXEC_GRACE", "-1s", "LEASE_EXEC_GRACE / --grace: '-1s' is not a duration: it is "
                                 "negative"),
+    ("LEASE_WORK_STALL_AFTER", "50ms", "LEASE_WORK_STALL_AFTER / --work-stall-after: 50ms is "
+                                       "less than the minimum 100ms (a shorter period leaves "
+                                       "no room for the application's heartbeats)"),
+    ("LEASE_WORK_STALL_AFTER", "25h", "LEASE_WORK_STALL_AFTER / --work-stall-after: 25h is more "
+                                      "than the maximum 24h"),
+    ("LEASE_WORK_STALL_AFTER", "soon", "LEASE_WORK_STALL_AFTER / --work-stall-after: 'soon' is "
+                                       "not a duration"),
     ("LEASE_DURATION", "9" * 400, "LEASE_DURATION / --lease-duration: '999999999999'\u2026 (400 "
                                   "characters) is too large"),
     ("LEASE_DURATION", "inf", "LEASE_DURATION / --lease-duration: 'inf' is not a duration"),
@@ -114,6 +121,14 @@ def test_bounds(env, value, expected):
 def test_zero_is_allowed_where_it_means_something():
     s = load(LEASE_SAFETY_MARGIN="0s", LEASE_EXEC_GRACE="0")
     assert s.safety_margin == 0.0 and s.exec_grace == 0.0
+
+
+def test_the_work_watchdog_is_off_unless_set():
+    assert load().work_stall_after is None
+    assert load().public()["work_stall_after"] is None
+    s = load(LEASE_WORK_STALL_AFTER="1m30s")
+    assert s.work_stall_after == 90.0 and s.public()["work_stall_after"] == 90.0
+    assert config.load({"work_stall_after": "2s"}, env={}).work_stall_after == 2.0
 
 
 def test_the_largest_accepted_values_are_plain_json():

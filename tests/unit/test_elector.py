@@ -240,6 +240,49 @@ async def test_release_request_steps_down_and_sits_out():
     assert ("release" in [what for what, _ in lease.calls])
 
 
+class GatedRenew(FakeLease):
+    """Renews wait for the test to open a gate (a renew in flight)."""
+
+    gate: asyncio.Event | None = None
+    renewing: asyncio.Event | None = None
+
+    async def try_renew(self) -> Grant:
+        assert self.gate is not None and self.renewing is not None
+        self.renewing.set()
+        await self.gate.wait()
+        return await super().try_renew()
+
+
+async def test_a_release_asked_during_a_renew_is_not_held_back_a_renew_interval():
+    """Before: the next sleep cleared the wake-up, so the step-down waited a whole renew
+    interval (2 s by default) after the renew in flight came back."""
+    clock = FakeClock()
+    lease = GatedRenew(clock)
+    lease.gate, lease.renewing = asyncio.Event(), asyncio.Event()
+    slow = Settings(lease_duration=30.0, renew_interval=5.0, renew_deadline=20.0,
+                    safety_margin=1.0, claim_horizon=0.05, identity="me")
+    state = LeaseState(lease="default", identity="me", role="all",
+                       claim_horizon=slow.claim_horizon, clock=clock)
+    elector = Elector(lease, state, slow)
+    await elector._acquire_once()
+    # The first renew's sleep is real time (5 s): cut it short with a wake-up.
+    renew = asyncio.create_task(elector._renew_once())
+    await asyncio.sleep(0.01)
+    elector._wake.set()
+    await asyncio.wait_for(lease.renewing.wait(), 1)
+    assert elector.request_release("work stalled: test") is True
+    lease.gate.set()
+    await asyncio.wait_for(renew, 1)
+    assert state.facts.holding  # the renew in flight succeeded
+    after = asyncio.create_task(elector._renew_once())  # steps down, then sits out 30 s
+    await until(lambda: not state.facts.holding, timeout=1)  # at once, not after 5 s
+    await stop(after)
+    assert "release" in [what for what, _ in lease.calls]
+    assert state.facts.reason == "work stalled: test"
+    assert state.transitions[-1]["event"] == "released"
+    assert state.transitions[-1]["reason"] == "work stalled: test"
+
+
 async def test_release_request_to_a_standby_is_refused_and_forgotten():
     """Before: remembered, and the next term ended right after it began."""
     clock = FakeClock()

@@ -156,6 +156,44 @@ async def test_blocking_query_returns_on_change():
         await client.close()
 
 
+async def test_renews_do_not_end_a_blocking_query():
+    """The ETag follows leadership only: a parked query on an idle leader returns at its
+    wait, with the same tag and a fresh valid_until, though the state changed meanwhile."""
+    clock = FakeClock()
+    app, states = make_app(clock)
+    lead(states[0], clock)
+    client = await client_for(app)
+    try:
+        first = await client.get("/leader")
+        tag, before = first.headers["ETag"], (await first.json())["valid_until_ms"]
+        assert tag.startswith('W/"first-')
+        loop = asyncio.get_running_loop()
+
+        async def renew() -> None:
+            for _ in range(6):
+                await asyncio.sleep(0.05)
+                clock.advance(0.05)
+                states[0].update(valid_until=clock.now + 10)
+
+        for echoed in (tag, tag.removeprefix("W/")):  # weak comparison: either form parks
+            renewing = asyncio.ensure_future(renew())
+            started = loop.time()
+            response = await client.get("/leader?wait=0.4", headers={"If-None-Match": echoed})
+            waited = loop.time() - started
+            await renewing
+            assert waited >= 0.39, echoed
+            assert response.status == 200 and response.headers["ETag"] == tag
+            assert (await response.json())["valid_until_ms"] > before
+        # A step-down wakes it at once.
+        loop.call_later(0.1, lambda: states[0].update(released=True))
+        started = loop.time()
+        response = await client.get("/leader?wait=5", headers={"If-None-Match": tag})
+        assert response.status == 503 and loop.time() - started < 1
+        assert response.headers["ETag"] != tag
+    finally:
+        await client.close()
+
+
 async def test_other_endpoints_and_errors():
     clock = FakeClock()
     released: list[str | None] = []
@@ -333,7 +371,7 @@ async def test_waiter_cap_answers_at_once_with_the_true_state() -> None:
         assert full.status == 503 and (await full.json())["leader"] is False
         assert full.headers["Lease-Wait"] == "full"
         assert limits.waits_refused == 2
-        states[0].update(reason="wake")
+        states[0].update(holder="someone-else")  # a change of the answer wakes them
         await asyncio.wait_for(asyncio.gather(*parked), 2)
         metrics = await (await client.get("/metrics")).text()
         assert 'lease_http_refused_total{bound="waiters"} 2.0' in metrics
@@ -435,3 +473,85 @@ async def test_malformed_requests_are_a_400_and_one_debug_line(
         assert all("\n" not in r.getMessage() for r in records)
     finally:
         await client.close()
+
+
+# -- POST /heartbeat: the work watchdog's input -------------------------------------------
+
+def beat_app(clock: FakeClock):  # type: ignore[no-untyped-def]
+    from sidecar import watchdog
+
+    states = [LeaseState(lease=n, identity="me", role="all", claim_horizon=0.25, clock=clock)
+              for n in ("first", "second")]
+    by_name = {s.lease: s for s in states}
+
+    def heartbeat(name: str | None):  # type: ignore[no-untyped-def]
+        state = by_name.get(name or "first")
+        return watchdog.beat(state) if state else ("no-such-lease", {})
+
+    app = build_app(states, registry_for(states), status=lambda: {}, alive=lambda: True,
+                    ready=lambda: True, release=lambda name: "not-holding",
+                    heartbeat=heartbeat)
+    return app, states
+
+
+async def test_heartbeat_is_taken_from_a_leader_only() -> None:
+    clock = FakeClock()
+    app, states = beat_app(clock)
+    client = await client_for(app)
+    try:
+        response = await client.post("/heartbeat")
+        assert response.status == 409
+        assert (await response.json())["ok"] is False
+        assert states[0].work.last_beat is None
+        lead(states[0], clock)
+        response = await client.post("/heartbeat")
+        assert response.status == 200
+        body = await response.json()
+        assert body["ok"] is True and body["lease"] == "first"
+        assert body["at"].endswith("Z") and body["stall_after"] is None
+        assert states[0].work.last_beat == clock.now
+        assert (await client.post("/heartbeat/second")).status == 409
+        assert (await client.post("/heartbeat/nope")).status == 404
+        assert (await client.get("/heartbeat")).status == 405
+        metrics = await (await client.get("/metrics")).text()
+        found = re.search(r'^lease_sidecar_last_work_heartbeat_timestamp_seconds'
+                          r'\{lease="first"\} (\S+)$', metrics, re.M)
+        assert found and float(found.group(1)) == clock.wall()
+    finally:
+        await client.close()
+
+
+async def test_heartbeat_follows_the_release_rules() -> None:
+    """A web page must not keep a stalled leader leading: Origin and foreign Host are
+    refused, as for POST /release."""
+    clock = FakeClock()
+    app, states = beat_app(clock)
+    lead(states[0], clock)
+    client = await client_for(app)
+    try:
+        for headers in ({"Origin": "http://evil.example"},
+                        {"Host": f"evil.example:{client.port}"}):
+            response = await client.post("/heartbeat", headers=headers)
+            assert response.status == 403, headers
+            assert "heartbeat" in (await response.json())["error"]
+        assert states[0].work.last_beat is None
+        assert (await client.post("/heartbeat",
+                                  headers={"Host": f"localhost:{client.port}"})).status == 200
+    finally:
+        await client.close()
+
+
+async def test_heartbeat_refused_from_a_non_loopback_peer() -> None:
+    """No non-loopback address may be used here, so the peer address is faked."""
+    clock = FakeClock()
+    app, states = beat_app(clock)
+    lead(states[0], clock)
+    handler = next(r.handler for r in app.router.routes()
+                   if r.method == "POST" and r.resource.canonical == "/heartbeat")
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = (
+        lambda key, default=None: ("10.1.2.3", 40000) if key == "peername" else default)
+    request = make_mocked_request("POST", "/heartbeat", app=app, transport=transport)
+    response = await handler(request)
+    assert response.status == 403
+    assert states[0].work.last_beat is None

@@ -1,5 +1,6 @@
 """The claim rules (docs/design.md), on a fake clock (no sleeping)."""
 
+import asyncio
 import math
 from datetime import datetime
 
@@ -102,3 +103,116 @@ def test_valid_until_ms_is_the_same_instant_rounded_down():
     state.update(holding=False)
     standby = state.body(state.claim())
     assert standby["valid_until"] is None and standby["valid_until_ms"] is None
+
+
+# -- the leadership tag and its wait (the long-poll follows these) -------------------------
+
+def test_leadership_tag_ignores_renews_and_follows_leadership():
+    clock = FakeClock()
+    state = make_state(clock)
+    standby = state.leadership_tag(state.claim())
+    state.update(holder="other")  # another holder: a different answer
+    other = state.leadership_tag(state.claim())
+    assert other != standby
+    state.update(reason="held by other", backend_ok=True)  # a standby's retry
+    assert state.leadership_tag(state.claim()) == other
+    state.update(holding=True, holder="me", claim_from=clock.now + 0.25,
+                 valid_until=clock.now + 10, fencing_token=7)
+    waiting = state.leadership_tag(state.claim())  # holds, cannot claim yet
+    assert waiting not in (standby, other)
+    clock.advance(0.25)
+    leading = state.leadership_tag(state.claim())
+    assert leading != waiting
+    tags = set()
+    for _ in range(5):  # renews: new validity, new version, same answer
+        clock.advance(1)
+        state.update(valid_until=clock.now + 10, fencing_token=7)
+        tags.add(state.leadership_tag(state.claim()))
+    assert tags == {leading}
+    state.update(fencing_token=8)  # a new term's token is a new answer
+    assert state.leadership_tag(state.claim()) != leading
+    # A weak tag (the body's bytes change with every claim), lease name inside.
+    assert leading.startswith('W/"default-') and leading.endswith('"')
+
+
+def test_leadership_tag_is_the_content_not_a_counter():
+    """Two states (two runs of the sidecar) giving the same answer have the same tag."""
+    clock = FakeClock()
+    first, second = make_state(clock), make_state(clock)
+    for state in (first, second):
+        state.update(holding=True, claim_from=clock.now, valid_until=clock.now + 10,
+                     fencing_token=3)
+    second.update(valid_until=clock.now + 20)
+    assert first.leadership_tag(first.claim()) == second.leadership_tag(second.claim())
+
+
+def real_state(horizon: float = 0.25) -> LeaseState:
+    return LeaseState(lease="default", identity="me", role="all", claim_horizon=horizon)
+
+
+async def _timed_wait(state: LeaseState, tag: str, timeout: float) -> float:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await state.wait_for_leadership_change(tag, timeout)
+    return loop.time() - started
+
+
+async def test_renews_do_not_end_a_leadership_wait():
+    state = real_state()
+    now = state.clock.monotonic()
+    state.update(holding=True, holder="me", claim_from=now, valid_until=now + 0.5,
+                 fencing_token=1)
+    tag = state.leadership_tag(state.claim())
+
+    async def renew() -> None:
+        for _ in range(10):
+            await asyncio.sleep(0.05)
+            state.update(valid_until=state.clock.monotonic() + 0.5)
+
+    renewing = asyncio.ensure_future(renew())
+    waited = await _timed_wait(state, tag, 0.6)
+    await renewing
+    assert waited >= 0.59  # ten renews in that time, none woke the waiter
+    assert state.facts.version >= 11
+
+
+async def test_a_claim_lapsing_without_any_update_ends_the_wait():
+    """A renew that hangs until validity runs out changes no fact; the answer changes."""
+    state = real_state()
+    now = state.clock.monotonic()
+    state.update(holding=True, holder="me", claim_from=now, valid_until=now + 0.15,
+                 fencing_token=1)
+    tag = state.leadership_tag(state.claim())
+    version = state.facts.version
+    waited = await _timed_wait(state, tag, 5)
+    assert state.facts.version == version  # nobody updated anything
+    assert 0.14 <= waited < 0.5
+    assert not state.claim().leader
+
+
+async def test_the_first_claim_of_a_term_ends_the_wait():
+    """One horizon after the acquire the answer becomes "leader" with no update."""
+    state = real_state()
+    now = state.clock.monotonic()
+    state.update(holding=True, holder="me", claim_from=now + 0.2, valid_until=now + 5,
+                 fencing_token=1)
+    tag = state.leadership_tag(state.claim())
+    assert not state.claim().leader
+    waited = await _timed_wait(state, tag, 5)
+    assert 0.19 <= waited < 0.5
+    assert state.claim().leader
+
+
+async def test_a_step_down_ends_the_wait_at_once():
+    state = real_state()
+    now = state.clock.monotonic()
+    state.update(holding=True, holder="me", claim_from=now, valid_until=now + 30,
+                 fencing_token=1)
+    tag = state.leadership_tag(state.claim())
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.1, lambda: state.update(released=True))
+    waited = await _timed_wait(state, tag, 5)
+    assert 0.09 <= waited < 0.3
+    # A tag that is already stale returns at once; so does a zero timeout.
+    assert await _timed_wait(state, tag, 5) < 0.01
+    assert await _timed_wait(state, state.leadership_tag(state.claim()), 0) < 0.01
