@@ -22,7 +22,7 @@ from tests.integration.chart_support import (
     template,
 )
 from tests.support import SidecarProcess, wait_until
-from tests.testbed.crds import cert_manager_crds
+from tests.testbed.crds import install_cert_manager_crds
 from tests.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
@@ -87,7 +87,11 @@ def test_scheduling_values_reach_the_injector() -> None:
                                     "effect": "NoSchedule"}]
     # An affinity of your own replaces the default anti-affinity.
     assert list(spec["affinity"]) == ["nodeAffinity"]
-    assert spec["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    # Without a labelSelector a constraint matches no pod (the apiserver warns): it gets
+    # the injector's.
+    assert spec["topologySpreadConstraints"] == [{
+        "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": SELECTOR}}]
     assert spec["priorityClassName"] == "system-cluster-critical"
     proc = template("r", "apps", [*INJECTOR, "injector.podAntiAffinity=sometimes"], check=False)
     assert proc.returncode != 0 and "at '/injector/podAntiAffinity'" in proc.stderr
@@ -168,11 +172,7 @@ def test_cert_manager_replaces_the_injectors_own_tls() -> None:
 
 @pytest.fixture(scope="module")
 def cert_manager_crds_installed(control_plane: ControlPlane) -> None:
-    control_plane.kubectl("apply", "-f", "-", input=json.dumps(
-        {"apiVersion": "v1", "kind": "List", "items": cert_manager_crds()}))
-    for crd in ("certificates", "issuers", "clusterissuers"):
-        control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                              f"crd/{crd}.cert-manager.io")
+    install_cert_manager_crds(control_plane)
 
 
 @pytest.mark.parametrize("values", [

@@ -128,6 +128,15 @@ def test_injector_spec_is_the_chart_sidecar() -> None:
     assert spec["container"] == pod["initContainers"][0]
     assert spec["volumes"] == pod["volumes"]
     assert spec["appMount"] in pod["containers"][0]["volumeMounts"]
+    # The Leases the Role grants, so the injector refuses a pod naming another.
+    assert spec["leaseObjects"] == ["lease-sidecar.default"]
+    for values_more, objects in ((["rbac.anyLease=true"], None),
+                                 (["lease.backend=postgres", "lease.dsnSecret.name=pg"], None),
+                                 (["rbac.leaseNames={web}"],
+                                  ["lease-sidecar.default", "lease-sidecar.web"])):
+        other = documents(template("r", "apps", [*values, *values_more]).stdout)
+        assert json.loads(find(other, "ConfigMap", "-injector")["data"]["sidecar.json"])[
+            "leaseObjects"] == objects
     webhook = find(docs, "MutatingWebhookConfiguration")["webhooks"][0]
     assert webhook["failurePolicy"] == "Fail"
     assert webhook["objectSelector"] == {"matchLabels": {"lease-sidecar/inject": "true"}}

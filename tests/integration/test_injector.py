@@ -13,6 +13,8 @@ kubeconfig), so the chart's RBAC is what it gets. Its serving certificate must a
 from __future__ import annotations
 
 import base64
+import datetime as dt
+import ipaddress
 import json
 import os
 import signal
@@ -29,9 +31,13 @@ from typing import Any
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from tests.integration.chart_support import documents, env_map, find, template
 from tests.support import REPO, free_port, get_json
+from tests.testbed.crds import install_cert_manager_crds
 from tests.testbed.kube import ControlPlane, ControlPlaneError
 
 pytestmark = pytest.mark.kube
@@ -143,9 +149,14 @@ def _arg_list(container: dict[str, Any], drop: tuple[str, ...]) -> list[str]:
 
 
 def start_release(cp: ControlPlane, workdir: Path, release: str, namespace: str,
-                  values: list[str]) -> Env:
+                  values: list[str], tls_dir: Path | None = None) -> Env:
     """Apply what the chart renders for ``release`` in ``namespace`` and start its injector
-    (stopped, and its webhook configuration deleted, by :func:`stop_release`)."""
+    (stopped, and its webhook configuration deleted, by :func:`stop_release`).
+
+    ``tls_dir``: with ``injector.certManager.enabled``, the files of the Secret
+    cert-manager would keep (tls.crt, tls.key, ca.crt), in place of the mounted Secret;
+    the webhooks' caBundle is set from ca.crt, as cert-manager's CA injector does.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     docs = documents(template(release, namespace, ["injector.enabled=true", *values]).stdout)
     config = find(docs, "MutatingWebhookConfiguration")
@@ -159,18 +170,26 @@ def start_release(cp: ControlPlane, workdir: Path, release: str, namespace: str,
     (workdir / "sidecar.json").write_text(spec_text)
     args = [*_arg_list(container, ("--spec", "--listen", "--health", "--cert-dir")),
             f"--spec={workdir / 'sidecar.json'}"]
+    if tls_dir is not None:
+        mounted = "/etc/lease-sidecar-injector/tls/"
+        assert [a for a in args if mounted in a] == [f"--tls-file={mounted}tls.crt",
+                                                     f"--tls-key={mounted}tls.key"]
+        args = [a.replace(mounted, f"{tls_dir}/") for a in args]
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     injector = Injector(args, cp.service_account_kubeconfig(namespace, account, create=False),
                         workdir)
     # The chart's webhooks and selectors as rendered; only the address is the local one.
     for webhook in config["webhooks"]:
+        ca_bundle = (base64.b64encode((tls_dir / "ca.crt").read_bytes()).decode()
+                     if tls_dir else webhook["clientConfig"]["caBundle"])
         webhook["clientConfig"] = {
             "url": f"https://127.0.0.1:{injector.port}/lease-sidecar-inject",
-            "caBundle": webhook["clientConfig"]["caBundle"]}
+            "caBundle": ca_bundle}
     cp.kubectl("apply", "-f", "-", input=json.dumps(config))
     name = config["metadata"]["name"]
-    secret = next(a.split("/", 1)[1] for a in args if a.startswith("--tls-secret="))
-    chart_ca = base64.b64decode(find(docs, "Secret", "-injector-tls")["data"]["ca.crt"])
+    secret = next((a.split("/", 1)[1] for a in args if a.startswith("--tls-secret=")), "")
+    chart_ca = (base64.b64decode(find(docs, "Secret", "-injector-tls")["data"]["ca.crt"])
+                if secret else b"")
     env = Env(cp, namespace, name, secret, json.loads(spec_text), injector, release, chart_ca)
     try:
         injector.start()
@@ -394,6 +413,56 @@ def test_two_releases_never_both_inject_a_pod(env: Env, control_plane: ControlPl
         assert "failed calling webhook" in proc.stderr
     finally:
         stop_release(other)
+
+
+def _self_signed(hosts: list[str]) -> tuple[bytes, bytes]:
+    """A serving certificate that is its own CA, as cert-manager's selfSigned issuer (the
+    chart's default with certManager.enabled) makes it: ca.crt is tls.crt."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])])
+    now = dt.datetime.now(dt.UTC)
+    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in hosts[:-1]]
+    sans.append(x509.IPAddress(ipaddress.ip_address(hosts[-1])))
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def test_cert_manager_certificate_files_are_served(control_plane: ControlPlane,
+                                                   tmp_path: Path) -> None:
+    """injector.certManager.enabled: the injector serves the key and certificate files of
+    cert-manager's Secret (--tls-file, --tls-key), with no Secret or webhook rights of its
+    own, and the apiserver calls it trusting ca.crt. (No cert-manager controller runs here:
+    the files are what its self-signed issuer writes; its CRDs validate the Certificate.)"""
+    install_cert_manager_crds(control_plane)
+    namespace = control_plane.create_namespace("inj-cm")
+    cert, key = _self_signed([f"cm-lease-sidecar-injector.{namespace}.svc", "127.0.0.1"])
+    tls_dir = tmp_path / "cert-manager"
+    tls_dir.mkdir()
+    for name, data in (("tls.crt", cert), ("tls.key", key), ("ca.crt", cert)):
+        (tls_dir / name).write_bytes(data)
+    env = start_release(control_plane, tmp_path / "injector", "cm", namespace,
+                        ["injector.certManager.enabled=true"], tls_dir=tls_dir)
+    try:
+        assert env.create(env.pod("cm-pod", labels={LABEL: "true"})).returncode == 0
+        assert [c["name"] for c in env.stored("cm-pod")["spec"]["initContainers"]] == [
+            "lease-sidecar"]
+        served = ssl.get_server_certificate(("127.0.0.1", env.injector.port))
+        assert served.encode() == cert
+        stored = json.loads(control_plane.kubectl(
+            "-n", namespace, "get", "certificate", "cm-lease-sidecar-injector", "-o",
+            "json").stdout)
+        assert stored["spec"]["secretName"] == "cm-lease-sidecar-injector-cert"
+    finally:
+        stop_release(env)
 
 
 def test_name_the_lease_object_cannot_have_refuses_the_pod(env: Env) -> None:

@@ -9,12 +9,14 @@ with its own chart): those labels and annotations are dropped, the schemas kept.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from tests.testbed import gobuild
+from tests.testbed.kube import ControlPlane
 
 CERT_MANAGER = ("github.com/cert-manager/cert-manager", "v1.17.2")
 CERT_MANAGER_CRDS = ("crd-certificates.yaml", "crd-issuers.yaml", "crd-clusterissuers.yaml")
@@ -33,3 +35,14 @@ def cert_manager_crds() -> list[dict[str, Any]]:
         doc["metadata"] = {"name": doc["metadata"]["name"]}
         crds.append(doc)
     return crds
+
+
+def install_cert_manager_crds(cp: ControlPlane) -> None:
+    """Create (or keep) cert-manager's CRDs in the control plane; no controller runs, so
+    Certificates are stored and validated, never issued."""
+    cp.kubectl("apply", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "List", "items": cert_manager_crds()}))
+    for name in CERT_MANAGER_CRDS:
+        crd = name.removeprefix("crd-").removesuffix(".yaml")
+        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                   f"crd/{crd}.cert-manager.io")
