@@ -20,8 +20,16 @@ from typing import Any
 
 import pytest
 
-from tests.integration.chart_support import CHART, documents, helm, set_args, template
-from tests.support import SidecarProcess, one_leader, wait_until
+from tests.integration.chart_support import (
+    CHART,
+    documents,
+    find,
+    helm,
+    set_args,
+    template,
+)
+from tests.integration.kube_support import install_rbac
+from tests.support import REPO, SidecarProcess, one_leader, wait_until
 from tests.testbed.kube import ControlPlane, render_kubeconfig
 
 pytestmark = pytest.mark.kube
@@ -264,3 +272,44 @@ def test_not_rendered_before_kubernetes_1_30() -> None:
     # A 1.29 cluster serving the API (a feature gate) says so through its API versions.
     assert POLICY_KIND in kinds("--kube-version", "v1.29.4", "--api-versions",
                                 "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy")
+
+
+DEPLOY_POLICY = REPO / "deploy" / "pod-patch-policy.yaml"
+
+
+def test_deploy_policy_has_the_charts_rules() -> None:
+    """deploy/pod-patch-policy.yaml (for deploy/rbac.yaml's account, named lease-sidecar
+    in any namespace) and the chart's policy differ only in whom they match."""
+    deploy = find(documents(DEPLOY_POLICY.read_text()), POLICY_KIND)["spec"]
+    chart = find(documents(template("r", "apps", []).stdout), POLICY_KIND)["spec"]
+    assert deploy.pop("matchConditions") != chart.pop("matchConditions")
+    assert deploy == chart
+
+
+def test_deploy_policy_narrows_the_deploy_account(control_plane: ControlPlane,
+                                                  kube_namespace: str) -> None:
+    cp = control_plane
+    sa = install_rbac(cp, kube_namespace)
+    cp.kubectl("-n", kube_namespace, "apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "web-0", "labels": {"app": "web"}},
+        "spec": {"containers": [{"name": "app", "image": "example.invalid/app:1"}]}}))
+    bed = Bed(cp, kube_namespace, "lease-sidecar-pod-patch")
+    # Before the policy: RBAC alone lets the account relabel the pod.
+    assert bed.patch(sa, "web-0", _labels(app="hijacked")).returncode == 0
+    cp.kubectl("apply", "-f", str(DEPLOY_POLICY))
+    try:
+        deadline = time.monotonic() + 30
+        attempt = 0
+        while (proc := bed.patch(sa, "web-0", _labels(app=f"x{attempt}"))).returncode == 0:
+            assert time.monotonic() < deadline, "the policy never took effect"
+            attempt += 1
+            time.sleep(0.3)
+        assert "may change only the lease-role and lease-sidecar/group labels" in proc.stderr
+        assert bed.patch(sa, "web-0", _labels(lease_role="leader")).returncode == 0
+        image = {"spec": {"containers": [{"name": "app", "image": "example.invalid/evil:1"}]}}
+        proc = bed.patch(sa, "web-0", image, "strategic")
+        assert proc.returncode != 0 and "may not change a pod's spec" in proc.stderr
+    finally:
+        # Cluster-wide: it must not outlive this test (other tests use this account too).
+        cp.kubectl("delete", "-f", str(DEPLOY_POLICY), check=False)
