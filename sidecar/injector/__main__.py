@@ -5,7 +5,9 @@ Two ways to get the serving certificate:
 * ``--tls-secret NS/NAME --host HOST ...`` (what the chart does): keep a CA and serving
   certificate in that Secret, renewing them when needed, and with ``--webhook-config``
   keep the webhook's ``caBundle`` pointing at the CA (see :mod:`sidecar.injector.tls`);
-* ``--tls-file PEM``: a key + certificate file managed elsewhere (cert-manager, tests).
+* ``--tls-file PEM`` (with ``--tls-key KEY`` when the key is a file of its own, as in
+  the Secret cert-manager keeps): a certificate managed elsewhere; reloaded when the
+  files change.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default="0.0.0.0:8443", help="HTTPS host:port")
     parser.add_argument("--health", default="0.0.0.0:8080",
                         help="host:port of the liveness endpoint (/healthz)")
-    parser.add_argument("--tls-file", help="PEM file with the serving key and certificate")
+    parser.add_argument("--tls-file", help="PEM file with the serving certificate (and its key, "
+                                           "unless --tls-key names another file)")
+    parser.add_argument("--tls-key", help="PEM file with the serving key (with --tls-file)")
     parser.add_argument("--tls-secret", help="NAMESPACE/NAME of the Secret holding the TLS")
     parser.add_argument("--host", action="append", default=[],
                         help="DNS name or IP the serving certificate must name (repeatable)")
@@ -69,6 +73,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("give exactly one of --tls-file and --tls-secret")
     if args.tls_secret and ("/" not in args.tls_secret or not args.host):
         parser.error("--tls-secret needs NAMESPACE/NAME and at least one --host")
+    if args.tls_key and not args.tls_file:
+        parser.error("--tls-key goes with --tls-file")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cert_dir = Path(args.cert_dir or tempfile.mkdtemp(prefix="lease-injector-tls-"))
     pem = Path(args.tls_file) if args.tls_file else _refresh_tls(args, cert_dir)
+    key = Path(args.tls_key) if args.tls_key else pem
 
     registry = webhook.build_registry(spec)
     if args.tls_secret:
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             _background.add(asyncio.get_running_loop().create_task(loop()))
 
     # kopf reloads the PEM when it changes (checked every file_check_interval seconds).
-    server = webhook.InjectorServer(addr=host, port=port, certfile=pem, pkeyfile=pem,
+    server = webhook.InjectorServer(addr=host, port=port, certfile=pem, pkeyfile=key,
                                 file_check_interval=60.0)
     kopf.run(registry=registry, settings=webhook.settings(server), clusterwide=True,
              standalone=True, liveness_endpoint=f"http://{health_host}:{health_port}/healthz")

@@ -6,7 +6,8 @@ changes) and issue short-lived serving certificates from it; renewing a serving 
 needs no change to the webhook configuration.
 
 Keys are ECDSA P-256: generation is instant, and Go's TLS stack (the apiserver) and
-Python's ``ssl`` both accept it.
+Python's ``ssl`` both accept it. A CA the Helm chart made (``genCA``: RSA) is kept and
+signs the renewed serving certificates just the same.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 CA_DAYS = 3650
@@ -99,8 +100,9 @@ def issue_serving(ca_cert_pem: bytes, ca_key_pem: bytes, hosts: Sequence[str],
         raise ValueError("a serving certificate needs at least one DNS name or IP address")
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ValueError("the CA key is not an ECDSA key")
+    # ECDSA for CAs made here; RSA for the one the Helm chart makes with genCA.
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey):
+        raise ValueError("the CA key is neither an ECDSA nor an RSA key")
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
     not_after = min(now + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
@@ -120,11 +122,21 @@ def issue_serving(ca_cert_pem: bytes, ca_key_pem: bytes, hosts: Sequence[str],
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
                        critical=False)
         .add_extension(_san(hosts), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-            ca_key.public_key()), critical=False)
+        .add_extension(_authority_key_id(ca_cert), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def _authority_key_id(ca: x509.Certificate) -> x509.AuthorityKeyIdentifier:
+    """The CA's own key identifier: OpenSSL looks the issuer up by it, and a CA made
+    elsewhere (Go's, the chart's genCA) may derive it by another method than ours."""
+    try:
+        ski = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    except x509.ExtensionNotFound:
+        return x509.AuthorityKeyIdentifier.from_issuer_public_key(
+            ca.public_key())  # type: ignore[arg-type]
+    return x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski)
 
 
 def make_bundle(hosts: Sequence[str]) -> Bundle:

@@ -16,6 +16,16 @@ and are validated here with the sidecar's own rules (for the kubernetes backend,
 Lease object name rule of :mod:`sidecar.names`), so a typo rejects the Pod with a clear
 message instead of producing a crash-looping sidecar.
 
+The lease name is required: a Pod without ``lease-sidecar/name`` is refused. A default
+would make every injected workload of a namespace contend for one lease, so only one
+pod across all of them would ever lead, with no error anywhere. Deriving a name from the
+workload was considered and rejected: a ReplicaSet owner's name changes with every
+rollout (two leases during a rolling update), a CronJob's Jobs are named per run, a bare
+Pod has only its own name (every pod would lead), and ``app.kubernetes.io/name`` is
+shared by two releases of one chart. When the chart's Role grants only named Leases the
+spec lists them (``leaseObjects``) and a name outside that list is refused too: its
+sidecar could never write its Lease and would fail closed, silently.
+
 Only ``CREATE`` is mutated: a sidecar cannot be added to a running Pod, and the
 apiserver refuses most changes of a Pod's spec on ``UPDATE`` anyway.
 """
@@ -29,13 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.config import ROLES, parse_names
-from sidecar.names import object_name_problem
+from sidecar.names import object_name_problem, prefixed
 
 OPT_IN_LABEL = "lease-sidecar/inject"
 INJECTED_ANNOTATION = "lease-sidecar/injected"
+NAME_ANNOTATION = "lease-sidecar/name"
 # Annotation → the sidecar env variable it overrides, and how to validate it.
 OVERRIDES = {
-    "lease-sidecar/name": "LEASE_NAME",
+    NAME_ANNOTATION: "LEASE_NAME",
     "lease-sidecar/role": "LEASE_ROLE",
 }
 # What the sidecar assumes when the chart-rendered spec does not say (sidecar.config).
@@ -54,6 +65,9 @@ class InjectionSpec:
     volumes: list[dict[str, Any]]
     app_mount: dict[str, Any]
     app_env: list[dict[str, Any]]
+    # The Lease objects the release's Role grants, when it grants only named ones (the
+    # kubernetes backend with a name-limited Role); None: no such limit to check.
+    lease_objects: tuple[str, ...] | None = None
 
     @property
     def container_name(self) -> str:
@@ -70,8 +84,10 @@ class InjectionSpec:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InjectionSpec:
         try:
+            objects = data.get("leaseObjects")
             spec = cls(container=dict(data["container"]), volumes=list(data["volumes"]),
-                       app_mount=dict(data["appMount"]), app_env=list(data.get("appEnv", [])))
+                       app_mount=dict(data["appMount"]), app_env=list(data.get("appEnv", [])),
+                       lease_objects=None if objects is None else tuple(map(str, objects)))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"injection spec lacks or mistypes {exc}") from None
         if spec.container.get("restartPolicy") != "Always" or "name" not in spec.container:
@@ -132,6 +148,10 @@ def opted_in(pod: dict[str, Any]) -> bool:
 
 
 def already_injected(pod: dict[str, Any], spec: InjectionSpec) -> bool:
+    """A sidecar of ours is there already, or another injector (a second release whose
+    webhook also matched this pod) has injected one: never inject twice."""
+    if INJECTED_ANNOTATION in ((pod.get("metadata") or {}).get("annotations") or {}):
+        return True
     pod_spec = pod.get("spec") or {}
     names = {c.get("name") for c in pod_spec.get("initContainers") or []}
     names |= {c.get("name") for c in pod_spec.get("containers") or []}
@@ -139,19 +159,35 @@ def already_injected(pod: dict[str, Any], spec: InjectionSpec) -> bool:
 
 
 def check_names(value: str, spec: InjectionSpec) -> None:
-    """``ValueError`` unless the sidecar would accept ``value`` as its LEASE_NAME."""
+    """``ValueError`` unless the sidecar would accept ``value`` as its LEASE_NAME and,
+    with a name-limited Role, that Role grants every Lease it names."""
     names = parse_names(value)
-    if spec.env("LEASE_BACKEND") == "kubernetes":
-        prefix = spec.env("LEASE_KEY_PREFIX")
-        for name in names:
-            problem = object_name_problem(DEFAULT_KEY_PREFIX if prefix is None else prefix,
-                                          name)
-            if problem:
-                raise ValueError(problem)
+    if spec.env("LEASE_BACKEND") != "kubernetes":
+        return
+    env_prefix = spec.env("LEASE_KEY_PREFIX")
+    prefix = DEFAULT_KEY_PREFIX if env_prefix is None else env_prefix
+    for name in names:
+        problem = object_name_problem(prefix, name)
+        if problem:
+            raise ValueError(problem)
+    if spec.lease_objects is None:
+        return
+    for name in names:
+        lease = prefixed(prefix, name)
+        if lease not in spec.lease_objects:
+            raise ValueError(
+                f"the release's Role does not grant the Lease {lease!r} (it grants "
+                f"{', '.join(spec.lease_objects) or 'none'}): add {name!r} to the chart "
+                f"value rbac.leaseNames, or set rbac.anyLease=true")
 
 
 def _overrides(pod: dict[str, Any], spec: InjectionSpec) -> dict[str, str]:
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    if not str(annotations.get(NAME_ANNOTATION, "")).strip():
+        raise InjectionError(
+            f"the pod has no {NAME_ANNOTATION} annotation: name the lease its workload "
+            f"contends for (the same name on every pod of one workload, another name for "
+            f"every other workload), for example {NAME_ANNOTATION}: my-app")
     env: dict[str, str] = {}
     for annotation, variable in OVERRIDES.items():
         if annotation not in annotations:
@@ -169,9 +205,20 @@ def _overrides(pod: dict[str, Any], spec: InjectionSpec) -> dict[str, str]:
 
 
 def _sidecar(spec: InjectionSpec, overrides: dict[str, str]) -> dict[str, Any]:
+    """The spec's container with ``overrides`` in place of those variables (same order,
+    so a variable that refers to another with $(NAME) still comes after it)."""
     container = copy.deepcopy(spec.container)
-    env = [e for e in container.get("env", []) if e.get("name") not in overrides]
-    env += [{"name": name, "value": value} for name, value in overrides.items()]
+    env: list[dict[str, Any]] = []
+    for item in container.get("env", []):
+        name = item.get("name")
+        if name in overrides:
+            if name not in {e.get("name") for e in env}:
+                env.append({"name": name, "value": overrides[name]})
+        else:
+            env.append(item)
+    present = {e.get("name") for e in env}
+    env += [{"name": name, "value": value} for name, value in overrides.items()
+            if name not in present]
     container["env"] = env
     return container
 

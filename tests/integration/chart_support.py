@@ -34,6 +34,16 @@ VALUE_SETS: dict[str, list[str]] = {
     "lease-names": [r"lease.name=sweeps\,reports", "rbac.leaseNames={batch}",
                     "injector.enabled=true"],
     "any-lease": ["rbac.anyLease=true", "rbac.createLeases=false"],
+    "injector-scheduling": [
+        "injector.enabled=true", "injector.podAntiAffinity=hard",
+        "injector.nodeSelector.kubernetes\\.io/os=linux",
+        "injector.tolerations[0].key=dedicated", "injector.tolerations[0].operator=Exists",
+        "injector.topologySpreadConstraints[0].maxSkew=1",
+        "injector.topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone",
+        "injector.topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway",
+        "injector.priorityClassName=system-cluster-critical",
+        "injector.namespaceSelector.matchLabels.env=prod"],
+    "no-pod-patch-policy": ["rbac.podPatchPolicy=false", "example.enabled=true"],
 }
 
 

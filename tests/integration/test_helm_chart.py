@@ -21,6 +21,7 @@ from tests.integration.chart_support import (
     env_map,
     find,
     helm,
+    kube_version,
     named_rules,
     rules_set,
     set_args,
@@ -128,6 +129,15 @@ def test_injector_spec_is_the_chart_sidecar() -> None:
     assert spec["container"] == pod["initContainers"][0]
     assert spec["volumes"] == pod["volumes"]
     assert spec["appMount"] in pod["containers"][0]["volumeMounts"]
+    # The Leases the Role grants, so the injector refuses a pod naming another.
+    assert spec["leaseObjects"] == ["lease-sidecar.default"]
+    for values_more, objects in ((["rbac.anyLease=true"], None),
+                                 (["lease.backend=postgres", "lease.dsnSecret.name=pg"], None),
+                                 (["rbac.leaseNames={web}"],
+                                  ["lease-sidecar.default", "lease-sidecar.web"])):
+        other = documents(template("r", "apps", [*values, *values_more]).stdout)
+        assert json.loads(find(other, "ConfigMap", "-injector")["data"]["sidecar.json"])[
+            "leaseObjects"] == objects
     webhook = find(docs, "MutatingWebhookConfiguration")["webhooks"][0]
     assert webhook["failurePolicy"] == "Fail"
     assert webhook["objectSelector"] == {"matchLabels": {"lease-sidecar/inject": "true"}}
@@ -219,13 +229,34 @@ def test_kubernetes_lease_names_must_be_object_names(values: list[str]) -> None:
     "Driver=FreeTDS;Server=mssql;UID=app;pwd={a}};b}",
 ])
 def test_a_password_in_lease_dsn_is_refused(dsn: str) -> None:
-    """Before: rendered in plain text into the pod spec and the injector's ConfigMap."""
+    """Before: rendered in plain text into the pod spec and the injector's ConfigMap; then
+    refused by the templates only, which `helm lint --strict` does not run to a failure.
+    Now the schema refuses it (install, template and lint), unless explicitly allowed."""
     values = ["lease.backend=postgres-row", f"lease.dsn={dsn}", "injector.enabled=true"]
     proc = template("r", "apps", values, check=False)
     assert proc.returncode != 0
+    assert "values don't meet the specifications of the schema" in proc.stderr
+    assert "at '/lease/allowPasswordInDsn': value must be true" in proc.stderr
+    assert "s3cret" not in proc.stderr
+    lint = helm("lint", "--strict", str(CHART), *set_args(values), check=False)
+    assert lint.returncode != 0 and "allowPasswordInDsn" in lint.stdout
+    assert "s3cret" not in lint.stdout + lint.stderr
+    # Without the schema (--skip-schema-validation) the templates still refuse it.
+    proc = helm("template", "r", str(CHART), "--kube-version", kube_version(),
+                "--skip-schema-validation", *set_args(values), check=False)
+    assert proc.returncode != 0
     assert "lease.dsn holds a password" in proc.stderr and "s3cret" not in proc.stderr
-    # (helm lint runs templates with fail() turned into an INFO line: install and
-    # template refuse, lint cannot.)
+
+
+def test_a_password_in_lease_dsn_when_explicitly_allowed() -> None:
+    """lease.allowPasswordInDsn=true: accepted, and still only in the chart's Secret."""
+    dsn = "postgresql://app:s3cret@db:5432/app"
+    values = ["lease.backend=postgres-row", f"lease.dsn={dsn}", "injector.enabled=true",
+              "example.enabled=true", "lease.allowPasswordInDsn=true"]
+    assert helm("lint", "--strict", str(CHART), *set_args(values), check=False).returncode == 0
+    docs = documents(template("r", "apps", values).stdout)
+    assert [d["metadata"]["name"] for d in docs if "s3cret" in json.dumps(d)] == [
+        "r-lease-sidecar-dsn"]
 
 
 @pytest.mark.parametrize("dsn", [

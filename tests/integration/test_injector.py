@@ -1,18 +1,20 @@
 """End to end: the real kube-apiserver calls the injector when an opted-in Pod is created.
 
 Everything the chart renders for the injector is applied to the test bed (ServiceAccount,
-Role, ClusterRole and bindings, the empty TLS Secret, the ConfigMap with the sidecar
-spec) except that the webhook configuration's ``clientConfig`` points at
-``https://127.0.0.1:<port>`` instead of the Service (no pods run here), and its
-namespaceSelector is narrowed to this module's namespace. The injector runs as a local
-process with the chart's own arguments, as the chart's ServiceAccount (a token
-kubeconfig), so the chart's RBAC is what it gets. It makes its certificates, stores them
-in the Secret and sets the caBundle itself.
+Role, ClusterRole and bindings, the TLS Secret with the CA and certificate the chart made,
+the ConfigMap with the sidecar spec, the webhook configuration with its caBundle and
+namespace selectors) except that the webhooks' ``clientConfig`` points at
+``https://127.0.0.1:<port>`` instead of the Service (no pods run here). The injector runs
+as a local process with the chart's own arguments, as the chart's ServiceAccount (a token
+kubeconfig), so the chart's RBAC is what it gets. Its serving certificate must also name
+127.0.0.1, so it issues one from the chart's CA and stores it in the Secret.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime as dt
+import ipaddress
 import json
 import os
 import signal
@@ -29,15 +31,21 @@ from typing import Any
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from tests.integration.chart_support import documents, env_map, find, template
 from tests.support import REPO, free_port, get_json
+from tests.testbed.crds import install_cert_manager_crds
 from tests.testbed.kube import ControlPlane, ControlPlaneError
 
 pytestmark = pytest.mark.kube
 
 RELEASE = "inj"
 LABEL = "lease-sidecar/inject"
+NAME = "lease-sidecar/name"
+NAMESPACE_LABEL = "lease-sidecar/injector"
 START_TIMEOUT = 60.0
 
 
@@ -89,14 +97,25 @@ class Env:
     secret: str
     spec: dict[str, Any]
     injector: Injector
+    release: str = RELEASE
+    chart_ca: bytes = b""  # the CA the chart rendered into the TLS Secret
+
+    @property
+    def opt_in_value(self) -> str:
+        """The namespace label value that opts a namespace in to this release."""
+        return f"{self.release}.{self.namespace}"
 
     def pod(self, name: str, labels: dict[str, str] | None = None,
             annotations: dict[str, str] | None = None,
-            containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+            containers: list[dict[str, Any]] | None = None,
+            namespace: str | None = None) -> dict[str, Any]:
+        """A pod; unless ``annotations`` says otherwise it names the lease "default"."""
         return {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": self.namespace,
-                         "labels": labels or {}, "annotations": annotations or {}},
+            "metadata": {"name": name, "namespace": namespace or self.namespace,
+                         "labels": labels or {},
+                         "annotations": ({NAME: "default"} if annotations is None
+                                         else annotations)},
             "spec": {"containers": containers or [
                 {"name": "app", "image": "example.invalid/app:1",
                  "volumeMounts": [], "env": [{"name": "APP", "value": "1"}]}]},
@@ -106,14 +125,15 @@ class Env:
         return self.cp.kubectl("create", *extra, "-o", "json", "-f", "-",
                                input=json.dumps(pod), check=False)
 
-    def stored(self, name: str) -> dict[str, Any]:
-        return json.loads(self.cp.kubectl("-n", self.namespace, "get", "pod", name,
-                                          "-o", "json").stdout)
+    def stored(self, name: str, namespace: str | None = None) -> dict[str, Any]:
+        return json.loads(self.cp.kubectl("-n", namespace or self.namespace, "get", "pod",
+                                          name, "-o", "json").stdout)
 
-    def wait_until_called(self) -> None:
-        """Until the apiserver has seen the caBundle and reaches the webhook (dry run)."""
+    def wait_until_called(self, namespace: str | None = None) -> None:
+        """Until the apiserver has seen the configuration and reaches the webhook for
+        ``namespace`` (a dry run, so nothing is stored)."""
         deadline = time.monotonic() + START_TIMEOUT
-        probe = self.pod("probe", labels={LABEL: "true"})
+        probe = self.pod("probe", labels={LABEL: "true"}, namespace=namespace)
         while True:
             proc = self.create(probe, "--dry-run=server")
             if proc.returncode == 0 and json.loads(proc.stdout)["spec"].get("initContainers"):
@@ -128,12 +148,17 @@ def _arg_list(container: dict[str, Any], drop: tuple[str, ...]) -> list[str]:
     return [a for a in container["args"] if not a.startswith(drop)]
 
 
-@pytest.fixture(scope="module")
-def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    cp = control_plane
-    workdir = tmp_path_factory.mktemp("injector")
-    namespace = cp.create_namespace("inj")
-    docs = documents(template(RELEASE, namespace, ["injector.enabled=true"]).stdout)
+def start_release(cp: ControlPlane, workdir: Path, release: str, namespace: str,
+                  values: list[str], tls_dir: Path | None = None) -> Env:
+    """Apply what the chart renders for ``release`` in ``namespace`` and start its injector
+    (stopped, and its webhook configuration deleted, by :func:`stop_release`).
+
+    ``tls_dir``: with ``injector.certManager.enabled``, the files of the Secret
+    cert-manager would keep (tls.crt, tls.key, ca.crt), in place of the mounted Secret;
+    the webhooks' caBundle is set from ca.crt, as cert-manager's CA injector does.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    docs = documents(template(release, namespace, ["injector.enabled=true", *values]).stdout)
     config = find(docs, "MutatingWebhookConfiguration")
     rest = [d for d in docs if d is not config]
     cp.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
@@ -145,26 +170,51 @@ def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -
     (workdir / "sidecar.json").write_text(spec_text)
     args = [*_arg_list(container, ("--spec", "--listen", "--health", "--cert-dir")),
             f"--spec={workdir / 'sidecar.json'}"]
+    if tls_dir is not None:
+        mounted = "/etc/lease-sidecar-injector/tls/"
+        assert [a for a in args if mounted in a] == [f"--tls-file={mounted}tls.crt",
+                                                     f"--tls-key={mounted}tls.key"]
+        args = [a.replace(mounted, f"{tls_dir}/") for a in args]
     account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     injector = Injector(args, cp.service_account_kubeconfig(namespace, account, create=False),
                         workdir)
-
-    webhook = config["webhooks"][0]
-    webhook["clientConfig"] = {"url": f"https://127.0.0.1:{injector.port}/lease-sidecar-inject"}
-    webhook["namespaceSelector"] = {
-        "matchLabels": {"kubernetes.io/metadata.name": namespace}}
+    # The chart's webhooks and selectors as rendered; only the address is the local one.
+    for webhook in config["webhooks"]:
+        ca_bundle = (base64.b64encode((tls_dir / "ca.crt").read_bytes()).decode()
+                     if tls_dir else webhook["clientConfig"]["caBundle"])
+        webhook["clientConfig"] = {
+            "url": f"https://127.0.0.1:{injector.port}/lease-sidecar-inject",
+            "caBundle": ca_bundle}
     cp.kubectl("apply", "-f", "-", input=json.dumps(config))
     name = config["metadata"]["name"]
-    secret = next(a.split("/", 1)[1] for a in args if a.startswith("--tls-secret="))
-    result = Env(cp, namespace, name, secret, json.loads(spec_text), injector)
+    secret = next((a.split("/", 1)[1] for a in args if a.startswith("--tls-secret=")), "")
+    chart_ca = (base64.b64decode(find(docs, "Secret", "-injector-tls")["data"]["ca.crt"])
+                if secret else b"")
+    env = Env(cp, namespace, name, secret, json.loads(spec_text), injector, release, chart_ca)
     try:
         injector.start()
-        result.wait_until_called()
+        env.wait_until_called()
+    except BaseException:
+        stop_release(env)
+        raise
+    return env
+
+
+def stop_release(env: Env) -> None:
+    env.injector.stop()
+    # A Fail-policy webhook must not outlive its test.
+    env.cp.kubectl("delete", "mutatingwebhookconfiguration", env.webhook_config, check=False)
+
+
+@pytest.fixture(scope="module")
+def env(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    namespace = control_plane.create_namespace("inj")
+    result = start_release(control_plane, tmp_path_factory.mktemp("injector"), RELEASE,
+                           namespace, ["rbac.leaseNames={sweeps}"])
+    try:
         yield result
     finally:
-        injector.stop()
-        # A Fail-policy webhook must not outlive the module.
-        cp.kubectl("delete", "mutatingwebhookconfiguration", name, check=False)
+        stop_release(result)
 
 
 def test_opted_in_pod_is_stored_with_the_sidecar(env: Env) -> None:
@@ -210,7 +260,8 @@ def test_annotations_set_lease_name_and_role(env: Env) -> None:
 
 
 def test_bad_annotation_refuses_the_pod(env: Env) -> None:
-    pod = env.pod("typo", labels={LABEL: "true"}, annotations={"lease-sidecar/role": "boss"})
+    pod = env.pod("typo", labels={LABEL: "true"},
+                  annotations={NAME: "default", "lease-sidecar/role": "boss"})
     proc = env.create(pod)
     assert proc.returncode != 0
     assert "annotation lease-sidecar/role: 'boss' is not one of all, worker, api" in proc.stderr
@@ -248,10 +299,15 @@ def _ca(env: Env) -> bytes:
 
 
 def test_tls_is_kept_in_the_secret_and_trusted_by_the_webhook(env: Env) -> None:
+    """The chart made the CA (genCA, RSA); the injector keeps it and issues the serving
+    certificate it needs (here one that also names 127.0.0.1) from it, so the caBundle
+    the chart rendered stays valid."""
     ca = _ca(env)
+    assert ca == env.chart_ca
     config = json.loads(env.cp.kubectl("get", "mutatingwebhookconfiguration",
                                        env.webhook_config, "-o", "json").stdout)
-    assert base64.b64decode(config["webhooks"][0]["clientConfig"]["caBundle"]) == ca
+    assert [base64.b64decode(w["clientConfig"]["caBundle"]) for w in config["webhooks"]] == [
+        ca, ca]
     # The served certificate chains to that CA and names the chart's Service and 127.0.0.1.
     ctx = ssl.create_default_context(cadata=ca.decode())
     served = ssl.get_server_certificate(("127.0.0.1", env.injector.port))
@@ -261,6 +317,152 @@ def test_tls_is_kept_in_the_secret_and_trusted_by_the_webhook(env: Env) -> None:
     assert f"inj-lease-sidecar-injector.{env.namespace}.svc" in san.get_values_for_type(
         x509.DNSName)
     assert ctx.verify_mode == ssl.CERT_REQUIRED
+
+
+def test_a_pod_without_a_lease_name_is_refused(env: Env) -> None:
+    """Before: injected with LEASE_NAME=default, so every injected workload of the
+    namespace contended for one lease and only one pod across all of them led."""
+    proc = env.create(env.pod("nameless", labels={LABEL: "true"}, annotations={}))
+    assert proc.returncode != 0
+    assert ("the pod has no lease-sidecar/name annotation: name the lease its workload "
+            "contends for") in proc.stderr
+    assert env.cp.kubectl("-n", env.namespace, "get", "pod", "nameless",
+                          check=False).returncode != 0
+
+
+def test_a_lease_the_role_does_not_grant_refuses_the_pod(env: Env) -> None:
+    """Before: injected, and its sidecar then failed closed on 403s for its Lease."""
+    proc = env.create(env.pod("ungranted", labels={LABEL: "true"}, annotations={NAME: "web"}))
+    assert proc.returncode != 0
+    assert ("annotation lease-sidecar/name: the release's Role does not grant the Lease "
+            "'lease-sidecar.web' (it grants lease-sidecar.default, lease-sidecar.sweeps): "
+            "add 'web' to the chart value rbac.leaseNames") in proc.stderr
+
+
+def _labelled_namespace(env: Env, value: str | None) -> str:
+    namespace = env.cp.create_namespace("other")
+    if value is not None:
+        env.cp.kubectl("label", "namespace", namespace, f"{NAMESPACE_LABEL}={value}")
+    return namespace
+
+
+def test_a_namespace_that_did_not_opt_in_is_not_served(env: Env) -> None:
+    """Before: every namespace but kube-system, though the Role, binding and DSN Secret the
+    sidecar needs exist only in the release namespace: it failed closed, silently."""
+    for value in (None, "another.release"):
+        namespace = _labelled_namespace(env, value)
+        pod = env.pod("opted-in-pod", labels={LABEL: "true"}, namespace=namespace)
+        assert env.create(pod).returncode == 0
+        stored = env.stored("opted-in-pod", namespace)
+        assert "initContainers" not in stored["spec"], value
+        assert "lease-sidecar/injected" not in stored["metadata"]["annotations"]
+
+
+def test_a_namespace_labelled_for_the_release_is_served(env: Env) -> None:
+    namespace = _labelled_namespace(env, env.opt_in_value)
+    env.wait_until_called(namespace)  # the apiserver sees new namespace labels in moments
+    assert env.create(env.pod("there", labels={LABEL: "true"}, namespace=namespace)
+                      ).returncode == 0
+    stored = env.stored("there", namespace)
+    assert [c["name"] for c in stored["spec"]["initContainers"]] == ["lease-sidecar"]
+
+
+def test_two_releases_never_both_inject_a_pod(env: Env, control_plane: ControlPlane,
+                                              tmp_path: Path) -> None:
+    """Before: two releases installed two webhooks with the same selector. Now each
+    namespace has one release: its own, or the one its label names. The proof that the
+    other release's webhook is not even called: with that injector stopped (failure
+    policy Fail), the pod is still created."""
+    other_ns = control_plane.create_namespace("inj-b")
+    other = start_release(control_plane, tmp_path / "b", "injb", other_ns, ["image.tag=b"])
+    try:
+        def sidecars(name: str, namespace: str) -> list[str]:
+            spec = env.stored(name, namespace)["spec"]
+            return [c["image"] for c in spec.get("initContainers") or []]
+
+        # Each release namespace is its own release's.
+        for target, image in ((env, "lease-sidecar:0.1.0"), (other, "lease-sidecar:b")):
+            assert target.create(target.pod("one", labels={LABEL: "true"})).returncode == 0
+            assert sidecars("one", target.namespace) == [image]
+
+        # A namespace labelled for release A, even B's own: A's alone.
+        labelled = _labelled_namespace(env, env.opt_in_value)
+        control_plane.kubectl("label", "namespace", other_ns,
+                              f"{NAMESPACE_LABEL}={env.opt_in_value}")
+        for namespace in (labelled, other_ns):
+            env.wait_until_called(namespace)
+            assert env.create(env.pod("two", labels={LABEL: "true"}, namespace=namespace)
+                              ).returncode == 0
+            assert sidecars("two", namespace) == ["lease-sidecar:0.1.0"]
+
+        other.injector.stop()
+        for namespace in (labelled, other_ns):
+            proc = env.create(env.pod("three", labels={LABEL: "true"}, namespace=namespace))
+            assert proc.returncode == 0, proc.stderr
+            assert sidecars("three", namespace) == ["lease-sidecar:0.1.0"]
+        # B's webhook is still there and fails closed for what is B's.
+        unlabelled = control_plane.kubectl("label", "namespace", other_ns,
+                                           f"{NAMESPACE_LABEL}-")
+        assert unlabelled.returncode == 0
+        deadline = time.monotonic() + 30
+        while (proc := env.create(env.pod("four", labels={LABEL: "true"},
+                                          namespace=other_ns))).returncode == 0:
+            assert time.monotonic() < deadline, "B's webhook was never called again"
+            env.cp.kubectl("-n", other_ns, "delete", "pod", "four", "--wait=false")
+            time.sleep(0.3)
+        assert "failed calling webhook" in proc.stderr
+    finally:
+        stop_release(other)
+
+
+def _self_signed(hosts: list[str]) -> tuple[bytes, bytes]:
+    """A serving certificate that is its own CA, as cert-manager's selfSigned issuer (the
+    chart's default with certManager.enabled) makes it: ca.crt is tls.crt."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])])
+    now = dt.datetime.now(dt.UTC)
+    sans: list[x509.GeneralName] = [x509.DNSName(h) for h in hosts[:-1]]
+    sans.append(x509.IPAddress(ipaddress.ip_address(hosts[-1])))
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def test_cert_manager_certificate_files_are_served(control_plane: ControlPlane,
+                                                   tmp_path: Path) -> None:
+    """injector.certManager.enabled: the injector serves the key and certificate files of
+    cert-manager's Secret (--tls-file, --tls-key), with no Secret or webhook rights of its
+    own, and the apiserver calls it trusting ca.crt. (No cert-manager controller runs here:
+    the files are what its self-signed issuer writes; its CRDs validate the Certificate.)"""
+    install_cert_manager_crds(control_plane)
+    namespace = control_plane.create_namespace("inj-cm")
+    cert, key = _self_signed([f"cm-lease-sidecar-injector.{namespace}.svc", "127.0.0.1"])
+    tls_dir = tmp_path / "cert-manager"
+    tls_dir.mkdir()
+    for name, data in (("tls.crt", cert), ("tls.key", key), ("ca.crt", cert)):
+        (tls_dir / name).write_bytes(data)
+    env = start_release(control_plane, tmp_path / "injector", "cm", namespace,
+                        ["injector.certManager.enabled=true"], tls_dir=tls_dir)
+    try:
+        assert env.create(env.pod("cm-pod", labels={LABEL: "true"})).returncode == 0
+        assert [c["name"] for c in env.stored("cm-pod")["spec"]["initContainers"]] == [
+            "lease-sidecar"]
+        served = ssl.get_server_certificate(("127.0.0.1", env.injector.port))
+        assert served.encode() == cert
+        stored = json.loads(control_plane.kubectl(
+            "-n", namespace, "get", "certificate", "cm-lease-sidecar-injector", "-o",
+            "json").stdout)
+        assert stored["spec"]["secretName"] == "cm-lease-sidecar-injector-cert"
+    finally:
+        stop_release(env)
 
 
 def test_name_the_lease_object_cannot_have_refuses_the_pod(env: Env) -> None:

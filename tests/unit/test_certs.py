@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import socket
 import ssl
 import threading
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from sidecar.injector import certs
 from sidecar.injector.tls import write_pem
@@ -40,7 +43,40 @@ def test_bundle_is_a_ca_and_a_serving_cert_it_signed() -> None:
 def test_tls_handshake_verifies_against_the_ca(tmp_path: Path) -> None:
     """A real TLS server with the written PEM: a client trusting the CA connects, a client
     trusting another CA is refused."""
-    bundle = certs.make_bundle(["localhost", "127.0.0.1"])
+    _handshake(certs.make_bundle(["localhost", "127.0.0.1"]), tmp_path)
+
+
+def _foreign_rsa_ca() -> tuple[bytes, bytes]:
+    """A CA shaped like the one the Helm chart makes with genCA (Go's x509): RSA, a PKCS#1
+    key, and a subject key identifier Go derives with SHA-256, not SHA-1 like ours."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lease-sidecar-injector-ca")])
+    public_bits = key.public_key().public_bytes(serialization.Encoding.DER,
+                                                serialization.PublicFormat.PKCS1)
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + dt.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier(hashlib.sha256(public_bits).digest()[:20]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM,
+                              serialization.PrivateFormat.TraditionalOpenSSL,
+                              serialization.NoEncryption()))
+
+
+def test_a_ca_made_by_the_chart_is_kept_and_verifies(tmp_path: Path) -> None:
+    """Before: an RSA CA was thrown away ("not an ECDSA key"), and a serving certificate
+    naming our own hash of the CA key as its authority was refused by OpenSSL."""
+    ca_cert, ca_key = _foreign_rsa_ca()
+    renewed = certs.renew(certs.Bundle(ca_cert, ca_key, b"", b""), ["localhost", "127.0.0.1"])
+    assert renewed.ca_cert == ca_cert and renewed.ca_key == ca_key
+    _handshake(renewed, tmp_path)
+
+
+def _handshake(bundle: certs.Bundle, tmp_path: Path) -> None:
     pem = write_pem(bundle, tmp_path / "tls")
     assert pem.read_bytes() == bundle.key + bundle.cert
     assert pem.parent.stat().st_mode & 0o777 == 0o700

@@ -22,9 +22,10 @@ SPEC = InjectionSpec.from_json({
 
 
 def _pod(labels: dict[str, str] | None = None, **annotations: str) -> dict[str, Any]:
+    """An opted-in pod naming the lease "web" unless the annotations say otherwise."""
     return {"metadata": {"labels": labels if labels is not None
                          else {"lease-sidecar/inject": "true"},
-                         "annotations": annotations},
+                         "annotations": {"lease-sidecar/name": "web", **annotations}},
             "spec": {"initContainers": [{"name": "migrate"}],
                      "containers": [{"name": "app", "env": [
                          {"name": "LEASE_LEADER_FILE", "value": "/custom"}]},
@@ -43,6 +44,35 @@ def test_injects_first_native_sidecar_volume_mounts_and_env() -> None:
     assert spec["containers"][0]["env"] == [{"name": "LEASE_LEADER_FILE", "value": "/custom"}]
     assert spec["containers"][1]["env"] == SPEC.app_env
     assert pod["metadata"]["annotations"]["lease-sidecar/injected"] == "lease-sidecar"
+    env = {e["name"]: e["value"] for e in spec["initContainers"][0]["env"]}
+    assert env["LEASE_NAME"] == "web"
+
+
+@pytest.mark.parametrize("annotations", [{}, {"lease-sidecar/name": ""},
+                                         {"lease-sidecar/name": "  "},
+                                         {"lease-sidecar/role": "worker"}])
+def test_a_pod_without_a_lease_name_is_refused(annotations: dict[str, str]) -> None:
+    """Before: injected with the chart's LEASE_NAME=default, so two workloads of one
+    namespace silently shared one lease and only one pod across both ever led."""
+    pod = _pod()
+    pod["metadata"]["annotations"] = annotations
+    before = copy.deepcopy(pod)
+    with pytest.raises(InjectionError, match=r"^the pod has no lease-sidecar/name annotation: "
+                                             r"name the lease its workload contends for"):
+        inject(pod, SPEC)
+    assert pod == before
+
+
+def test_a_pod_injected_by_another_release_is_not_injected_again() -> None:
+    """Two releases whose webhooks both match one pod: the second leaves it alone, even
+    when its sidecar has another container name."""
+    pod = _pod()
+    inject(pod, SPEC)
+    other = InjectionSpec(container={**SPEC.container, "name": "other-sidecar"},
+                          volumes=SPEC.volumes, app_mount=SPEC.app_mount, app_env=SPEC.app_env)
+    once = copy.deepcopy(pod)
+    assert inject(pod, other) is False
+    assert pod == once
 
 
 def test_second_pass_changes_nothing() -> None:
@@ -101,12 +131,39 @@ def test_spec_must_be_a_native_sidecar(tmp_path: Path) -> None:
         InjectionSpec.load(tmp_path / "missing.json")
 
 
-def _spec(backend: str, key_prefix: str | None = "lease-sidecar") -> InjectionSpec:
+def _spec(backend: str, key_prefix: str | None = "lease-sidecar",
+          lease_objects: tuple[str, ...] | None = None) -> InjectionSpec:
     env = [{"name": "LEASE_BACKEND", "value": backend}, {"name": "LEASE_NAME", "value": "x"}]
     if key_prefix is not None:
         env.append({"name": "LEASE_KEY_PREFIX", "value": key_prefix})
     return InjectionSpec(container={**SPEC.container, "env": env}, volumes=SPEC.volumes,
-                         app_mount=SPEC.app_mount, app_env=SPEC.app_env)
+                         app_mount=SPEC.app_mount, app_env=SPEC.app_env,
+                         lease_objects=lease_objects)
+
+
+def test_a_lease_the_releases_role_does_not_grant_is_refused() -> None:
+    """Before: injected, and the sidecar then failed closed on a 403 for its Lease."""
+    spec = _spec("kubernetes", lease_objects=("lease-sidecar.default", "lease-sidecar.web"))
+    assert inject(_pod(**{"lease-sidecar/name": "web"}), spec) is True
+    pod = _pod(**{"lease-sidecar/name": "web,reports"})
+    before = copy.deepcopy(pod)
+    with pytest.raises(InjectionError, match=(
+            r"^annotation lease-sidecar/name: the release's Role does not grant the Lease "
+            r"'lease-sidecar\.reports' \(it grants lease-sidecar\.default, "
+            r"lease-sidecar\.web\): add 'reports' to the chart value rbac\.leaseNames")):
+        inject(pod, spec)
+    assert pod == before
+    # No list (rbac.anyLease, no chart RBAC, another backend): any valid name.
+    assert inject(_pod(**{"lease-sidecar/name": "reports"}), _spec("kubernetes")) is True
+    assert inject(_pod(**{"lease-sidecar/name": "reports"}),
+                  _spec("postgres", lease_objects=("lease-sidecar.web",))) is True
+
+
+def test_spec_json_carries_the_granted_leases() -> None:
+    data = {"container": SPEC.container, "volumes": [], "appMount": SPEC.app_mount}
+    assert InjectionSpec.from_json(data).lease_objects is None
+    data["leaseObjects"] = ["lease-sidecar.a"]
+    assert InjectionSpec.from_json(data).lease_objects == ("lease-sidecar.a",)
 
 
 @pytest.mark.parametrize("name", ["Upper_Case", "jobs,Nightly", "under_score"])
@@ -155,3 +212,13 @@ def test_malformed_pod_is_one_clear_line(pod: object, message: str) -> None:
     """Before: TypeError/AttributeError text, which kopf sent back as a 500."""
     with pytest.raises(InjectionError, match=f"malformed pod: {message}"):
         inject(pod, SPEC)  # type: ignore[arg-type]
+
+
+def test_an_override_keeps_the_variables_place() -> None:
+    """Before: the overridden LEASE_NAME moved to the end of the sidecar's env."""
+    pod = _pod(**{"lease-sidecar/name": "web"})
+    inject(pod, _spec("kubernetes"))
+    env = pod["spec"]["initContainers"][0]["env"]
+    assert env == [{"name": "LEASE_BACKEND", "value": "kubernetes"},
+                   {"name": "LEASE_NAME", "value": "web"},
+                   {"name": "LEASE_KEY_PREFIX", "value": "lease-sidecar"}]

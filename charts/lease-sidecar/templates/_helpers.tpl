@@ -1,7 +1,15 @@
 {{/* Names and labels ---------------------------------------------------------- */}}
 
 {{- define "lease-sidecar.name" -}}
-{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- $chart := "lease-sidecar" }}
+{{- if include "lease-sidecar.ownChart" . }}{{ $chart = .Chart.Name }}{{ end }}
+{{- default $chart .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* "true" when .Chart is this chart's (also under an alias), "" in a context a parent
+chart built with its own .Chart, or none. */}}
+{{- define "lease-sidecar.ownChart" -}}
+{{- with .Chart }}{{ with .Annotations }}{{ if index . "lease-sidecar/chart" }}true{{ end }}{{ end }}{{ end }}
 {{- end }}
 
 {{- define "lease-sidecar.fullname" -}}
@@ -26,7 +34,13 @@ app.kubernetes.io/name: {{ include "lease-sidecar.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The sidecar's ServiceAccount; public, like the templates below (a parent chart's pod
+runs the sidecar as this account). */}}
 {{- define "lease-sidecar.serviceAccountName" -}}
+{{- include "lease-sidecar.call" (list "lease-sidecar.serviceAccountName" .) }}
+{{- end }}
+
+{{- define "lease-sidecar.serviceAccountName.body" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "lease-sidecar.fullname" .) .Values.serviceAccount.name }}
 {{- else }}
@@ -34,9 +48,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* The image: image.tag, else this chart's appVersion. In a context a parent chart built
+(its own .Chart), .Chart.AppVersion would be the parent's: then the appVersion this chart
+was released with (lease-sidecar.appVersion, kept equal to Chart.yaml by a test). */}}
 {{- define "lease-sidecar.image" -}}
-{{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}
+{{- $tag := .Values.image.tag }}
+{{- if not $tag }}
+{{- $tag = include "lease-sidecar.appVersion" . }}
+{{- if include "lease-sidecar.ownChart" . }}{{ $tag = .Chart.AppVersion }}{{ end }}
 {{- end }}
+{{- .Values.image.repository }}:{{ $tag }}
+{{- end }}
+
+{{- define "lease-sidecar.appVersion" -}}0.1.0{{- end }}
 
 {{- define "lease-sidecar.injectorName" -}}
 {{- printf "%s-injector" (include "lease-sidecar.fullname" .) | trunc 63 | trimSuffix "-" }}
@@ -44,7 +68,41 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* The sidecar ------------------------------------------------------------------
 One definition, used by the example workload and rendered into the injector's spec, so
-a chart-declared sidecar and an injected one are the same container. */}}
+a chart-declared sidecar and an injected one are the same container.
+
+The public templates (lease-sidecar.container, .volumes, .appVolumeMount, .appEnv) work
+from this chart and from a parent chart that depends on it:
+
+  include "lease-sidecar.container" .                      # a parent's own context
+  include "lease-sidecar.container" (index .Subcharts "lease-sidecar")
+  include "lease-sidecar.container" (dict "Values" (index .Values "lease-sidecar") "Release" .Release)
+
+lease-sidecar.call resolves the context: one holding this chart's values (sidecar, lease)
+is used as it is; a parent's context is replaced by the context of its lease-sidecar
+dependency (found by this chart's annotation, so an alias works too). */}}
+
+{{- define "lease-sidecar.call" -}}
+{{- $template := index . 0 }}
+{{- $ctx := index . 1 }}
+{{- $values := dict }}
+{{- if kindIs "map" $ctx }}{{ $values = $ctx.Values | default dict }}{{ end }}
+{{- if not (and (kindIs "map" $values) (hasKey $values "sidecar") (hasKey $values "lease")) }}
+{{- $found := list }}
+{{- $subcharts := dict }}
+{{- if kindIs "map" $ctx }}{{ $subcharts = $ctx.Subcharts | default dict }}{{ end }}
+{{- range $key, $sub := $subcharts }}
+{{- if include "lease-sidecar.ownChart" $sub }}{{ $found = append $found $key }}{{ end }}
+{{- end }}
+{{- if ne (len $found) 1 }}
+{{- if $found }}
+{{- fail (printf "%s: this chart depends on lease-sidecar more than once (%s): pass one, e.g. include %q (index .Subcharts %q)" $template (join ", " (sortAlpha $found)) $template (first (sortAlpha $found))) }}
+{{- end }}
+{{- fail (printf "%s: no lease-sidecar values here: call it with the context of a chart that depends on lease-sidecar (.), with (index .Subcharts \"lease-sidecar\"), or with a dict holding \"Values\" (the lease-sidecar values) and \"Release\"" $template) }}
+{{- end }}
+{{- $ctx = index $subcharts (first $found) }}
+{{- end }}
+{{- include (printf "%s.body" $template) $ctx }}
+{{- end }}
 
 {{- define "lease-sidecar.stateDir" -}}/run/lease{{- end }}
 
@@ -55,6 +113,10 @@ passes) and stop after them, so the app never runs without it and the lease is r
 after the app has stopped.
 */}}
 {{- define "lease-sidecar.container" -}}
+{{- include "lease-sidecar.call" (list "lease-sidecar.container" .) }}
+{{- end }}
+
+{{- define "lease-sidecar.container.body" -}}
 name: {{ .Values.sidecar.containerName }}
 image: {{ include "lease-sidecar.image" . }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -150,6 +212,10 @@ securityContext:
 shared with the app (it reads /run/lease/leader); memory-backed because it holds one
 small file that must not outlive the pod. */}}
 {{- define "lease-sidecar.volumes" -}}
+{{- include "lease-sidecar.call" (list "lease-sidecar.volumes" .) }}
+{{- end }}
+
+{{- define "lease-sidecar.volumes.body" -}}
 - name: lease-state
   emptyDir:
     medium: Memory
@@ -161,6 +227,10 @@ small file that must not outlive the pod. */}}
 
 {{/* lease-sidecar.appVolumeMount: how an app container mounts the lease directory. */}}
 {{- define "lease-sidecar.appVolumeMount" -}}
+{{- include "lease-sidecar.call" (list "lease-sidecar.appVolumeMount" .) }}
+{{- end }}
+
+{{- define "lease-sidecar.appVolumeMount.body" -}}
 name: lease-state
 mountPath: {{ include "lease-sidecar.stateDir" . }}
 readOnly: true
@@ -168,19 +238,29 @@ readOnly: true
 
 {{/* lease-sidecar.appEnv: where an app container finds the answer (a list). */}}
 {{- define "lease-sidecar.appEnv" -}}
+{{- include "lease-sidecar.call" (list "lease-sidecar.appEnv" .) }}
+{{- end }}
+
+{{- define "lease-sidecar.appEnv.body" -}}
 - name: LEASE_LEADER_FILE
   value: {{ printf "%s/leader" (include "lease-sidecar.stateDir" .) | quote }}
 - name: LEASE_LEADER_URL
   value: {{ printf "http://127.0.0.1:%d/leader" (int .Values.sidecar.port) | quote }}
 {{- end }}
 
-{{/* lease-sidecar.injectionSpec: what the injector adds to an opted-in pod (JSON). */}}
+{{/* lease-sidecar.injectionSpec: what the injector adds to an opted-in pod (JSON).
+leaseObjects: the Leases the sidecar's Role grants when it grants only named ones, so
+the injector refuses a pod naming another (its sidecar could never hold it); null when
+any name works (rbac.anyLease), the chart makes no Role, or another backend. */}}
 {{- define "lease-sidecar.injectionSpec" -}}
+{{- $objects := include "lease-sidecar.leaseObjects" . | fromJsonArray }}
+{{- $limited := and .Values.rbac.create (eq .Values.lease.backend "kubernetes") (not .Values.rbac.anyLease) }}
 {{- $spec := dict
     "container" (include "lease-sidecar.container" . | fromYaml)
     "volumes" (include "lease-sidecar.volumes" . | fromYamlArray)
     "appMount" (include "lease-sidecar.appVolumeMount" . | fromYaml)
-    "appEnv" (include "lease-sidecar.appEnv" . | fromYamlArray) -}}
+    "appEnv" (include "lease-sidecar.appEnv" . | fromYamlArray)
+    "leaseObjects" (ternary $objects nil $limited) -}}
 {{- toPrettyJson $spec }}
 {{- end }}
 
@@ -203,6 +283,28 @@ kubernetes backend uses, sidecar/names.py). */}}
 {{- end }}
 {{- end }}
 {{- $objects | uniq | toJson }}
+{{- end }}
+
+{{/* The value of the namespace label lease-sidecar/injector that opts a namespace in to
+this release's injector: "<release>.<namespace>", a valid label value (63 characters). */}}
+{{- define "lease-sidecar.injectorId" -}}
+{{- regexReplaceAll "[^A-Za-z0-9]+$" (printf "%s.%s" .Release.Name .Release.Namespace | trunc 63) "" }}
+{{- end }}
+
+{{/* The namespaces the sidecar's RBAC, Leases and DSN Secret go to, as a JSON list of
+{"name", "serviceAccounts"}: the release namespace (the chart's ServiceAccount and
+rbac.extraServiceAccounts), then injector.namespaces when the injector is on. */}}
+{{- define "lease-sidecar.sidecarNamespaces" -}}
+{{- $accounts := prepend (.Values.rbac.extraServiceAccounts | default list) (include "lease-sidecar.serviceAccountName" .) }}
+{{- $result := list (dict "name" .Release.Namespace "serviceAccounts" ($accounts | uniq)) }}
+{{- if .Values.injector.enabled }}
+{{- range .Values.injector.namespaces }}
+{{- if ne .name $.Release.Namespace }}
+{{- $result = append $result (dict "name" .name "serviceAccounts" (.serviceAccounts | default (list "default") | uniq)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $result | toJson }}
 {{- end }}
 
 {{/* Cluster-scoped, so it carries the namespace to stay unique across releases. */}}
