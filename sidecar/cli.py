@@ -1,7 +1,8 @@
 """``lease-sidecar run | exec | schema | status``.
 
 Exit codes: 0 clean stop, 2 bad settings (one line naming the setting, before anything
-connects), 75 ``exec --acquire-timeout`` ran out, otherwise the command's own code.
+connects; or, once connected, the ``postgres`` backend behind a transaction pooler, named
+in one log line), 75 ``exec --acquire-timeout`` ran out, otherwise the command's own code.
 """
 
 from __future__ import annotations
@@ -106,14 +107,18 @@ async def _run(settings: Settings) -> int:
     await _start(sidecar)
     stopped = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(sidecar.wait_failed())
-    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    misconfigured = asyncio.ensure_future(sidecar.wait_misconfigured())
+    await asyncio.wait([stopped, failed, misconfigured], return_when=asyncio.FIRST_COMPLETED)
     crash = failed.exception() if failed.done() else None
-    failed.cancel()
-    stopped.cancel()
+    for waiter in (failed, stopped, misconfigured):
+        waiter.cancel()
     await sidecar.stop()
     if crash is not None:
         log.error("elector crashed", exc_info=crash)
         return 1
+    if misconfigured.done() and not misconfigured.cancelled():
+        # The backend logged the one line naming the problem when it found it.
+        return EXIT_BAD_SETTINGS
     log.info("stopped", extra={"identity": settings.identity})
     return 0
 
@@ -127,8 +132,14 @@ async def _exec(settings: Settings, cmd: list[str], acquire_timeout: float | Non
     state = sidecar.states[0]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + acquire_timeout if acquire_timeout is not None else None
+    # A backend that finds itself misconfigured stops the command like a signal, but
+    # the exit code is 2 (the backend logged why).
+    misconfigured = asyncio.ensure_future(sidecar.wait_misconfigured())
+    misconfigured.add_done_callback(lambda _: stop.set())
     try:
         while not state.claim().leader:
+            if misconfigured.done():
+                return EXIT_BAD_SETTINGS
             if stop.is_set():
                 return 0
             if deadline is not None and loop.time() >= deadline:
@@ -150,8 +161,11 @@ async def _exec(settings: Settings, cmd: list[str], acquire_timeout: float | Non
                             state.wait_for_change(state.facts.version,
                                                   settings.claim_horizon / 2))
         code = await exited
+        if misconfigured.done():
+            return EXIT_BAD_SETTINGS
         return 128 - code if code < 0 else code
     finally:
+        misconfigured.cancel()
         await sidecar.stop()
 
 
