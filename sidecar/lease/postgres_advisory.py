@@ -84,8 +84,13 @@ _OURS = f"current_setting('{MARKER_SETTING}', true) is not distinct from $3::tex
 _MINE = """exists(select 1 from pg_locks where locktype = 'advisory' and granted
             and pid = pg_backend_pid() and classid = $4::int8::oid
             and objid = $5::int8::oid and objsubid = 1)"""
+# A statement that lands on a session carrying another client's marker wipes it, so that
+# client's next statement there fails its check too: one client seeing the sharing makes
+# the others see it, instead of one refusing while the other keeps leading.
+_POISON = f"set_config('{MARKER_SETTING}', 'shared', false)"
 # Heartbeat: (this statement ran on our session, that session holds the lock).
-_HOLDS = f"select {_OURS}, {_MINE.replace('$4', '$1').replace('$5', '$2')}"
+_HOLDS = (f"select ours, {_MINE.replace('$4', '$1').replace('$5', '$2')}, "
+          f"case when not ours then {_POISON} end from (select {_OURS} as ours) me")
 # Checked before any lock call, in the same statement: the CTE runs first and once.
 _CHECK = f"me as (select {_OURS} as ours, {_MINE} as already)"
 # Who holds a lock in this database (application_name is visible even across roles).
@@ -289,7 +294,7 @@ class AdvisoryLease:
                 reused = self._session is not None
                 session = await self._connection()
                 try:
-                    ours, already, token, uptime, _ = await session.conn.fetchrow(
+                    ours, already, token, uptime, _, _ = await session.conn.fetchrow(
                         self._try_lock_sql(session.conn), self.key, self._message,
                         session.marker, *self._halves)
                 except _DB_ERRORS as exc:
@@ -320,7 +325,7 @@ class AdvisoryLease:
             session = self._session
             assert session is not None
             try:
-                ours, holds = await session.conn.fetchrow(_HOLDS, *self._halves,
+                ours, holds, _ = await session.conn.fetchrow(_HOLDS, *self._halves,
                                                           session.marker)
             except _DB_ERRORS as exc:
                 if evidence := _prepared_statement_error(exc):
@@ -437,7 +442,7 @@ class AdvisoryLease:
                 # One round trip: lock_timeout (local to this statement's transaction)
                 # ends the wait in the server; the client timeout only guards against a
                 # hung server. The xid is drawn after the CTE granted the lock.
-                ours, already, token, uptime, _ = await session.conn.fetchrow(
+                ours, already, token, uptime, _, _ = await session.conn.fetchrow(
                     self._wait_lock_sql(session.conn), self.key, self._message,
                     session.marker, *self._halves, wait_ms,
                     timeout=timeout + self._db.timeout)
@@ -528,7 +533,8 @@ class AdvisoryLease:
                 f"lock as (select pg_try_advisory_lock($1) as got from me "
                 f"where ours and not already) "
                 f"select me.ours, me.already, case when lock.got then {_token_expr(conn)} end, "
-                f"{_UPTIME}, case when lock.got then {_durable('$2')} end "
+                f"{_UPTIME}, case when lock.got then {_durable('$2')} end, "
+                f"case when not me.ours then {_POISON} end "
                 f"from me left join lock on true")
 
     def _wait_lock_sql(self, conn: asyncpg.Connection) -> str:
@@ -538,7 +544,8 @@ class AdvisoryLease:
                 f"where ours and not already), "
                 f"lock as (select true as got from (select pg_advisory_lock($1) from t) l) "
                 f"select me.ours, me.already, case when lock.got then {_token_expr(conn)} end, "
-                f"{_UPTIME}, case when lock.got then {_durable('$2')} end "
+                f"{_UPTIME}, case when lock.got then {_durable('$2')} end, "
+                f"case when not me.ours then {_POISON} end "
                 f"from me left join lock on true")
 
 

@@ -152,6 +152,9 @@ class PgBouncer:
             "server_reset_query": "DISCARD ALL",
             "server_reset_query_always": "0",
             "ignore_startup_parameters": "extra_float_digits",
+            # A client waiting for a server gives up after this (the default is 120 s,
+            # longer than any test should hang).
+            "query_wait_timeout": "15",
             "pidfile": str(self.root / "pgbouncer.pid"),
             **self.extra,
         }

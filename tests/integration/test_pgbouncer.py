@@ -1,0 +1,394 @@
+"""Both PostgreSQL backends through a real PgBouncer (Debian's package), with real sidecar
+processes, real signals and every sidecar's ``GET /leader`` sampled on one clock.
+
+- ``postgres`` (advisory lock) behind ``pool_mode=transaction`` must refuse, say why, exit
+  with 2 and never let two claims overlap, for pool sizes 1 and 5 and 2 or 3 sidecars; a
+  killed holder's lock, which the pooler's server session keeps, must not be taken over.
+- ``postgres`` behind ``pool_mode=session`` works: one leader, SIGTERM hands over.
+- ``postgres-row`` behind ``pool_mode=transaction`` works: one leader, SIGTERM hands over,
+  no prepared-statement errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from sidecar.config import Settings
+from sidecar.lease.postgres_advisory import MARKER_SETTING, POOLER, create, lock_halves, lock_id
+from tests.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+from tests.testbed.pgbouncer_fixtures import StartBouncer
+from tests.testbed.postgres import PgServer
+
+pytestmark = pytest.mark.postgres
+
+LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
+FAST = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
+        "--renew-deadline", f"{DEADLINE}s", "--claim-horizon", f"{HORIZON}s"]
+# What a sidecar that refused logs and /status shows (the first words of the reason).
+REFUSAL = POOLER.split(":", 1)[0]
+PREPARED_ERRORS = ("prepared statement", "__asyncpg_stmt", "DuplicatePreparedStatement",
+                   "InvalidSQLStatementName")
+
+
+def dbname(dsn: str) -> str:
+    return dsn.rsplit("/", 1)[1]
+
+
+def start_sidecars(tmp_path: Path, dsn: str, count: int, backend: str = "postgres",
+                   tag: str = "pgb", timing: list[str] | None = None) -> list[SidecarProcess]:
+    """Start ``count`` sidecars at once; wait until each serves HTTP or has exited (a
+    sidecar behind a transaction pooler may refuse and exit within its first second)."""
+    procs = [SidecarProcess(tmp_path, f"{tag}-{i}",
+                            args=["--backend", backend, "--dsn", dsn, "--name", "jobs",
+                                  *(timing or FAST)]).start()
+             for i in range(count)]
+    for proc in procs:
+        wait_until(lambda p=proc: p.proc.poll() is not None
+                   or get_json(p.url + "/healthz", timeout=0.5)[0] in (200, 503), timeout=15)
+    return procs
+
+
+def stop_all(procs: list[SidecarProcess], password: str) -> None:
+    for proc in procs:
+        proc.stop()
+    for proc in procs:
+        assert password not in proc.logs(), f"{proc.identity} logged the password"
+
+
+def log_lines(proc: SidecarProcess) -> list[dict]:
+    lines = []
+    for line in proc.logs().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue
+    return lines
+
+
+def refusals(proc: SidecarProcess) -> list[dict]:
+    return [line for line in log_lines(proc) if line.get("msg", "").startswith(REFUSAL)]
+
+
+def lock_holders(pg: PgServer, database: str) -> list[int]:
+    classid, objid = lock_halves(lock_id("lease-sidecar", "jobs"))
+    out = pg.psql(f"select pid from pg_locks where locktype = 'advisory' and granted "
+                  f"and classid = {classid} and objid = {objid} and objsubid = 1",
+                  dbname=database)
+    return [int(pid) for pid in out.split()]
+
+
+def assert_refused(proc: SidecarProcess) -> None:
+    """Exit code 2, one error line naming the pooler and postgres-row."""
+    assert proc.proc is not None and proc.proc.poll() == 2, (proc.identity, proc.logs())
+    lines = refusals(proc)
+    assert len(lines) == 1, proc.logs()
+    assert lines[0]["level"] == "error"
+    assert "pool_mode=transaction" in lines[0]["msg"]
+    assert "LEASE_BACKEND=postgres-row" in lines[0]["msg"]
+
+
+# -- library level: the checks themselves -------------------------------------------------
+def settings(dsn: str, identity: str) -> Settings:
+    return Settings(backend="postgres", dsn=dsn, identity=identity, names=("jobs",),
+                    lease_duration=LEASE, renew_interval=RENEW, renew_deadline=DEADLINE,
+                    claim_horizon=HORIZON)
+
+
+async def test_shared_server_session_is_refused_on_both_sides(
+        pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer) -> None:
+    """The issue's reproduction: through pool size 1, two clients get one server session.
+    Before the fix both were granted (locks are re-entrant within a session)."""
+    bouncer = pgbouncer("transaction", 1)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    a, b = create(settings(dsn, "lib-a")), create(settings(dsn, "lib-b"))
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        assert (await la.try_acquire()).held  # alone on the pool: nothing to see yet
+        assert (await la.try_renew()).held
+        refused = await lb.try_acquire()  # lands on a's server session, which holds it
+        assert not refused.held and refused.reason.startswith(POOLER)
+        assert "already held the lock" in refused.reason
+        # b's connect overwrote a's marker on the shared session: a's heartbeat sees it.
+        lost = await la.try_renew()
+        assert not lost.held and lost.reason.startswith(POOLER)
+        assert "without this connection's marker" in lost.reason
+        assert la.lost.is_set()
+        assert a.misconfigured.is_set() and b.misconfigured.is_set()
+        assert a.misconfiguration and a.misconfiguration.startswith(POOLER)
+        # Refused for good, without another round trip.
+        assert not (await la.try_acquire()).held and not (await lb.try_acquire()).held
+    finally:
+        await a.close()
+        await b.close()
+    # Dropping the client ends nothing behind a transaction pooler: the server session
+    # still holds the lock (which is why every contender must refuse, not wait).
+    assert len(lock_holders(pg, dbname(pg_dsn))) == 1
+
+
+async def test_a_session_holding_a_lock_we_never_took_is_not_ours(pg: PgServer,
+                                                                   pg_dsn: str) -> None:
+    """Straight to PostgreSQL (no pooler) the same held-key check drops the session (it
+    frees the unknown lock) and tries again; nothing is refused for good."""
+    backend = create(settings(pg_dsn, "direct"))
+    try:
+        lease = backend.lease("jobs")
+        assert (await lease.try_acquire()).held
+        await lease.release()
+        session = lease._session
+        assert session is not None and not session.proxied
+        # Take the lock on our session behind the lease's back.
+        await session.conn.fetchval("select pg_advisory_lock($1)", lease.key)
+        grant = await lease.try_acquire()
+        assert not grant.held and "unknown to us" in grant.reason
+        assert lock_holders(pg, dbname(pg_dsn)) == []  # the session was ended
+        assert (await lease.try_acquire()).held
+        assert not backend.misconfigured.is_set() and lease.pooler is None
+    finally:
+        await backend.close()
+
+
+async def test_session_pooling_passes_every_check(pg: PgServer, pg_dsn: str,
+                                                  pgbouncer: StartBouncer) -> None:
+    bouncer = pgbouncer("session", 5)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    a, b = create(settings(dsn, "s-a")), create(settings(dsn, "s-b"))
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        assert (await la.try_acquire()).held
+        assert la._session is not None and la._session.proxied  # a pooler answered
+        assert lock_holders(pg, dbname(pg_dsn)) == [la.pid]
+        refused = await lb.try_acquire()
+        assert not refused.held and refused.holder == "s-a"
+        for _ in range(3):
+            assert (await la.try_renew()).held
+        await la.release()
+        await lb.wait_for_change(1.0)  # granted inside the server
+        assert (await lb.try_acquire()).held
+        assert lock_holders(pg, dbname(pg_dsn)) == [lb.pid]
+        assert not a.misconfigured.is_set() and not b.misconfigured.is_set()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_prepared_statement_errors_betray_the_pooler(pg_dsn: str,
+                                                           pgbouncer: StartBouncer) -> None:
+    """asyncpg's named statements through a transaction pooler fail with the errors the
+    backend reads as a pooler (it never uses named statements itself)."""
+    from sidecar.lease.postgres_advisory import _prepared_statement_error
+
+    bouncer = pgbouncer("transaction", 1)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    first, second = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        assert await first.fetchval("select 1") == 1  # prepared under a name, cached
+        caught: BaseException | None = None
+        try:
+            # Pool size 1: the other client's statement runs on the same server session.
+            await second.execute("deallocate all")
+            await first.fetchval("select 1")
+        except asyncpg.PostgresError as exc:
+            caught = exc
+        assert caught is not None
+        assert _prepared_statement_error(caught) is not None
+    finally:
+        await first.close()
+        await second.close()
+
+
+# -- real processes: transaction pooling is refused ----------------------------------------
+@pytest.mark.parametrize("pool_size", [1, 5])
+@pytest.mark.parametrize("count", [2, 3])
+def test_transaction_pooling_is_refused_and_never_two_leaders(
+        tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
+        pool_size: int, count: int) -> None:
+    bouncer = pgbouncer("transaction", pool_size)
+    procs = start_sidecars(tmp_path, bouncer.dsn_for(dbname(pg_dsn)), count)
+    try:
+        with ClaimRecorder(procs) as recorder:
+            # Bounded: every sidecar has refused, or 15 s passed.
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and any(p.proc.poll() is None for p in procs):
+                time.sleep(0.1)
+            time.sleep(0.5)
+        assert recorder.overlaps() == []
+        for proc in procs:
+            assert_refused(proc)
+        assert len(recorder.claims) < 1000  # sampling ran (bounded) and recorded < 15 s
+    finally:
+        stop_all(procs, pg.password)
+
+
+@pytest.mark.parametrize("pool_size", [1, 5])
+def test_killed_holder_behind_transaction_pooler_is_never_taken_over(
+        tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
+        pool_size: int) -> None:
+    """Alone on the pool a sidecar cannot tell transaction from session pooling, and leads.
+    Killed, its client goes but the pooler's server session keeps the lock: the next
+    contenders are handed that session (or share one between them), and refuse instead of
+    being granted the lock re-entrantly. The lock goes only when the server ends the idle
+    session (``idle_session_timeout``, which the backend sets to the lease duration)."""
+    bouncer = pgbouncer("transaction", pool_size)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    # A long lease, so the session outlives the contenders' start-up by far.
+    lease = 15.0
+    timing = ["--lease-duration", f"{lease}s", *FAST[2:]]
+    [holder] = start_sidecars(tmp_path, dsn, 1, tag="first", timing=timing)
+    contenders: list[SidecarProcess] = []
+    try:
+        wait_until(lambda: one_leader([holder]), timeout=10)
+        held_by = lock_holders(pg, dbname(pg_dsn))
+        assert len(held_by) == 1
+        holder.signal(signal.SIGKILL)
+        holder.proc.wait(5)
+        killed = time.monotonic()
+        contenders = start_sidecars(tmp_path, dsn, 2, tag="next", timing=timing)
+        with ClaimRecorder(contenders) as recorder:
+            wait_until(lambda: all(p.proc.poll() is not None for p in contenders), timeout=10)
+            time.sleep(0.3)
+        assert recorder.claims == []  # nobody claimed, at any sample
+        # The server session that the killed client left behind still holds the lock.
+        assert time.monotonic() - killed < lease - 1
+        assert lock_holders(pg, dbname(pg_dsn)) == held_by
+        for proc in contenders:
+            assert_refused(proc)
+        # Until the server ends that idle session: then it is free again.
+        wait_until(lambda: lock_holders(pg, dbname(pg_dsn)) == [], timeout=lease + 5)
+        assert time.monotonic() - killed >= lease - 1
+    finally:
+        stop_all([holder, *contenders], pg.password)
+
+
+async def test_refusal_reason_is_in_status(tmp_path: Path, pg: PgServer, pg_dsn: str,
+                                           pgbouncer: StartBouncer) -> None:
+    """What ``/status`` shows from the moment of detection until the exit (in-process:
+    the real process exits within milliseconds of it, too fast to sample)."""
+    from sidecar.runtime import Sidecar
+
+    bouncer = pgbouncer("transaction", 1)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+
+    def sidecar(identity: str) -> Sidecar:
+        config = Settings(backend="postgres", dsn=dsn, identity=identity, names=("jobs",),
+                          lease_duration=LEASE, renew_interval=RENEW,
+                          renew_deadline=DEADLINE, claim_horizon=HORIZON,
+                          http_addr=("127.0.0.1", 0), state_dir=str(tmp_path / identity),
+                          pod_label="off")
+        return Sidecar(config)
+
+    first, second = sidecar("in-a"), sidecar("in-b")
+    try:
+        await first.start()
+        await asyncio.wait_for(_until(lambda: first.states[0].claim().leader), 10)
+        await second.start()
+        for side in (first, second):
+            message = await asyncio.wait_for(side.wait_misconfigured(), 10)
+            assert message.startswith(POOLER)
+            lease = side.status()["leases"][0]
+            assert REFUSAL in lease["reason"] and not lease["leader"]
+            assert not side.states[0].claim().leader
+    finally:
+        await first.stop()
+        await second.stop()
+
+
+async def _until(predicate) -> None:  # type: ignore[no-untyped-def]
+    while not predicate():
+        await asyncio.sleep(0.01)
+
+
+def test_exec_stops_and_exits_2_behind_transaction_pooler(
+        tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer) -> None:
+    bouncer = pgbouncer("transaction", 1)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    [holder] = start_sidecars(tmp_path, dsn, 1, tag="ex")
+    ran = tmp_path / "ran"
+    execer = SidecarProcess(tmp_path, "ex-exec", command="exec",
+                            args=["--backend", "postgres", "--dsn", dsn, "--name", "jobs",
+                                  *FAST, "--", sys.executable, "-c",
+                                  f"import pathlib,time; pathlib.Path({str(ran)!r})"
+                                  ".write_text('x'); time.sleep(60)"])
+    try:
+        wait_until(lambda: one_leader([holder]), timeout=10)
+        execer.start()
+        assert execer.proc.wait(20) == 2
+        assert holder.proc.wait(10) == 2
+        assert not ran.exists()  # exec never got to lead
+        assert_refused(holder)
+        assert_refused(execer)
+    finally:
+        stop_all([holder, execer], pg.password)
+
+
+# -- real processes: session pooling works ------------------------------------------------
+@pytest.mark.parametrize("pool_size", [1, 5])
+@pytest.mark.parametrize("count", [2, 3])
+def test_session_pooling_one_leader_and_sigterm_hands_over(
+        tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
+        pool_size: int, count: int) -> None:
+    bouncer = pgbouncer("session", pool_size)
+    procs = start_sidecars(tmp_path, bouncer.dsn_for(dbname(pg_dsn)), count, tag="sess")
+    try:
+        with ClaimRecorder(procs) as recorder:
+            leader = wait_until(lambda: one_leader(procs), timeout=15)
+            time.sleep(1.0)
+            assert one_leader(procs) is leader
+            leader.signal(signal.SIGTERM)
+            sent = time.monotonic()
+            rest = [p for p in procs if p is not leader]
+            # With pool size 1 the standbys wait for the one server connection in the
+            # pooler's queue; they get it once the holder's client has gone.
+            successor = wait_until(lambda: one_leader(rest), timeout=LEASE + 10)
+            took = time.monotonic() - sent
+            assert leader.proc.wait(10) == 0
+            time.sleep(0.5)
+            assert one_leader(procs) is successor
+        assert recorder.overlaps() == []
+        assert took < LEASE + 10
+        for proc in procs:
+            assert refusals(proc) == [], proc.logs()
+    finally:
+        stop_all(procs, pg.password)
+
+
+def test_status_command_through_the_pooler(tmp_path: Path, pg: PgServer, pg_dsn: str,
+                                           pgbouncer: StartBouncer) -> None:
+    bouncer = pgbouncer("session", 5)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    procs = start_sidecars(tmp_path, dsn, 2, tag="stat")
+    try:
+        leader = wait_until(lambda: one_leader(procs), timeout=10)
+        result = subprocess.run(
+            [sys.executable, "-m", "sidecar", "status", "--backend", "postgres", "--dsn", dsn,
+             "--name", "jobs"], capture_output=True, text=True, timeout=30, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout.splitlines()[0])["holder"] == leader.identity
+    finally:
+        stop_all(procs, pg.password)
+
+
+async def test_marker_is_a_session_setting_that_a_reset_clears(pg_dsn: str) -> None:
+    """The marker lives in the server session: a pooler's reset (DISCARD ALL, as PgBouncer
+    runs between clients) clears it, so a reset session never passes for ours."""
+    backend = create(settings(pg_dsn, "reset"))
+    try:
+        lease = backend.lease("jobs")
+        assert (await lease.try_acquire()).held
+        session = lease._session
+        assert session is not None
+        value = await session.conn.fetchval(f"select current_setting('{MARKER_SETTING}')")
+        assert value == session.marker
+        await session.conn.execute("discard all")
+        grant = await lease.try_renew()
+        assert not grant.held and grant.reason.startswith(POOLER)
+    finally:
+        await backend.close()
