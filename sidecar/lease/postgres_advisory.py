@@ -290,9 +290,20 @@ class AdvisoryLease:
                 return self._refused()
             if self._levels and self._alive():
                 return self._held()
+            loop = asyncio.get_running_loop()
             for attempt in (1, 2):
                 reused = self._session is not None
+                previous, started = self._session, loop.time()
                 session = await self._connection()
+                if (session is not previous
+                        and loop.time() - started > self._settings.renew_deadline / 2):
+                    # The grant's validity counts from the elector's send time, before
+                    # this slow connect (a session pool with fewer servers than
+                    # sidecars queues it): most of it would be spent on arrival and
+                    # the term would end before its first heartbeat. Ask on the next
+                    # try, on the session we now have.
+                    return Grant(held=False, reason="connected slowly; asking for the lock "
+                                                    "on the next try")
                 try:
                     ours, already, token, uptime, _, _ = await session.conn.fetchrow(
                         self._try_lock_sql(session.conn), self.key, self._message,

@@ -351,7 +351,7 @@ def test_session_pooling_one_leader_and_sigterm_hands_over(
             took = time.monotonic() - sent
             assert leader.proc.wait(10) == 0
             time.sleep(0.5)
-            assert one_leader(procs) is successor
+            assert one_leader(procs) is successor, "\n".join(p.logs() for p in procs)
         assert recorder.overlaps() == []
         assert took < LEASE + 10
         for proc in procs:
