@@ -4,8 +4,9 @@
 
 A throw-away PostgreSQL (the test bed's ``PgServer``) and Debian's ``pgbouncer`` in front
 of it (``tests.testbed.pgbouncer``). Every sidecar's ``GET /leader`` is sampled about every
-10 ms on this process's one clock; a ``200`` is a claim up to its ``valid_until``, and an
-overlap is two sidecars' claims covering one instant.
+10 ms on this process's one clock; a ``200`` is a claim from ``max(request sent,
+valid_until - claim horizon)`` (the earliest it can have been handed out) up to its
+``valid_until``, and an overlap is two sidecars' claims covering one instant.
 
 1. ``postgres`` (advisory lock), ``pool_mode=transaction``, pool sizes 1 and 5, 2 and 3
    sidecars started together, ``--rounds`` rounds each: samples, claims, overlaps, how
@@ -69,7 +70,8 @@ class Sampler:
                 self.samples += 1
                 if status == 200:
                     until = dt.datetime.fromisoformat(body["valid_until"]).timestamp()
-                    self.claims.append((proc.identity, sent, until))
+                    # Handed out after the send and at most one horizon before its end.
+                    self.claims.append((proc.identity, max(sent, until - HORIZON), until))
             time.sleep(0.01)
 
     def overlaps(self) -> int:

@@ -268,6 +268,7 @@ class AdvisoryLease:
         self._busy = asyncio.Lock()
         self._message = f"{settings.identity} acquired {name}"
         self._waiter: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
         # Once a transaction pooler was seen: the refusal, for good (it never heals).
         self.pooler: str | None = None
         self._on_pooler = on_pooler
@@ -393,6 +394,10 @@ class AdvisoryLease:
         await asyncio.shield(self._waiter)
 
     async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(BaseException):
+                await self._probe
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             # Ending the session ends the in-server wait (and frees a lock it may just
@@ -422,6 +427,39 @@ class AdvisoryLease:
         return self._refused()
 
     # -- internals -------------------------------------------------------------------
+    async def _probe_pooler(self, session: Session) -> None:
+        """Behind a pooler, right after a grant: does a fresh connection get a server
+        session of its own, as session pooling promises?
+
+        The lock statements' checks need a second client to share or swap a session
+        before they can see anything; a sidecar left alone on a transaction pool (its
+        rivals refused and exited) would otherwise lead on, unwarned. A transaction
+        pooler hands this fresh connection a pooled session — by default the one
+        released last, ours — still carrying our marker (or another client's); a
+        session pooler gives it a new or reset session (no marker), or makes it wait
+        for one (a timeout here, which says nothing). Runs beside the term, not before
+        it: the checks in every lock statement, not this probe, keep claims apart.
+        """
+        try:
+            conn = await asyncpg.connect(
+                self._settings.dsn, timeout=self._db.timeout, statement_cache_size=0,
+                server_settings={"application_name": application_name(
+                    self._settings.identity)})
+        except (*_DB_ERRORS, ValueError):
+            return
+        try:
+            marker, pid = await conn.fetchrow(
+                f"select current_setting('{MARKER_SETTING}', true), pg_backend_pid()",
+                timeout=self._db.timeout)
+        except _DB_ERRORS:
+            return
+        finally:
+            await _close(conn)
+        if pid == session.backend_pid or marker:
+            self.pooler_seen("a fresh connection was handed a server session that already "
+                             "carried a connection's marker: a transaction pooler, or a "
+                             "session pool without a server reset")
+
     def _check(self, session: Session, ours: bool, already: bool) -> Grant | None:
         """The refusal when a lock statement did not run on our own, clean session."""
         if not ours:
@@ -513,6 +551,11 @@ class AdvisoryLease:
         self._claims_wait_until = (asyncio.get_running_loop().time()
                                    + self._settings.renew_deadline - float(server_uptime))
         self.lost.clear()
+        session = self._session
+        if session is not None and session.proxied and (
+                self._probe is None or self._probe.done()):
+            self._probe = asyncio.create_task(self._probe_pooler(session),
+                                              name=f"pg-advisory-probe-{self.name}")
         log.debug("advisory lock granted", extra={"lease": self.name, "lock_id": self.key,
                                                   "pid": self.pid, "fencing_token": token})
 

@@ -23,8 +23,16 @@ import asyncpg
 import pytest
 
 from sidecar.config import Settings
-from sidecar.lease.postgres_advisory import MARKER_SETTING, POOLER, create, lock_halves, lock_id
-from tests.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+from sidecar.lease.postgres_advisory import (
+    MARKER_SETTING,
+    POOLER,
+    AdvisoryLease,
+    create,
+    lock_halves,
+    lock_id,
+)
+from tests import support
+from tests.support import REPO, SidecarProcess, get_json, one_leader, wait_until
 from tests.testbed.pgbouncer_fixtures import StartBouncer
 from tests.testbed.postgres import PgServer
 
@@ -37,6 +45,30 @@ FAST = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
 REFUSAL = POOLER.split(":", 1)[0]
 PREPARED_ERRORS = ("prepared statement", "__asyncpg_stmt", "DuplicatePreparedStatement",
                    "InvalidSQLStatementName")
+
+
+class ClaimRecorder(support.ClaimRecorder):
+    """The shared recorder, with each claim's start bounded tighter from below.
+
+    A claim was handed out between the request's send time and the answer, and its
+    ``valid_until`` is at most one horizon after that moment: so it began no earlier than
+    ``max(sent, valid_until - horizon)``. On a loaded machine an answer can take longer
+    than a horizon, and counting from the send time alone then reports overlaps of
+    claims that were handed out after the other had ended.
+    """
+
+    def overlaps(self):  # type: ignore[no-untyped-def]
+        self.claims = [(who, max(sent, until - HORIZON), until)
+                       for who, sent, until in self.claims]
+        return super().overlaps()
+
+
+def test_the_recorder_bound_still_sees_a_real_overlap() -> None:
+    recorder = ClaimRecorder([])
+    recorder.claims = [("a", 0.0, 1.0), ("b", 0.5, 0.9)]  # b began by 0.65 < 1.0
+    assert len(recorder.overlaps()) == 1
+    recorder.claims = [("a", 0.0, 1.0), ("b", 0.5, 1.3)]  # b began at 1.05 at the earliest
+    assert recorder.overlaps() == []
 
 
 def dbname(dsn: str) -> str:
@@ -104,9 +136,16 @@ def settings(dsn: str, identity: str) -> Settings:
 
 
 async def test_shared_server_session_is_refused_on_both_sides(
-        pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer) -> None:
+        pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The issue's reproduction: through pool size 1, two clients get one server session.
     Before the fix both were granted (locks are re-entrant within a session)."""
+    # The checks inside the lock statements alone, without the probe after a grant
+    # (tested on its own below), which would find the pooler first.
+    async def no_probe(self: object, session: object) -> None:
+        return None
+
+    monkeypatch.setattr(AdvisoryLease, "_probe_pooler", no_probe)
     bouncer = pgbouncer("transaction", 1)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
     a, b = create(settings(dsn, "lib-a")), create(settings(dsn, "lib-b"))
@@ -174,10 +213,30 @@ async def test_session_pooling_passes_every_check(pg: PgServer, pg_dsn: str,
         await lb.wait_for_change(1.0)  # granted inside the server
         assert (await lb.try_acquire()).held
         assert lock_holders(pg, dbname(pg_dsn)) == [lb.pid]
+        for lease in (la, lb):  # the probe after each grant found nothing
+            assert lease._probe is not None
+            await asyncio.wait_for(lease._probe, 10)
         assert not a.misconfigured.is_set() and not b.misconfigured.is_set()
     finally:
         await a.close()
         await b.close()
+
+
+@pytest.mark.parametrize("pool_size", [1, 5])
+async def test_a_lone_holder_on_a_transaction_pool_finds_it_by_itself(
+        pg_dsn: str, pgbouncer: StartBouncer, pool_size: int) -> None:
+    """No other client shares or swaps its session, so no lock statement can see the
+    pooler; the probe after the grant does (a fresh connection gets our session)."""
+    bouncer = pgbouncer("transaction", pool_size)
+    backend = create(settings(bouncer.dsn_for(dbname(pg_dsn)), "alone"))
+    try:
+        lease = backend.lease("jobs")
+        assert (await lease.try_acquire()).held
+        await asyncio.wait_for(backend.misconfigured.wait(), 10)
+        assert backend.misconfiguration and "a fresh connection" in backend.misconfiguration
+        assert lease.lost.is_set() and not (await lease.try_renew()).held
+    finally:
+        await backend.close()
 
 
 async def test_prepared_statement_errors_betray_the_pooler(pg_dsn: str,
@@ -232,11 +291,12 @@ def test_transaction_pooling_is_refused_and_never_two_leaders(
 def test_killed_holder_behind_transaction_pooler_is_never_taken_over(
         tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
         pool_size: int) -> None:
-    """Alone on the pool a sidecar cannot tell transaction from session pooling, and leads.
-    Killed, its client goes but the pooler's server session keeps the lock: the next
-    contenders are handed that session (or share one between them), and refuse instead of
-    being granted the lock re-entrantly. The lock goes only when the server ends the idle
-    session (``idle_session_timeout``, which the backend sets to the lease duration)."""
+    """The holder is killed the moment it holds the lock (or has already found the pooler
+    by itself and exited 2: either way its client is gone). The pooler's server session
+    keeps the lock: the next contenders are handed that session (or share one between
+    them), and refuse instead of being granted the lock re-entrantly. The lock goes only
+    when the server ends the idle session (``idle_session_timeout``, which the backend
+    sets to the lease duration)."""
     bouncer = pgbouncer("transaction", pool_size)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
     # A long lease, so the session outlives the contenders' start-up by far.
@@ -245,12 +305,14 @@ def test_killed_holder_behind_transaction_pooler_is_never_taken_over(
     [holder] = start_sidecars(tmp_path, dsn, 1, tag="first", timing=timing)
     contenders: list[SidecarProcess] = []
     try:
-        wait_until(lambda: one_leader([holder]), timeout=10)
+        wait_until(lambda: holder.proc.poll() is not None
+                   or '"acquired lease"' in holder.logs(), timeout=10, interval=0.002)
+        if holder.proc.poll() is None:
+            holder.signal(signal.SIGKILL)
+        assert holder.proc.wait(5) in (2, -signal.SIGKILL)
+        killed = time.monotonic()
         held_by = lock_holders(pg, dbname(pg_dsn))
         assert len(held_by) == 1
-        holder.signal(signal.SIGKILL)
-        holder.proc.wait(5)
-        killed = time.monotonic()
         contenders = start_sidecars(tmp_path, dsn, 2, tag="next", timing=timing)
         with ClaimRecorder(contenders) as recorder:
             wait_until(lambda: all(p.proc.poll() is not None for p in contenders), timeout=10)
@@ -288,7 +350,6 @@ async def test_refusal_reason_is_in_status(tmp_path: Path, pg: PgServer, pg_dsn:
     first, second = sidecar("in-a"), sidecar("in-b")
     try:
         await first.start()
-        await asyncio.wait_for(_until(lambda: first.states[0].claim().leader), 10)
         await second.start()
         for side in (first, second):
             message = await asyncio.wait_for(side.wait_misconfigured(), 10)
@@ -301,16 +362,11 @@ async def test_refusal_reason_is_in_status(tmp_path: Path, pg: PgServer, pg_dsn:
         await second.stop()
 
 
-async def _until(predicate) -> None:  # type: ignore[no-untyped-def]
-    while not predicate():
-        await asyncio.sleep(0.01)
-
-
 def test_exec_stops_and_exits_2_behind_transaction_pooler(
         tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer) -> None:
     bouncer = pgbouncer("transaction", 1)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
-    [holder] = start_sidecars(tmp_path, dsn, 1, tag="ex")
+    [holder] = start_sidecars(tmp_path, dsn, 1, tag="ex")  # refuses on its own, too
     ran = tmp_path / "ran"
     execer = SidecarProcess(tmp_path, "ex-exec", command="exec",
                             args=["--backend", "postgres", "--dsn", dsn, "--name", "jobs",
@@ -318,7 +374,6 @@ def test_exec_stops_and_exits_2_behind_transaction_pooler(
                                   f"import pathlib,time; pathlib.Path({str(ran)!r})"
                                   ".write_text('x'); time.sleep(60)"])
     try:
-        wait_until(lambda: one_leader([holder]), timeout=10)
         execer.start()
         assert execer.proc.wait(20) == 2
         assert holder.proc.wait(10) == 2
@@ -352,7 +407,7 @@ def test_session_pooling_one_leader_and_sigterm_hands_over(
             assert leader.proc.wait(10) == 0
             time.sleep(0.5)
             assert one_leader(procs) is successor, "\n".join(p.logs() for p in procs)
-        assert recorder.overlaps() == []
+        assert recorder.overlaps() == [], "\n".join(p.logs() for p in procs)
         assert took < LEASE + 10
         for proc in procs:
             assert refusals(proc) == [], proc.logs()
