@@ -194,6 +194,11 @@ class Session:
     # startup (PgBouncer makes up its own). Fine by itself (session pooling); it only
     # decides how a session that already holds our key is read (see ``_check``).
     proxied: bool
+    # An in-server wait on this session ended in lock_timeout. PostgreSQL can grant the
+    # lock and still raise lock_timeout when the two race (seen in about 7 % of tight
+    # races here), and a session-level lock survives its statement's error: the session
+    # may hold the lock although we were told no.
+    maybe_holds: bool = False
 
 
 class _Conn:
@@ -467,16 +472,20 @@ class AdvisoryLease:
                                     "connection's marker")
         if not already:
             return None
-        if session.proxied:
+        if session.proxied and not session.maybe_holds:
             return self.pooler_seen("the server session already held the lock this client "
                                     "never took: it is shared with, or was left by, another "
                                     "client")
-        # Straight to PostgreSQL, our own session holds a lock we have not counted: the
-        # state is uncertain, and ending the session frees it.
-        log.warning("the session held the lock unknown to us; reconnecting",
-                    extra={"lease": self.name, "lock_id": self.key, "pid": session.backend_pid})
+        # Our own session holds a lock we have not counted (a grant that raced
+        # lock_timeout, or, straight to PostgreSQL, a cause unknown): the state is
+        # uncertain, and ending the session frees it (a session pooler resets it).
+        reason = ("this session holds the lock it was refused (a grant that raced "
+                  "lock_timeout); reconnecting to free it" if session.maybe_holds else
+                  "this session held the lock unknown to us; reconnecting to free it")
+        log.warning(reason, extra={"lease": self.name, "lock_id": self.key,
+                                   "pid": session.backend_pid})
         self._drop()
-        return Grant(held=False, reason="the session held the lock unknown to us; reconnecting")
+        return Grant(held=False, reason=reason)
 
     async def _wait_lock(self, timeout: float) -> None:
         async with self._busy:
@@ -496,7 +505,10 @@ class AdvisoryLease:
                     session.marker, *self._halves, wait_ms,
                     timeout=timeout + self._db.timeout)
             except asyncpg.LockNotAvailableError:
-                return  # still held by someone else
+                # Still held by someone else, or granted in a race with lock_timeout: the
+                # next lock statement's held-key check tells, and frees it.
+                session.maybe_holds = True
+                return
             except _DB_ERRORS as exc:
                 self._drop()  # timed out or broken: whether it was granted is unknown
                 if evidence := _prepared_statement_error(exc):
