@@ -43,10 +43,12 @@ takes, checks or gives back the lock first checks, in the same statement, that i
 on the session that carries our marker (a pooler that hands our session to another client
 lets that client overwrite it, one that swaps sessions shows us one without it), and
 that this session does not already hold the key while we think we hold nothing (a
-session shared with, or left behind by, another client). Either is a misconfiguration
-that never heals: the lease fails closed at once, logs one line naming the pooler and
-``postgres-row``, and reports it to the runtime, which exits with code 2. Session
-pooling (``pool_mode=session``) passes every check and works. Statements are never
+session shared with, or left behind by, another client). A sidecar alone on a transaction
+pool gives those checks nothing to see, so after every grant through a pooler a fresh
+connection checks that it gets a session of its own (``_probe_pooler``). Any of these is
+a misconfiguration that never heals: the lease fails closed at once, logs one line naming
+the pooler and ``postgres-row``, and reports it to the runtime, which exits with code 2.
+Session pooling (``pool_mode=session``) passes every check and works. Statements are never
 named prepared statements (``statement_cache_size=0``): behind a transaction pooler a
 named statement can be bound on another client's session, where the same name may hold
 a different statement; an unnamed one is parsed and run in one server link (asyncpg
@@ -277,10 +279,6 @@ class AdvisoryLease:
         # Once a transaction pooler was seen: the refusal, for good (it never heals).
         self.pooler: str | None = None
         self._on_pooler = on_pooler
-
-    @property
-    def _conn(self) -> asyncpg.Connection | None:
-        return self._session.conn if self._session is not None else None
 
     @property
     def pid(self) -> int | None:
