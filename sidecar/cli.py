@@ -1,9 +1,11 @@
 """``lease-sidecar run | exec | schema | status``.
 
 Exit codes: 0 clean stop, 1 the backend failed, 2 bad settings (one line naming the
-setting, before anything connects), 3 ``status``: no such lease, database or table,
-75 ``exec --acquire-timeout`` ran out, 126 / 127 ``exec``'s command is not
-executable / not found (one line, as shells do), otherwise the command's own code.
+setting, before anything connects; or, once connected, the ``postgres`` backend
+behind a transaction pooler, named in one log line), 3 ``status``: no such lease,
+database or table, 75 ``exec --acquire-timeout`` ran out, 126 / 127 ``exec``'s
+command is not executable / not found (one line, as shells do), otherwise the
+command's own code.
 """
 
 from __future__ import annotations
@@ -157,14 +159,18 @@ async def _run(settings: Settings) -> int:
     await _start(sidecar)
     stopped = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(sidecar.wait_failed())
-    await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+    misconfigured = asyncio.ensure_future(sidecar.wait_misconfigured())
+    await asyncio.wait([stopped, failed, misconfigured], return_when=asyncio.FIRST_COMPLETED)
     crash = failed.exception() if failed.done() else None
-    failed.cancel()
-    stopped.cancel()
+    for waiter in (failed, stopped, misconfigured):
+        waiter.cancel()
     await sidecar.stop()
     if crash is not None:
         log.error("elector crashed", exc_info=crash)
         return 1
+    if misconfigured.done() and not misconfigured.cancelled():
+        # The backend logged the one line naming the problem when it found it.
+        return EXIT_BAD_SETTINGS
     log.info("stopped", extra={"identity": settings.identity})
     return 0
 
@@ -212,8 +218,14 @@ async def _exec(settings: Settings, cmd: list[str], acquire_timeout: float | Non
     state = sidecar.states[0]
     deadline = loop.time() + acquire_timeout if acquire_timeout is not None else None
     job: supervise.Job | None = None
+    # A backend that finds itself misconfigured stops the command like a signal, but
+    # the exit code is 2 (the backend logged why).
+    misconfigured = asyncio.ensure_future(sidecar.wait_misconfigured())
+    misconfigured.add_done_callback(lambda _: stop.set())
     try:
         while not state.claim().leader:
+            if misconfigured.done():
+                return EXIT_BAD_SETTINGS
             if stop.is_set():
                 return 0
             if deadline is not None and loop.time() >= deadline:
@@ -247,8 +259,10 @@ async def _exec(settings: Settings, cmd: list[str], acquire_timeout: float | Non
             await _wait_any(exited, stop.wait(), kill.wait(), sidecar.release_requested.wait(),
                             state.wait_for_change(state.facts.version,
                                                   settings.claim_horizon / 2))
-        return await exited
+        code = await exited
+        return EXIT_BAD_SETTINGS if misconfigured.done() else code
     finally:
+        misconfigured.cancel()
         if job is not None:
             job.close()
         # Only now, with the command and everything it started gone, is the lease released.

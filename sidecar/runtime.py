@@ -127,6 +127,16 @@ class Sidecar:
         else:
             await asyncio.Event().wait()
 
+    async def wait_misconfigured(self) -> str:
+        """Returns (with the backend's one-line message) only when the backend found a
+        misconfiguration that shows only once connected: the ``postgres`` advisory lock
+        behind a transaction pooler. The backend has already stopped claiming."""
+        event = getattr(self.backend, "misconfigured", None)
+        if event is None:
+            await asyncio.Event().wait()
+        await event.wait()
+        return str(getattr(self.backend, "misconfiguration", "") or "misconfigured backend")
+
     def alive(self) -> bool:
         now = self.clock.monotonic()
         return all(e.alive(now) for e in self.electors.values()) and all(

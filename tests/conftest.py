@@ -2,5 +2,6 @@
 
 pytest_plugins: list[str] = [
     "tests.testbed.pg_fixtures",
+    "tests.testbed.pgbouncer_fixtures",
     "tests.testbed.kube_fixtures",
 ]

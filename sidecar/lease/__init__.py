@@ -97,7 +97,13 @@ class Lease(Protocol):
 
 
 class Backend(Protocol):
-    """A connection to where leases live; hands out one :class:`Lease` per name."""
+    """A connection to where leases live; hands out one :class:`Lease` per name.
+
+    A backend that can find, once connected, that it is set up in a way that can never
+    be safe (the advisory lock behind a transaction pooler) may also expose
+    ``misconfigured: asyncio.Event`` and ``misconfiguration: str | None``; by the time
+    the event is set its leases refuse to be held, and ``lease-sidecar`` exits with 2.
+    """
 
     def lease(self, name: str) -> Lease: ...
 

@@ -8,7 +8,9 @@ sweep of expired rows) sends NOTIFY, so standbys LISTENing take over at once; NO
 best-effort wake-up only — without it standbys notice on their next retry.
 
 No statement keeps session state, so the backend works behind a transaction-pooling
-proxy (PgBouncer ``pool_mode=transaction``); LISTEN does not, which only costs wake-ups.
+proxy (PgBouncer ``pool_mode=transaction``, any version): the driver finds the pooler
+when it connects and then uses unnamed statements only and no LISTEN, so standbys poll
+at their retry interval (see :mod:`sidecar.lease.sql.asyncpg_driver`).
 """
 
 from __future__ import annotations

@@ -104,6 +104,41 @@ async def test_cancelled_wait_never_loses_a_grant(pg: PgServer, pg_dsn: str) -> 
         await b.close()
 
 
+@pytest.mark.slow
+async def test_a_grant_that_races_lock_timeout_is_freed(pg: PgServer, pg_dsn: str) -> None:
+    """PostgreSQL can grant a waiting pg_advisory_lock and still raise lock_timeout when
+    the release and the timeout race; the session-level lock survives the error. Before
+    the fix the standby's session kept that lock unknown to it (its next acquire was a
+    re-entrant grant, and its release left one level held). Now the next lock statement
+    sees the session holding the key and drops it. Bounded: at most 600 races tried."""
+    dbname = pg_dsn.rsplit("/", 1)[1]
+    a, b = create(settings(pg_dsn, "race-a")), create(settings(pg_dsn, "race-b"))
+    wait = 0.05
+    raced = 0
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        for attempt in range(600):
+            assert (await la.try_acquire()).held
+            waiting = asyncio.ensure_future(lb.wait_for_change(wait))
+            await asyncio.sleep(wait + (attempt % 7 - 3) / 1000)  # around the timeout
+            await la.release()
+            await waiting
+            if not lb._levels and lock_holder_pid(pg, dbname) == lb.pid is not None:
+                raced += 1  # told no, yet its session holds the lock
+                grant = await lb.try_acquire()
+                assert not grant.held and "raced lock_timeout" in grant.reason
+                assert lock_holder_pid(pg, dbname) is None  # freed with the session
+            else:
+                await lb.release()  # whatever it got, it gives back
+            assert lock_holder_pid(pg, dbname) is None
+            if raced >= 2:
+                break
+    finally:
+        await a.close()
+        await b.close()
+    assert raced >= 1, "no grant raced lock_timeout in 600 tries"
+
+
 async def test_fencing_token_grows_across_holders_and_a_crash(pg: PgServer, pg_dsn: str) -> None:
     a, b = create(settings(pg_dsn, "f-a")), create(settings(pg_dsn, "f-b"))
     try:

@@ -2,10 +2,29 @@
 
 Each lease statement is one prepared statement per pooled connection; after the first
 use a call is one Bind/Execute/Sync exchange — one round trip (the pool's reset query on
-release is skipped, see ``_keep_session``). Nothing depends on
-session state, so a transaction-pooling proxy (PgBouncer) may sit in between; there,
-either run PgBouncer ≥ 1.21 with ``max_prepared_statements`` or accept that LISTEN (a
-session feature) does not work and standbys fall back to their retry interval.
+release is skipped, see ``_keep_session``). Nothing depends on session state, so a
+transaction-pooling proxy (PgBouncer ``pool_mode=transaction``) may sit in between, with
+two changes the driver makes by itself when it finds one:
+
+- Named prepared statements are off (``statement_cache_size=0``). Through a transaction
+  pooler a client's named statement lives on whichever server session prepared it: the
+  next call may land on a session where the name is missing, or taken by another client
+  ("prepared statement "__asyncpg_stmt_1__" already exists" — every asyncpg process
+  numbers its statements from 1), or, worst, names another client's different statement.
+  Unnamed statements are parsed and run in one server link (asyncpg sends Parse/Describe
+  with Flush, then Bind/Execute/Sync: the pooler lets go of the server only at the Sync),
+  at the price of a second round trip per call. This works with every PgBouncer version;
+  ``max_prepared_statements`` (PgBouncer ≥ 1.21) is not needed.
+- No LISTEN: a LISTEN through a transaction pooler registers on some pooled server
+  session and its notifications reach whoever holds that session next (or nobody), so
+  standbys fall back to polling at their retry interval (the renew interval).
+
+A pooler is found at connect time: it answers the startup with process/key data of its
+own (PgBouncer makes them up, so cancel requests come to it), which differs from the
+``pg_backend_pid()`` of the server session. As a second line, a prepared-statement
+error switches to unnamed statements at once (the failed call ran nothing on the server,
+so it is retried once on the new pool). Session pooling is treated the same way (it
+cannot be told apart): it only costs the same round trip and the wake-ups.
 """
 
 from __future__ import annotations
@@ -38,17 +57,27 @@ class AsyncpgDriver:
         self._listening: set[str] = set()
         self._events: dict[str, asyncio.Event] = {}
         self._last_notify: dict[str, float] = {}
+        # None until the first connection tells; True behind a pooler or proxy.
+        self.pooled: bool | None = None
 
     # -- statements ----------------------------------------------------------------------
     async def fetch(self, statement: Statement, params: Mapping[str, object]) -> list[tuple]:
         text, names = statement.numeric()
-        pool = await self._get_pool()
-        try:
-            records = await pool.fetch(text, *(params[n] for n in names),
-                                       timeout=self._timeout)
-        except Exception as exc:
-            raise self._error(exc) from None
-        return [tuple(record) for record in records]
+        args = [params[n] for n in names]
+        for attempt in (1, 2):
+            pool = await self._get_pool()
+            try:
+                records = await pool.fetch(text, *args, timeout=self._timeout)
+            except _PREPARED_STATEMENT_ERRORS as exc:
+                # Bind or Parse failed: the statement did not run, so once more is safe.
+                if attempt == 2 or self.pooled:
+                    raise self._error(exc) from None
+                await self._switch_to_unnamed(pool, exc)
+                continue
+            except Exception as exc:
+                raise self._error(exc) from None
+            return [tuple(record) for record in records]
+        raise AssertionError("unreachable")
 
     async def script(self, sql: str) -> None:
         """Run a parameterless script (DDL) in one transaction."""
@@ -63,13 +92,45 @@ class AsyncpgDriver:
         async with self._pool_lock:
             if self._pool is None:
                 try:
+                    if self.pooled is None:
+                        await self._probe()
+                    extra = {"statement_cache_size": 0} if self.pooled else {}
                     self._pool = await asyncpg.create_pool(
                         self._dsn, min_size=1, max_size=self._max_size,
                         timeout=self._timeout, command_timeout=self._timeout,
-                        reset=_keep_session)
+                        reset=_keep_session, **extra)
                 except Exception as exc:
                     raise self._error(exc) from None
             return self._pool
+
+    async def _probe(self) -> None:
+        """Is a pooler between us and the server? (See the module docstring.)"""
+        conn = await asyncpg.connect(self._dsn, timeout=self._timeout,
+                                     command_timeout=self._timeout, statement_cache_size=0)
+        try:
+            pid = await conn.fetchval("SELECT pg_backend_pid()")
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 2.0)
+        self.pooled = pid != conn.get_server_pid()
+        if self.pooled:
+            self._log_pooled("its process id differs from the server session's")
+
+    async def _switch_to_unnamed(self, pool: asyncpg.Pool, exc: BaseException) -> None:
+        async with self._pool_lock:
+            if self._pool is pool:
+                self._pool = None
+                self.pooled = True
+                self._log_pooled(f"prepared statements failed: {describe_error(exc)}")
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(pool.close(), 5.0)
+        await self._drop_listener()
+
+    def _log_pooled(self, evidence: str) -> None:
+        log.info("connected through a connection pooler: unnamed statements only (two round "
+                 "trips per call) and no NOTIFY wake-ups (standbys poll at their retry "
+                 "interval)", extra={"backend": self._label, "dsn": redact_dsn(self._dsn),
+                                     "evidence": evidence})
 
     # -- wake-ups ------------------------------------------------------------------------
     async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None:
@@ -79,6 +140,13 @@ class AsyncpgDriver:
         so a short wait never cancels a half-open connect); while it is not up this just
         sleeps, and the caller's retry interval bounds how late a standby notices.
         """
+        if self.pooled is None:
+            # The pool's first connection tells whether a pooler is in between.
+            with contextlib.suppress(BackendError):
+                await self._get_pool()
+        if self.pooled is not False:
+            await asyncio.sleep(timeout)  # polling: the caller retries after this
+            return
         if not self.is_listening(channel):
             if self._listen_task is None or self._listen_task.done():
                 self._listen_task = asyncio.ensure_future(self._listen(channel))
@@ -147,6 +215,12 @@ class AsyncpgDriver:
         # A missing table is "not found" to ``status``, which must never create it.
         kind = NotFound if isinstance(exc, asyncpg.UndefinedTableError) else BackendError
         return kind(f"{self._label} {redact_dsn(self._dsn)}: {describe_error(exc)}")
+
+
+# asyncpg's errors for a named prepared statement missing on, or already defined in, the
+# server session.
+_PREPARED_STATEMENT_ERRORS = (asyncpg.exceptions.InvalidSQLStatementNameError,
+                              asyncpg.exceptions.DuplicatePreparedStatementError)
 
 
 async def _keep_session(conn: asyncpg.Connection) -> None:

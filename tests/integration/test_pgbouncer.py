@@ -1,0 +1,581 @@
+"""Both PostgreSQL backends through a real PgBouncer (Debian's package), with real sidecar
+processes, real signals and every sidecar's ``GET /leader`` sampled on one clock.
+
+- ``postgres`` (advisory lock) behind ``pool_mode=transaction`` must refuse, say why, exit
+  with 2 and never let two claims overlap, for pool sizes 1 and 5 and 2 or 3 sidecars; a
+  killed holder's lock, which the pooler's server session keeps, must not be taken over.
+- ``postgres`` behind ``pool_mode=session`` works: one leader, SIGTERM hands over.
+- ``postgres-row`` behind ``pool_mode=transaction`` works: one leader, SIGTERM hands over,
+  no prepared-statement errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from sidecar.config import Settings
+from sidecar.lease.postgres_advisory import (
+    MARKER_SETTING,
+    POOLER,
+    AdvisoryLease,
+    create,
+    lock_halves,
+    lock_id,
+)
+from tests import support
+from tests.support import REPO, SidecarProcess, get_json, one_leader, wait_until
+from tests.testbed.pgbouncer_fixtures import StartBouncer
+from tests.testbed.postgres import PgServer
+
+pytestmark = pytest.mark.postgres
+
+LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
+FAST = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
+        "--renew-deadline", f"{DEADLINE}s", "--claim-horizon", f"{HORIZON}s"]
+# What a sidecar that refused logs and /status shows (the first words of the reason).
+REFUSAL = POOLER.split(":", 1)[0]
+PREPARED_ERRORS = ("prepared statement", "__asyncpg_stmt", "DuplicatePreparedStatement",
+                   "InvalidSQLStatementName")
+
+
+class ClaimRecorder(support.ClaimRecorder):
+    """The shared recorder, with each claim's start bounded tighter from below.
+
+    A claim was handed out between the request's send time and the answer, and its
+    ``valid_until`` is at most one horizon after that moment: so it began no earlier than
+    ``max(sent, valid_until - horizon)``. On a loaded machine an answer can take longer
+    than a horizon, and counting from the send time alone then reports overlaps of
+    claims that were handed out after the other had ended.
+    """
+
+    def overlaps(self):  # type: ignore[no-untyped-def]
+        self.claims = [(who, max(sent, until - HORIZON), until)
+                       for who, sent, until in self.claims]
+        return super().overlaps()
+
+
+def test_the_recorder_bound_still_sees_a_real_overlap() -> None:
+    recorder = ClaimRecorder([])
+    recorder.claims = [("a", 0.0, 1.0), ("b", 0.5, 0.9)]  # b began by 0.65 < 1.0
+    assert len(recorder.overlaps()) == 1
+    recorder.claims = [("a", 0.0, 1.0), ("b", 0.5, 1.3)]  # b began at 1.05 at the earliest
+    assert recorder.overlaps() == []
+
+
+def dbname(dsn: str) -> str:
+    return dsn.rsplit("/", 1)[1]
+
+
+def start_sidecars(tmp_path: Path, dsn: str, count: int, backend: str = "postgres",
+                   tag: str = "pgb", timing: list[str] | None = None) -> list[SidecarProcess]:
+    """Start ``count`` sidecars at once; wait until each serves HTTP or has exited (a
+    sidecar behind a transaction pooler may refuse and exit within its first second)."""
+    procs = [SidecarProcess(tmp_path, f"{tag}-{i}",
+                            args=["--backend", backend, "--dsn", dsn, "--name", "jobs",
+                                  *(timing or FAST)]).start()
+             for i in range(count)]
+    for proc in procs:
+        wait_until(lambda p=proc: p.proc.poll() is not None
+                   or get_json(p.url + "/healthz", timeout=0.5)[0] in (200, 503), timeout=15)
+    return procs
+
+
+def stop_all(procs: list[SidecarProcess], password: str) -> None:
+    for proc in procs:
+        proc.stop()
+    for proc in procs:
+        assert password not in proc.logs(), f"{proc.identity} logged the password"
+
+
+def log_lines(proc: SidecarProcess) -> list[dict]:
+    lines = []
+    for line in proc.logs().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue
+    return lines
+
+
+def refusals(proc: SidecarProcess) -> list[dict]:
+    return [line for line in log_lines(proc) if line.get("msg", "").startswith(REFUSAL)]
+
+
+def lock_holders(pg: PgServer, database: str) -> list[int]:
+    classid, objid = lock_halves(lock_id("lease-sidecar", "jobs"))
+    out = pg.psql(f"select pid from pg_locks where locktype = 'advisory' and granted "
+                  f"and classid = {classid} and objid = {objid} and objsubid = 1",
+                  dbname=database)
+    return [int(pid) for pid in out.split()]
+
+
+def assert_refused(proc: SidecarProcess) -> None:
+    """Exit code 2, one error line naming the pooler and postgres-row."""
+    assert proc.proc is not None and proc.proc.poll() == 2, (proc.identity, proc.logs())
+    lines = refusals(proc)
+    assert len(lines) == 1, proc.logs()
+    assert lines[0]["level"] == "error"
+    assert "pool_mode=transaction" in lines[0]["msg"]
+    assert "LEASE_BACKEND=postgres-row" in lines[0]["msg"]
+
+
+# -- library level: the checks themselves -------------------------------------------------
+def settings(dsn: str, identity: str) -> Settings:
+    return Settings(backend="postgres", dsn=dsn, identity=identity, names=("jobs",),
+                    lease_duration=LEASE, renew_interval=RENEW, renew_deadline=DEADLINE,
+                    claim_horizon=HORIZON)
+
+
+async def test_shared_server_session_is_refused_on_both_sides(
+        pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's reproduction: through pool size 1, two clients get one server session.
+    Before the fix both were granted (locks are re-entrant within a session)."""
+    # The checks inside the lock statements alone, without the probe after a grant
+    # (tested on its own below), which would find the pooler first.
+    async def no_probe(self: object, session: object) -> None:
+        return None
+
+    monkeypatch.setattr(AdvisoryLease, "_probe_pooler", no_probe)
+    bouncer = pgbouncer("transaction", 1)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    a, b = create(settings(dsn, "lib-a")), create(settings(dsn, "lib-b"))
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        assert (await la.try_acquire()).held  # alone on the pool: nothing to see yet
+        assert (await la.try_renew()).held
+        refused = await lb.try_acquire()  # lands on a's server session, which holds it
+        assert not refused.held and refused.reason.startswith(POOLER)
+        assert "already held the lock" in refused.reason
+        # b's connect overwrote a's marker on the shared session: a's heartbeat sees it.
+        lost = await la.try_renew()
+        assert not lost.held and lost.reason.startswith(POOLER)
+        assert "without this connection's marker" in lost.reason
+        assert la.lost.is_set()
+        assert a.misconfigured.is_set() and b.misconfigured.is_set()
+        assert a.misconfiguration and a.misconfiguration.startswith(POOLER)
+        # Refused for good, without another round trip.
+        assert not (await la.try_acquire()).held and not (await lb.try_acquire()).held
+    finally:
+        await a.close()
+        await b.close()
+    # Dropping the client ends nothing behind a transaction pooler: the server session
+    # still holds the lock (which is why every contender must refuse, not wait).
+    assert len(lock_holders(pg, dbname(pg_dsn))) == 1
+
+
+async def test_a_session_holding_a_lock_we_never_took_is_not_ours(pg: PgServer,
+                                                                   pg_dsn: str) -> None:
+    """Straight to PostgreSQL (no pooler) the same held-key check drops the session (it
+    frees the unknown lock) and tries again; nothing is refused for good."""
+    backend = create(settings(pg_dsn, "direct"))
+    try:
+        lease = backend.lease("jobs")
+        assert (await lease.try_acquire()).held
+        await lease.release()
+        session = lease._session
+        assert session is not None and not session.proxied
+        # Take the lock on our session behind the lease's back.
+        await session.conn.fetchval("select pg_advisory_lock($1)", lease.key)
+        grant = await lease.try_acquire()
+        assert not grant.held and "unknown to us" in grant.reason
+        assert lock_holders(pg, dbname(pg_dsn)) == []  # the session was ended
+        assert (await lease.try_acquire()).held
+        assert not backend.misconfigured.is_set() and lease.pooler is None
+    finally:
+        await backend.close()
+
+
+async def test_session_pooling_passes_every_check(pg: PgServer, pg_dsn: str,
+                                                  pgbouncer: StartBouncer) -> None:
+    bouncer = pgbouncer("session", 5)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    a, b = create(settings(dsn, "s-a")), create(settings(dsn, "s-b"))
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        assert (await la.try_acquire()).held
+        assert la._session is not None and la._session.proxied  # a pooler answered
+        assert lock_holders(pg, dbname(pg_dsn)) == [la.pid]
+        refused = await lb.try_acquire()
+        assert not refused.held and refused.holder == "s-a"
+        for _ in range(3):
+            assert (await la.try_renew()).held
+        await la.release()
+        await lb.wait_for_change(1.0)  # granted inside the server
+        assert (await lb.try_acquire()).held
+        assert lock_holders(pg, dbname(pg_dsn)) == [lb.pid]
+        for lease in (la, lb):  # the probe after each grant found nothing
+            assert lease._probe is not None
+            await asyncio.wait_for(lease._probe, 10)
+        assert not a.misconfigured.is_set() and not b.misconfigured.is_set()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_grant_that_raced_lock_timeout_is_not_taken_for_a_pooler(
+        pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer) -> None:
+    """Behind a session pooler our session may hold the key after a lock_timeout (the
+    server granted it in the race); that is freed by reconnecting, not refused as a
+    transaction pooler. The raced grant is made by hand here (it happens in a few % of
+    tight races; see test_postgres_advisory)."""
+    bouncer = pgbouncer("session", 5)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    a, b = create(settings(dsn, "t-a")), create(settings(dsn, "t-b"))
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        assert (await la.try_acquire()).held
+        await lb.wait_for_change(0.1)  # lock_timeout in the server
+        assert lb._session is not None and lb._session.maybe_holds
+        await la.release()
+        await lb._session.conn.fetchval("select pg_advisory_lock($1)", lb.key)
+        grant = await lb.try_acquire()
+        assert not grant.held and "raced lock_timeout" in grant.reason
+        # The pooler resets the session (DISCARD ALL) once it sees the client gone.
+        wait_until(lambda: lock_holders(pg, dbname(pg_dsn)) == [], timeout=5)
+        assert (await lb.try_acquire()).held
+        assert not b.misconfigured.is_set()
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize("pool_size", [1, 5])
+async def test_a_lone_holder_on_a_transaction_pool_finds_it_by_itself(
+        pg_dsn: str, pgbouncer: StartBouncer, pool_size: int) -> None:
+    """No other client shares or swaps its session, so no lock statement can see the
+    pooler; the probe after the grant does (a fresh connection gets our session)."""
+    bouncer = pgbouncer("transaction", pool_size)
+    backend = create(settings(bouncer.dsn_for(dbname(pg_dsn)), "alone"))
+    try:
+        lease = backend.lease("jobs")
+        assert (await lease.try_acquire()).held
+        await asyncio.wait_for(backend.misconfigured.wait(), 10)
+        assert backend.misconfiguration and "a fresh connection" in backend.misconfiguration
+        assert lease.lost.is_set() and not (await lease.try_renew()).held
+    finally:
+        await backend.close()
+
+
+async def test_prepared_statement_errors_betray_the_pooler(pg_dsn: str,
+                                                           pgbouncer: StartBouncer) -> None:
+    """asyncpg's named statements through a transaction pooler fail with the errors the
+    backend reads as a pooler (it never uses named statements itself)."""
+    from sidecar.lease.postgres_advisory import _prepared_statement_error
+
+    bouncer = pgbouncer("transaction", 1)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    first, second = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    try:
+        assert await first.fetchval("select 1") == 1  # prepared under a name, cached
+        caught: BaseException | None = None
+        try:
+            # Pool size 1: the other client's statement runs on the same server session.
+            await second.execute("deallocate all")
+            await first.fetchval("select 1")
+        except asyncpg.PostgresError as exc:
+            caught = exc
+        assert caught is not None
+        assert _prepared_statement_error(caught) is not None
+    finally:
+        await first.close()
+        await second.close()
+
+
+# -- real processes: transaction pooling is refused ----------------------------------------
+@pytest.mark.parametrize("pool_size", [1, 5])
+@pytest.mark.parametrize("count", [2, 3])
+def test_transaction_pooling_is_refused_and_never_two_leaders(
+        tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
+        pool_size: int, count: int) -> None:
+    bouncer = pgbouncer("transaction", pool_size)
+    procs = start_sidecars(tmp_path, bouncer.dsn_for(dbname(pg_dsn)), count)
+    try:
+        with ClaimRecorder(procs) as recorder:
+            # Bounded: every sidecar has refused, or 15 s passed.
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and any(p.proc.poll() is None for p in procs):
+                time.sleep(0.1)
+            time.sleep(0.5)
+        assert recorder.overlaps() == []
+        for proc in procs:
+            assert_refused(proc)
+    finally:
+        stop_all(procs, pg.password)
+
+
+@pytest.mark.parametrize("pool_size", [1, 5])
+def test_killed_holder_behind_transaction_pooler_is_never_taken_over(
+        tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
+        pool_size: int) -> None:
+    """The holder is killed the moment it holds the lock (or has already found the pooler
+    by itself and exited 2: either way its client is gone). The pooler's server session
+    keeps the lock: the next contenders are handed that session (or share one between
+    them), and refuse instead of being granted the lock re-entrantly. The lock goes only
+    when the server ends the idle session (``idle_session_timeout``, which the backend
+    sets to the lease duration)."""
+    bouncer = pgbouncer("transaction", pool_size)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    # A long lease, so the session outlives the contenders' start-up by far.
+    lease = 15.0
+    timing = ["--lease-duration", f"{lease}s", *FAST[2:]]
+    [holder] = start_sidecars(tmp_path, dsn, 1, tag="first", timing=timing)
+    contenders: list[SidecarProcess] = []
+    try:
+        wait_until(lambda: holder.proc.poll() is not None
+                   or '"acquired lease"' in holder.logs(), timeout=10, interval=0.002)
+        if holder.proc.poll() is None:
+            holder.signal(signal.SIGKILL)
+        assert holder.proc.wait(5) in (2, -signal.SIGKILL)
+        killed = time.monotonic()
+        held_by = lock_holders(pg, dbname(pg_dsn))
+        assert len(held_by) == 1
+        contenders = start_sidecars(tmp_path, dsn, 2, tag="next", timing=timing)
+        with ClaimRecorder(contenders) as recorder:
+            wait_until(lambda: all(p.proc.poll() is not None for p in contenders), timeout=10)
+            time.sleep(0.3)
+        assert recorder.claims == []  # nobody claimed, at any sample
+        # The server session that the killed client left behind still holds the lock.
+        assert time.monotonic() - killed < lease - 1
+        assert lock_holders(pg, dbname(pg_dsn)) == held_by
+        for proc in contenders:
+            assert_refused(proc)
+        # Until the server ends that idle session: then it is free again.
+        wait_until(lambda: lock_holders(pg, dbname(pg_dsn)) == [], timeout=lease + 5)
+        assert time.monotonic() - killed >= lease - 1
+    finally:
+        stop_all([holder, *contenders], pg.password)
+
+
+async def test_refusal_reason_is_in_status(tmp_path: Path, pg: PgServer, pg_dsn: str,
+                                           pgbouncer: StartBouncer) -> None:
+    """What ``/status`` shows from the moment of detection until the exit (in-process:
+    the real process exits within milliseconds of it, too fast to sample)."""
+    from sidecar.runtime import Sidecar
+
+    bouncer = pgbouncer("transaction", 1)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+
+    def sidecar(identity: str) -> Sidecar:
+        config = Settings(backend="postgres", dsn=dsn, identity=identity, names=("jobs",),
+                          lease_duration=LEASE, renew_interval=RENEW,
+                          renew_deadline=DEADLINE, claim_horizon=HORIZON,
+                          http_addr=("127.0.0.1", 0), state_dir=str(tmp_path / identity),
+                          pod_label="off")
+        return Sidecar(config)
+
+    first, second = sidecar("in-a"), sidecar("in-b")
+    try:
+        await first.start()
+        await second.start()
+        for side in (first, second):
+            message = await asyncio.wait_for(side.wait_misconfigured(), 10)
+            assert message.startswith(POOLER)
+            lease = side.status()["leases"][0]
+            assert REFUSAL in lease["reason"] and not lease["leader"]
+            assert not side.states[0].claim().leader
+    finally:
+        await first.stop()
+        await second.stop()
+
+
+def test_exec_stops_and_exits_2_behind_transaction_pooler(
+        tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer) -> None:
+    bouncer = pgbouncer("transaction", 1)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    [holder] = start_sidecars(tmp_path, dsn, 1, tag="ex")  # refuses on its own, too
+    ran = tmp_path / "ran"
+    execer = SidecarProcess(tmp_path, "ex-exec", command="exec",
+                            args=["--backend", "postgres", "--dsn", dsn, "--name", "jobs",
+                                  *FAST, "--", sys.executable, "-c",
+                                  f"import pathlib,time; pathlib.Path({str(ran)!r})"
+                                  ".write_text('x'); time.sleep(60)"])
+    try:
+        execer.start()
+        assert execer.proc.wait(20) == 2
+        assert holder.proc.wait(10) == 2
+        assert not ran.exists()  # exec never got to lead
+        assert_refused(holder)
+        assert_refused(execer)
+    finally:
+        stop_all([holder, execer], pg.password)
+
+
+# -- real processes: session pooling works ------------------------------------------------
+@pytest.mark.parametrize("pool_size", [1, 5])
+@pytest.mark.parametrize("count", [2, 3])
+def test_session_pooling_one_leader_and_sigterm_hands_over(
+        tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
+        pool_size: int, count: int) -> None:
+    bouncer = pgbouncer("session", pool_size)
+    procs = start_sidecars(tmp_path, bouncer.dsn_for(dbname(pg_dsn)), count, tag="sess")
+    try:
+        with ClaimRecorder(procs) as recorder:
+            leader = wait_until(lambda: one_leader(procs), timeout=15)
+            time.sleep(1.0)
+            assert one_leader(procs) is leader
+            leader.signal(signal.SIGTERM)
+            sent = time.monotonic()
+            rest = [p for p in procs if p is not leader]
+            # With pool size 1 the standbys wait for the one server connection in the
+            # pooler's queue; they get it once the holder's client has gone.
+            successor = wait_until(lambda: one_leader(rest), timeout=LEASE + 10)
+            took = time.monotonic() - sent
+            assert leader.proc.wait(10) == 0
+            time.sleep(0.5)
+            assert one_leader(procs) is successor, "\n".join(p.logs() for p in procs)
+        assert recorder.overlaps() == [], "\n".join(p.logs() for p in procs)
+        assert took < LEASE + 10
+        for proc in procs:
+            assert refusals(proc) == [], proc.logs()
+    finally:
+        stop_all(procs, pg.password)
+
+
+def test_status_command_through_the_pooler(tmp_path: Path, pg: PgServer, pg_dsn: str,
+                                           pgbouncer: StartBouncer) -> None:
+    bouncer = pgbouncer("session", 5)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    procs = start_sidecars(tmp_path, dsn, 2, tag="stat")
+    try:
+        leader = wait_until(lambda: one_leader(procs), timeout=10)
+        result = subprocess.run(
+            [sys.executable, "-m", "sidecar", "status", "--backend", "postgres", "--dsn", dsn,
+             "--name", "jobs", "--json"], capture_output=True, text=True, timeout=30, cwd=REPO)
+        assert result.returncode == 0, result.stderr
+        [row] = json.loads(result.stdout)["leases"]
+        assert row["holder"] == leader.identity
+    finally:
+        stop_all(procs, pg.password)
+
+
+async def test_marker_is_a_session_setting_that_a_reset_clears(pg_dsn: str) -> None:
+    """The marker lives in the server session: a pooler's reset (DISCARD ALL, as PgBouncer
+    runs between clients) clears it, so a reset session never passes for ours."""
+    backend = create(settings(pg_dsn, "reset"))
+    try:
+        lease = backend.lease("jobs")
+        assert (await lease.try_acquire()).held
+        session = lease._session
+        assert session is not None
+        value = await session.conn.fetchval(f"select current_setting('{MARKER_SETTING}')")
+        assert value == session.marker
+        await session.conn.execute("discard all")
+        grant = await lease.try_renew()
+        assert not grant.held and grant.reason.startswith(POOLER)
+    finally:
+        await backend.close()
+
+
+# -- postgres-row through transaction pooling ---------------------------------------------
+ROW_TIMING = ["--lease-duration", "4s", "--renew-interval", "0.5s", "--renew-deadline", "2s",
+              "--claim-horizon", f"{HORIZON}s"]
+
+
+def prepared_statement_errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if any(e in line for e in PREPARED_ERRORS)]
+
+
+@pytest.mark.parametrize("pool_size", [1, 5])
+@pytest.mark.parametrize("count", [2, 3])
+def test_row_lease_through_transaction_pooling(
+        tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
+        pool_size: int, count: int) -> None:
+    bouncer = pgbouncer("transaction", pool_size)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    schema = subprocess.run([sys.executable, "-m", "sidecar", "schema", "--backend",
+                             "postgres-row", "--dsn", dsn, "--apply"],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert schema.returncode == 0, schema.stderr
+    procs = start_sidecars(tmp_path, dsn, count, backend="postgres-row", tag="row",
+                           timing=ROW_TIMING)
+    try:
+        with ClaimRecorder(procs) as recorder:
+            leader = wait_until(lambda: one_leader(procs), timeout=15)
+            time.sleep(2.0)  # several renews and standby retries through the pooler
+            assert one_leader(procs) is leader
+            leader.signal(signal.SIGTERM)
+            sent = time.monotonic()
+            rest = [p for p in procs if p is not leader]
+            # No NOTIFY through the pooler: a standby notices on its next retry.
+            successor = wait_until(lambda: one_leader(rest), timeout=5)
+            took = time.monotonic() - sent
+            assert leader.proc.wait(10) == 0
+            time.sleep(1.0)
+            assert one_leader(procs) is successor
+        assert recorder.overlaps() == []
+        assert took <= 0.5 * 1.2 + HORIZON + 1.0, f"handover took {took:.2f}s"
+        for proc in procs:
+            assert prepared_statement_errors(proc.logs()) == [], proc.logs()
+            assert "backend unreachable" not in proc.logs(), proc.logs()
+            assert any(line.get("msg", "").startswith("connected through a connection pooler")
+                       for line in log_lines(proc)), proc.logs()
+        assert prepared_statement_errors(bouncer.log_text()) == []
+    finally:
+        stop_all(procs, pg.password)
+
+
+async def test_row_driver_finds_the_pooler_and_keeps_listen_off(
+        pg_dsn: str, pgbouncer: StartBouncer) -> None:
+    from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
+    from sidecar.lease.sql.dialect import PostgresDialect
+    from sidecar.lease.sql.store import SqlRowStore
+
+    bouncer = pgbouncer("transaction", 1)
+    direct = SqlRowStore(PostgresDialect(), AsyncpgDriver(pg_dsn, timeout=5.0))
+    pooled = SqlRowStore(PostgresDialect(), AsyncpgDriver(bouncer.dsn_for(dbname(pg_dsn)),
+                                                          timeout=5.0))
+    try:
+        await direct.apply_schema()
+        assert direct.driver.pooled is False
+        await pooled.acquire("n", "a", 5.0, "")
+        assert pooled.driver.pooled is True
+        started = time.monotonic()
+        await pooled.wait_for_release(0.3)  # polls: sleeps the whole time
+        assert time.monotonic() - started >= 0.3
+        assert not pooled.driver.is_listening(pooled.dialect.channel)
+        # A release through the pooler still reaches a standby listening directly.
+        await direct.wait_for_release(0.05)
+        waiting = asyncio.ensure_future(direct.wait_for_release(30.0))
+        await asyncio.sleep(0.3)
+        await pooled.release("n", "a")
+        await asyncio.wait_for(waiting, 5.0)
+    finally:
+        await direct.close()
+        await pooled.close()
+
+
+async def test_row_driver_switches_to_unnamed_statements_on_a_prepared_statement_error(
+        pg_dsn: str, pgbouncer: StartBouncer) -> None:
+    """The second line of defence, for a pooler the connect-time check missed: the
+    pooler's other client wipes our named statements; the call is retried unnamed."""
+    from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
+    from sidecar.lease.sql.dialect import PostgresDialect
+    from sidecar.lease.sql.store import SqlRowStore
+
+    bouncer = pgbouncer("transaction", 1)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    store = SqlRowStore(PostgresDialect(), AsyncpgDriver(dsn, timeout=5.0))
+    store.driver.pooled = False  # as if the pooler passed the server's process id through
+    other = await asyncpg.connect(dsn)
+    try:
+        await store.apply_schema()
+        assert (await store.acquire("n", "a", 5.0, "")).owner == "a"
+        await other.execute("deallocate all")  # same server session (pool size 1)
+        # The acquire's cached name is gone from the session: retried, unnamed.
+        assert (await store.acquire("n", "a", 5.0, "")).owner == "a"
+        assert store.driver.pooled is True
+        await other.execute("deallocate all")
+        assert (await store.renew("n", "a", 5.0)) is not None
+    finally:
+        await other.close()
+        await store.close()
