@@ -329,6 +329,14 @@ class Cluster:
         with urllib.request.urlopen(url, timeout=timeout, context=ctx) as resp:
             return json.load(resp)
 
+    @property
+    def kubelet_root(self) -> Path:
+        return self.workdir / "kubelet" / "root"
+
+    def empty_dir(self, pod_uid: str, volume: str) -> Path:
+        """Where the node keeps a pod's ``emptyDir`` volume (readable from the host)."""
+        return self.kubelet_root / "pods" / pod_uid / "volumes" / "kubernetes.io~empty-dir" / volume
+
     def log_path(self, component: str) -> Path:
         """Where a component logs (kubelet, containerd, kube-apiserver, ...)."""
         if component in ("kube-apiserver", "etcd"):
@@ -574,7 +582,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             str(self._binaries["kubelet"]),
             f"--config={config}",
             f"--kubeconfig={kubelet_kc}",
-            f"--root-dir={k / 'root'}",
+            f"--root-dir={self.kubelet_root}",
             f"--cert-dir={k / 'pki'}",
             f"--hostname-override={self.node_name}",
             f"--node-ip={self.node_ip}",
@@ -602,10 +610,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tests.testbed.cluster up|cleanup``.
+    """``python -m tests.testbed.cluster up [--busybox] | cleanup``.
 
-    ``up`` starts a cluster, prints its kubeconfig path and waits for SIGINT/SIGTERM;
-    ``cleanup`` sweeps what a killed run left behind (the next start does it as well).
+    ``up`` starts a cluster, prints ``kubeconfig <path>`` (and with ``--busybox`` loads
+    that image and prints ``busybox <ref>``), then ``ready <seconds>``, and waits for
+    SIGINT/SIGTERM; ``cleanup`` sweeps what a killed run left behind (the next start
+    does it as well).
     """
     command = argv[0] if argv else "up"
     if command == "cleanup":
@@ -623,7 +633,9 @@ def main(argv: list[str]) -> int:
     try:
         cluster.start()
         print(f"kubeconfig {cluster.kubeconfig}", flush=True)
-        print(f"ready in {cluster.startup_seconds:.1f}s", flush=True)
+        if "--busybox" in argv:
+            print(f"busybox {cluster.busybox()}", flush=True)
+        print(f"ready {cluster.startup_seconds:.1f}", flush=True)
         while not stop:
             time.sleep(0.2)
     except KeyboardInterrupt:

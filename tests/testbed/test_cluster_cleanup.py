@@ -1,0 +1,174 @@
+"""A cluster leaves nothing behind: after a failing test, and after being killed outright.
+
+The host is inspected here with plain commands and /proc, independently of the sweep code
+in tests/testbed/hostguard.py, so a blind spot there cannot hide a leftover here.
+
+These tests start clusters of their own, so they stop the session cluster first and run
+last (``cluster_host_free``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+from tests.testbed import gobuild
+from tests.testbed.cluster import BRIDGE, Cluster
+
+pytestmark = [pytest.mark.pods, pytest.mark.slow]
+
+SYSCTLS = (
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+    "net/ipv4/ip_forward",
+)
+PATHS = ("/var/lib/kubelet", "/var/lib/cni", "/run/containerd", "/run/netns",
+         "/var/log/containers", "/var/log/pods", "/opt/containerd")
+MARK = "lease-cluster-"  # every cluster work directory's prefix
+
+
+def _chains() -> set[str]:
+    out = set()
+    for binary in ("iptables", "ip6tables"):
+        for table in ("filter", "nat", "mangle", "raw"):
+            dump = subprocess.run([binary, "-w", "5", "-t", table, "-S"], capture_output=True,
+                                  text=True).stdout
+            out |= {f"{binary}/{table}: {line}" for line in dump.splitlines()
+                    if "KUBE-" in line or "CNI-" in line or "LEASE-TB" in line}
+    return out
+
+
+def _processes() -> set[str]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if MARK in cmd and "pytest" not in cmd:
+                found.add(f"{entry.name}: {cmd[:100]}")
+    return found
+
+
+def host_facts() -> dict[str, object]:
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    return {
+        "sysctls": {s: Path("/proc/sys", s).read_text().strip() for s in SYSCTLS},
+        "paths": {p for p in PATHS if os.path.lexists(p)},
+        "mounts": {m.split()[4] for m in mounts
+                   if MARK in m or "/run/netns" in m or "kubelet" in m or "containerd" in m},
+        "chains": _chains(),
+        "links": set(os.listdir("/sys/class/net")),
+        "cgroups": {f"{c}/{d}" for c in os.listdir("/sys/fs/cgroup")
+                    if os.path.isdir(f"/sys/fs/cgroup/{c}")
+                    for d in os.listdir(f"/sys/fs/cgroup/{c}")
+                    if os.path.isdir(f"/sys/fs/cgroup/{c}/{d}")},
+        "processes": _processes(),
+        "tmp": {p.name for p in Path("/tmp").glob(f"{MARK}*")},
+    }
+
+
+def assert_same_host(before: dict[str, object], after: dict[str, object]) -> None:
+    diff = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    assert not diff, f"host changed by the cluster (before, after): {diff}"
+
+
+def _busy_pod(image: str) -> str:
+    """A pod that mounts a memory emptyDir and runs, so there is something to clean."""
+    return json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "busy"},
+        "spec": {
+            "terminationGracePeriodSeconds": 30,
+            "containers": [{"name": "main", "image": image, "imagePullPolicy": "Never",
+                            "command": ["/bin/sh", "-c", "sleep 3600"],
+                            "volumeMounts": [{"name": "mem", "mountPath": "/mem"}]}],
+            "volumes": [{"name": "mem", "emptyDir": {"medium": "Memory"}}],
+        },
+    })
+
+
+def _wait_running(kubectl: list[str], timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        phase = subprocess.run([*kubectl, "get", "pod", "busy", "-o", "jsonpath={.status.phase}"],
+                               capture_output=True, text=True).stdout
+        if phase == "Running":
+            return
+        time.sleep(0.3)
+    raise AssertionError("pod busy did not start")
+
+
+def _kubectl(kubeconfig: Path | str) -> list[str]:
+    return [str(gobuild.ensure_binary("kubectl")), f"--kubeconfig={kubeconfig}"]
+
+
+class Boom(Exception):
+    pass
+
+
+def test_teardown_after_a_failing_test_restores_the_host(cluster_host_free: None) -> None:
+    before = host_facts()
+    assert BRIDGE not in before["links"]  # type: ignore[operator]
+    with pytest.raises(Boom), Cluster() as cluster:
+        cluster.kubectl("apply", "-f", "-", input=_busy_pod(cluster.busybox()))
+        _wait_running(_kubectl(cluster.kubeconfig))
+        during = host_facts()
+        # The cluster really changed the host, so the comparison below means something.
+        assert BRIDGE in during["links"]  # type: ignore[operator]
+        assert during["chains"] and during["processes"]
+        assert during["sysctls"] != before["sysctls"]
+        raise Boom
+    assert_same_host(before, host_facts())
+
+
+def test_a_killed_run_is_swept_by_the_next_cleanup(cluster_host_free: None) -> None:
+    before = host_facts()
+    # A separate process runs the cluster and is then SIGKILLed: no teardown runs at all.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.testbed.cluster", "up", "--busybox"], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        said: dict[str, str] = {}
+        lines = []
+        while "ready" not in said:  # the child's own start timeout bounds this
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            key, _, value = line.strip().partition(" ")
+            said[key] = value
+        assert "ready" in said, "cluster did not start:\n" + "".join(lines[-30:])
+        kubectl = _kubectl(said["kubeconfig"])
+        subprocess.run([*kubectl, "apply", "-f", "-"], check=True, capture_output=True,
+                       text=True, input=_busy_pod(said["busybox"]))
+        _wait_running(kubectl)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        time.sleep(1)  # PDEATHSIG has taken the components down
+        left = host_facts()
+        # What a kill leaves: the containers and their shims, mounts, chains, sysctls.
+        assert left["processes"], "expected the shims and containers to survive the kill"
+        assert left["chains"] and BRIDGE in left["links"]  # type: ignore[operator]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    cleanup = subprocess.run([sys.executable, "-m", "tests.testbed.cluster", "cleanup"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert cleanup.returncode == 0, cleanup.stdout + cleanup.stderr
+    assert "process" in cleanup.stdout  # it reports what it found
+    assert_same_host(before, host_facts())
