@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import os
 import subprocess
 import threading
 import time
@@ -100,6 +101,26 @@ poll()
 
 
 # --------------------------------------------------------------------------- install
+
+
+def sidecar_image_archive() -> tuple[Path, str]:
+    """The project's image as (docker-archive, ref): built from the Dockerfile by the
+    image test bed (cached on a hash of its inputs), or a prebuilt archive named by
+    ``LEASE_TESTBED_SIDECAR_ARCHIVE=<path>=<ref>``."""
+    prebuilt = os.environ.get("LEASE_TESTBED_SIDECAR_ARCHIVE")
+    if prebuilt:
+        path, _, ref = prebuilt.partition("=")
+        return Path(path), ref
+    from tests.testbed import image  # the Dockerfile build; heavy, so only when needed
+
+    return image.build_image()
+
+
+def load_sidecar_image(cluster: Cluster) -> str:
+    archive, ref = sidecar_image_archive()
+    if ref not in cluster.images():
+        cluster.load_image(archive)
+    return ref
 
 
 def install_release(
@@ -272,6 +293,9 @@ class PodObserver:
     labels: list[LabelEvent] = field(default_factory=list)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # last seen object
     first_seen: dict[str, float] = field(default_factory=dict)
+    # When the watch first showed the pod's sidecar container ready / the whole pod Ready.
+    sidecar_ready: dict[str, float] = field(default_factory=dict)
+    pod_ready: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.recorder = Recorder([], CLAIM_HORIZON, interval=self.file_interval,
@@ -281,6 +305,7 @@ class PodObserver:
         self._watch: subprocess.Popen[str] | None = None
         self._watch_thread: threading.Thread | None = None
         self._watched: set[str] = set()
+        self.started_at = 0.0
         self._lock = threading.Lock()
 
     def __enter__(self) -> PodObserver:
@@ -291,6 +316,7 @@ class PodObserver:
         self.stop()
 
     def start(self) -> None:
+        self.started_at = time.time()
         self._loop_thread.start()
         asyncio.run_coroutine_threadsafe(self.recorder.start(), self._loop).result(10)
         self._watch = subprocess.Popen(
@@ -301,6 +327,12 @@ class PodObserver:
         self._watch_thread = threading.Thread(target=self._read_watch, daemon=True)
         self._watch_thread.start()
         self.cluster.wait_for(lambda: self.pods, 30, "the pod watch's first events")
+
+    def created_since_start(self) -> dict[str, float]:
+        """Pods created after :meth:`start`, with when the watch first showed them."""
+        with self._lock:
+            return {n: t for n, t in self.first_seen.items()
+                    if _created(self.pods[n]) >= int(self.started_at)}
 
     def stop(self) -> None:
         if self._watch is not None:
@@ -337,6 +369,12 @@ class PodObserver:
         with self._lock:
             self.pods[name] = pod
             self.first_seen.setdefault(name, now)
+            statuses = pod["status"].get("initContainerStatuses", [])
+            if any(x["name"] == SIDECAR and x.get("ready") for x in statuses):
+                self.sidecar_ready.setdefault(name, now)
+            conditions = pod["status"].get("conditions", [])
+            if any(x["type"] == "Ready" and x["status"] == "True" for x in conditions):
+                self.pod_ready.setdefault(name, now)
             self.labels.append(LabelEvent(
                 now, name, pod["metadata"].get("labels", {}).get("lease-role"),
                 bool(pod["metadata"].get("deletionTimestamp")), kind))
@@ -369,6 +407,11 @@ class PodObserver:
     def label_history(self) -> list[LabelEvent]:
         with self._lock:
             return list(self.labels)
+
+
+def _created(pod: dict[str, Any]) -> float:
+    stamp = pod["metadata"]["creationTimestamp"]  # whole seconds
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def two_leader_labels(history: list[LabelEvent]) -> list[str]:

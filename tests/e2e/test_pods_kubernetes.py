@@ -39,7 +39,7 @@ def app(pod_cluster: Cluster, sidecar_image: str) -> Iterator[App]:
                        extra=(f"lease.name={LEASE_NAME}",))
     ps.deploy_app(pod_cluster, ns, sidecar_image)
     yield App(pod_cluster, ns, sidecar_image)
-    pod_cluster.helm("uninstall", RELEASE, "-n", ns, "--wait", check=False)
+    pod_cluster.helm("uninstall", RELEASE, "-n", ns, check=False)
     pod_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 

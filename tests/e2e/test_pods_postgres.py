@@ -51,7 +51,7 @@ def pg_app(pod_cluster: Cluster, sidecar_image: str, pods_pg: PgServer) -> Itera
                        extra=("lease.dsnSecret.name=lease-dsn", "lease.name=e2e"))
     ps.deploy_app(c, ns, sidecar_image)
     yield PgApp(c, ns, pods_pg, database)
-    c.helm("uninstall", RELEASE, "-n", ns, "--wait", check=False)
+    c.helm("uninstall", RELEASE, "-n", ns, check=False)
     c.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 

@@ -16,9 +16,7 @@ FAILS them: a silently skipped suite would let CI go green without a single real
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -67,25 +65,12 @@ def cluster_host_free() -> None:
         cluster.stop()
 
 
-def _sidecar_archive() -> tuple[Path, str]:
-    """The image archive and its ref: a prebuilt one if named, else built from the
-    Dockerfile by the image test bed (cached on a hash of its inputs)."""
-    prebuilt = os.environ.get("LEASE_TESTBED_SIDECAR_ARCHIVE")
-    if prebuilt:
-        path, _, ref = prebuilt.partition("=")
-        return Path(path), ref
-    from tests.testbed import image  # the Dockerfile build; heavy, so only when needed
-
-    return image.build_image()
-
-
 @pytest.fixture(scope="session")
 def sidecar_image(pod_cluster: Cluster) -> str:
     """The lease-sidecar image ref, loaded into the node (imagePullPolicy: Never)."""
+    from tests.e2e.pods_support import load_sidecar_image
+
     try:
-        archive, ref = _sidecar_archive()
+        return load_sidecar_image(pod_cluster)
     except Exception as exc:  # the image bed names its own failure
-        pytest.fail(f"sidecar image: could not build it:\n{exc}", pytrace=False)
-    if ref not in pod_cluster.images():
-        pod_cluster.load_image(archive)
-    return ref
+        pytest.fail(f"sidecar image: could not build or load it:\n{exc}", pytrace=False)
