@@ -177,6 +177,7 @@ def run(trials: int, backend: str) -> dict[str, Any]:
         usage = resources(cluster, ns)
         return {
             "backend": backend,
+            "image": image,
             "trials": trials,
             "cluster_start_s": round(cluster.startup_seconds, 1),
             "helm_install_s": round(installed, 1),

@@ -234,3 +234,43 @@ def test_rolling_restart_never_two_leaders(app: App) -> None:
     # The sampling really ran: every pod's /leader polled at about 50 Hz.
     periods = [p for s in observer.recorder.http_stats.values() for p in s.periods]
     assert periods and sorted(periods)[len(periods) // 2] < 0.1
+
+
+def test_injector_restart_refuses_then_injects(app: App) -> None:
+    """With no injector, an opted-in pod is refused (failurePolicy Fail) and its
+    ReplicaSet retries; once the injector is back it comes out injected, and the restarted
+    injector kept its CA (the webhook's caBundle is unchanged)."""
+    c, ns = app.cluster, app.namespace
+    name = f"{RELEASE}-lease-sidecar-injector"
+    webhook = f"{ns}-{name}"
+
+    def ca_bundle() -> str:
+        return c.kubectl_json("get", "mutatingwebhookconfiguration", webhook)[
+            "webhooks"][0]["clientConfig"]["caBundle"]
+
+    ca_before = ca_bundle()
+    c.kubectl("-n", ns, "scale", f"deployment/{name}", "--replicas=0")
+    c.wait_for(lambda: not c.kubectl_json("-n", ns, "get", "pods", "-l",
+                                          "app.kubernetes.io/component=injector")["items"],
+               60, "the injector pods to be gone")
+    c.kubectl("-n", ns, "scale", f"deployment/{app.deployment}", "--replicas=4")
+
+    def refused() -> bool:
+        events = c.kubectl_json("-n", ns, "get", "events",
+                                "--field-selector", "reason=FailedCreate")["items"]
+        return any("failed calling webhook" in e.get("message", "") for e in events)
+
+    c.wait_for(refused, 60, "the ReplicaSet's create to be refused by the webhook")
+    assert len(ps.app_pods(c, ns)) == 3  # nothing was created without the sidecar
+    c.kubectl("-n", ns, "scale", f"deployment/{name}", "--replicas=2")
+    c.kubectl("-n", ns, "rollout", "status", f"deployment/{name}", "--timeout=120s",
+              timeout=130)
+    ps.wait_rolled_out(c, ns, app.deployment)
+    pods = ps.app_pods(c, ns)
+    assert len(pods) == 4
+    for pod in pods:
+        assert ps.SIDECAR in {x["name"] for x in pod["spec"].get("initContainers", [])}
+    assert ca_bundle() == ca_before
+    ps.wait_one_leader(c, ns, replicas=4)
+    c.kubectl("-n", ns, "scale", f"deployment/{app.deployment}", "--replicas=3")
+    ps.wait_rolled_out(c, ns, app.deployment)

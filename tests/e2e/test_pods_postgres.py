@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.e2e import pods_support as ps
+from tests.support import get_json
 from tests.testbed.cluster import Cluster
 from tests.testbed.postgres import PgServer
 
@@ -92,3 +93,37 @@ def test_leader_pod_deletion_moves_the_lock(pg_app: PgApp) -> None:
     assert successor.identity == new != old
     assert _holders(pg_app.pg, pg_app.database) == [new]
     assert ps.two_leader_labels(observer.label_history()) == []
+
+
+def test_database_outage_fails_closed_without_restarts(pg_app: PgApp) -> None:
+    """Probes under failure: while PostgreSQL is down nobody leads, /readyz says so,
+    /healthz does not, so the kubelet neither restarts the sidecars (liveness) nor takes
+    the pods out of their Services (the chart's readiness is /healthz); once the server is
+    back, one pod leads again."""
+    c, ns, pg = pg_app.cluster, pg_app.namespace, pg_app.pg
+    ps.wait_one_leader(c, ns)
+    pods = ps.app_pods(c, ns)
+    ips = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods}
+    pg.stop("immediate")
+    try:
+        def all_fail_closed() -> bool:
+            return all(get_json(f"http://{ip}:8099/leader")[0] == 503 for ip in ips.values())
+
+        c.wait_for(all_fail_closed, 30, "every sidecar to answer 503 on /leader")
+        for name, ip in ips.items():
+            assert get_json(f"http://{ip}:8099/readyz")[0] == 503, name
+            assert get_json(f"http://{ip}:8099/healthz")[0] == 200, name
+        # Longer than two readiness periods (5 s) and one liveness period (10 s).
+        time.sleep(12)
+        for name, ip in ips.items():
+            assert get_json(f"http://{ip}:8099/leader")[0] == 503, name
+        for pod in ps.app_pods(c, ns):
+            ready = [x for x in pod["status"]["conditions"] if x["type"] == "Ready"]
+            assert ready[0]["status"] == "True", pod["metadata"]["name"]
+            sidecar = next(x for x in pod["status"]["initContainerStatuses"]
+                           if x["name"] == ps.SIDECAR)
+            assert sidecar["restartCount"] == 0
+    finally:
+        pg.start()
+    leader = ps.wait_one_leader(c, ns, timeout=90)
+    assert c.wait_for(lambda: _holders(pg, pg_app.database) == [leader], 30, "the lock holder")

@@ -148,10 +148,24 @@ def pause_image() -> Image:
     return _cached("pause", PAUSE_C.encode() + gcc_version, build)
 
 
+def _is_static(binary: bytes) -> bool:
+    """An ELF64 executable without a PT_INTERP header needs no loader or libraries."""
+    if binary[:5] != b"\x7fELF\x02":
+        return False
+    phoff = int.from_bytes(binary[0x20:0x28], "little")
+    size = int.from_bytes(binary[0x36:0x38], "little")
+    count = int.from_bytes(binary[0x38:0x3A], "little")
+    types = (int.from_bytes(binary[phoff + i * size:phoff + i * size + 4], "little")
+             for i in range(count))
+    return 3 not in types  # PT_INTERP
+
+
 def busybox_image() -> Image:
     if not BUSYBOX.exists():
         raise ImageError(f"{BUSYBOX} not found (apt-get install busybox-static)")
     binary = BUSYBOX.read_bytes()
+    if not _is_static(binary):
+        raise ImageError(f"{BUSYBOX} is linked dynamically (apt-get install busybox-static)")
 
     def build(archive: Path, ref: str) -> None:
         applets = subprocess.run(
