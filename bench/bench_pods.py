@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -144,6 +145,7 @@ def resources(cluster: Cluster, ns: str) -> dict[str, Any]:
 def run(trials: int, backend: str) -> dict[str, Any]:
     cluster = Cluster()
     pg = None
+    print(f"load average at start: {os.getloadavg()}", file=sys.stderr, flush=True)
     cluster.start()
     try:
         image = ps.load_sidecar_image(cluster)
@@ -192,6 +194,7 @@ def run(trials: int, backend: str) -> dict[str, Any]:
             "restart_fencing_violations": sum(int(r["fencing_violations"]) for r in restarts),
             "restart_duration": summary([r["duration"] for r in restarts]),
             "http_poll_period_ms_p50": round(statistics.median(http_periods) * 1000, 1),
+            "loadavg_at_end": [round(x, 1) for x in os.getloadavg()],
             "anomalies": anomalies[:20],
             "sidecar_usage": usage,
             "raw": {"deletions": deletions, "restarts": restarts},
