@@ -155,6 +155,7 @@ class Cluster:
     """A one-node cluster; see the module docstring."""
 
     def __init__(self, workdir: Path | None = None) -> None:
+        self._owns_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="lease-cluster-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.node_ip = NODE_IP
@@ -231,8 +232,10 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop everything and undo every change to the host; idempotent."""
-        if not self._started:
+        if not self._started:  # never started, or failed before touching the host
             self._lock.release()
+            if self._owns_workdir and os.environ.get("LEASE_TESTBED_KEEP") != "1":
+                shutil.rmtree(self.workdir, ignore_errors=True)
             return
         keep = os.environ.get("LEASE_TESTBED_KEEP") == "1"
         try:

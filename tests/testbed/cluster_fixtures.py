@@ -16,6 +16,7 @@ FAILS them: a silently skipped suite would let CI go green without a single real
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -50,7 +51,11 @@ def pod_cluster() -> Iterator[Cluster]:
     except (ClusterError, tinyimages.ImageError, TimeoutError) as exc:
         failure = f"one-node cluster: did not start:\n{exc}"
     if failure:
+        cluster.stop()
         pytest.fail(failure, pytrace=False)
+    if cluster.stale_found:
+        print("one-node cluster: swept what a killed earlier run left behind:\n  "
+              + "\n  ".join(cluster.stale_found), file=sys.stderr)
     _STARTED.append(cluster)
     try:
         yield cluster
