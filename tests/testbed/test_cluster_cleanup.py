@@ -180,3 +180,44 @@ def test_a_killed_run_is_swept_by_the_next_cleanup(cluster_host_free: None) -> N
     assert cleanup.returncode == 0, cleanup.stdout + cleanup.stderr
     assert "process" in cleanup.stdout  # it reports what it found
     assert_restored(before, left, host_facts())
+
+
+INTERRUPTED_TEST = '''
+import time
+from tests.testbed.test_cluster_cleanup import _busy_pod
+
+def test_waits_for_ctrl_c(pod_cluster):
+    pod_cluster.kubectl("apply", "-f", "-", input=_busy_pod(pod_cluster.busybox()))
+    pod_cluster.wait_for(
+        lambda: pod_cluster.kubectl("get", "pod", "busy", "-o", "jsonpath={.status.phase}"
+                                    ).stdout == "Running", 90, "pod busy")
+    print("READY", flush=True)
+    time.sleep(600)
+'''
+
+
+def test_an_interrupted_test_run_restores_the_host(cluster_host_free: None,
+                                                   tmp_path: Path) -> None:
+    """Ctrl-C in the middle of a test: pytest's session teardown stops the cluster."""
+    before = host_facts()
+    test_file = tmp_path / "test_interrupted.py"
+    test_file.write_text(INTERRUPTED_TEST)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-s", "-q", "-p", "no:cacheprovider",
+         "-p", "tests.testbed.cluster_fixtures", "--rootdir", str(tmp_path), str(test_file)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:  # the cluster's start timeout bounds this
+        lines.append(line)
+        if "READY" in line:
+            break
+    assert "READY" in "".join(lines), "".join(lines[-30:])
+    during = host_facts()
+    assert during["processes"] and BRIDGE in during["links"]  # type: ignore[operator]
+    os.kill(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert "KeyboardInterrupt" in out, out[-2000:]
+    assert_restored(before, during, host_facts())
