@@ -97,7 +97,7 @@ HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 IMAGE_NAME = "localhost/lease-sidecar"
 BASE_NAME = "localhost/lease-base"
-KEEP_ARCHIVES = 3  # newest image archives kept (several branches may alternate)
+KEEP_ARCHIVES = 4  # newest image archives kept (worktrees sharing the cache alternate)
 
 TOOLS: tuple[str, ...] = ("buildah", "mmdebstrap")
 
@@ -130,6 +130,31 @@ def unavailable_reason() -> str | None:
     if missing:
         return f"missing {', '.join(missing)} (apt-get install buildah mmdebstrap)"
     return None
+
+
+def cannot_run_reason() -> str | None:
+    """Why buildah cannot work here (not root, missing tools, or its store cannot mount:
+    no CAP_SYS_ADMIN, say), or None. Costs about a second: it mounts an empty container.
+    """
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    # Under the build lock: a build starting meanwhile would remove the probe's container.
+    with _locked(_build_lock()):
+        try:
+            container = _buildah("from", "scratch", timeout=120)
+            try:
+                _buildah("mount", container, timeout=120)
+            finally:
+                subprocess.run([*buildah_cmd(), "rm", container], capture_output=True,
+                               timeout=120)
+        except (ImageError, subprocess.TimeoutExpired) as exc:
+            return f"buildah cannot run here: {str(exc).splitlines()[0]}"
+    return None
+
+
+def _build_lock() -> Path:
+    return cache_root() / "locks" / "image-build.lock"
 
 
 # --------------------------------------------------------------------------- buildah
@@ -210,6 +235,8 @@ def _clean_working_containers() -> None:
     """Drop working containers an interrupted build left in the private store (their
     mounts included); called under the build lock, so no live build owns one."""
     subprocess.run([*buildah_cmd(), "rm", "--all"], capture_output=True, timeout=300)
+    for partial in images_dir().glob(".lease-sidecar-*.tar.tmp-*"):
+        partial.unlink(missing_ok=True)  # an export killed before its rename
 
 
 # --------------------------------------------------------------------------- base
@@ -314,7 +341,7 @@ def ensure_base() -> str:
     recipe = base_recipe()
     if _has_image(recipe.ref):
         return recipe.ref
-    with _locked(cache_root() / "locks" / "image-build.lock"):
+    with _locked(_build_lock()):
         return _ensure_base_locked(recipe)
 
 
@@ -486,7 +513,13 @@ def _build_image(base_ref: str, digest: str, workdir: Path, logfile: Path) -> Pa
 
 
 def _prune(keep: Path) -> None:
-    """Keep the newest KEEP_ARCHIVES archives (and their tags); the layer cache stays."""
+    """Keep the newest KEEP_ARCHIVES archives and their tags.
+
+    Then drop dangling images: the untagged leaves of old builds, chiefly each build
+    stage's venv. Cached steps that a kept image still builds on have children, so the
+    layer cache of the apt stages survives. Called under the build lock: no build of
+    this store is running.
+    """
     archives = sorted(images_dir().glob("lease-sidecar-*.tar"),
                       key=lambda p: p.stat().st_mtime, reverse=True)
     for old in archives[KEEP_ARCHIVES:]:
@@ -496,6 +529,7 @@ def _prune(keep: Path) -> None:
         subprocess.run([*buildah_cmd(), "rmi", f"{IMAGE_NAME}:{digest}"],
                        capture_output=True, timeout=300)
         old.unlink(missing_ok=True)
+    subprocess.run([*buildah_cmd(), "rmi", "--prune"], capture_output=True, timeout=600)
 
 
 def build_image() -> ImageArtifact:
@@ -513,7 +547,7 @@ def build_image() -> ImageArtifact:
     ref = f"{IMAGE_NAME}:{digest}"
     if final.exists():
         return ImageArtifact(final, ref)
-    with _locked(cache_root() / "locks" / "image-build.lock"):
+    with _locked(_build_lock()):
         if final.exists():  # another process built it while we waited
             return ImageArtifact(final, ref)
         started = time.monotonic()

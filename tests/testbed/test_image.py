@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -24,6 +25,7 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ RUN_TOOLS = ("skopeo", "umoci", "runc")
 
 
 def _skip_reason() -> str | None:
-    reason = image.unavailable_reason()
+    reason = image.cannot_run_reason()
     if reason:
         return reason
     missing = [t for t in RUN_TOOLS if shutil.which(t) is None]
@@ -108,7 +110,7 @@ def _runtime_config(bundle: Path, args: list[str] | None = None,
 @contextlib.contextmanager
 def _container(bundle: Path, name: str) -> Iterator[list[str]]:
     """The runc command prefix for a private state dir; the container is killed and
-    deleted afterwards whatever happened."""
+    deleted afterwards whatever happened. ``name`` must come from _unique()."""
     runc = ["runc", "--root", str(bundle.parent / "runc-state")]
     try:
         yield runc
@@ -117,8 +119,15 @@ def _container(bundle: Path, name: str) -> Iterator[list[str]]:
         subprocess.run([*runc, "delete", "--force", name], capture_output=True, timeout=30)
 
 
+def _unique(name: str) -> str:
+    """A container name no concurrent test session uses: runc names the container's
+    cgroups after it, and those are global to the machine."""
+    return f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def _run_once(bundle: Path, args: list[str], name: str) -> subprocess.CompletedProcess[str]:
     _runtime_config(bundle, args=args)
+    name = _unique(name)
     with _container(bundle, name) as runc:
         return subprocess.run([*runc, "run", "--bundle", str(bundle), name],
                               capture_output=True, text=True, timeout=120)
@@ -185,6 +194,11 @@ def test_help_runs_as_the_image_user(bundle: Path) -> None:
     proc = _run_once(bundle, ["lease-sidecar", "--help"], "lease-image-help")
     assert proc.returncode == 0, proc.stderr
     assert "run" in proc.stdout and "exec" in proc.stdout
+    # The chart's injector Deployment runs the same image with this command.
+    proc = _run_once(bundle, ["python", "-m", "sidecar.injector", "--help"],
+                     "lease-image-injector")
+    assert proc.returncode == 0, proc.stderr
+    assert "python -m sidecar.injector" in proc.stdout
 
 
 CHECK_EXTRAS = """
@@ -234,7 +248,7 @@ def test_run_on_sqlite_with_read_only_root_answers_leader(bundle: Path) -> None:
     lease_dir = _runtime_config(bundle, env={"LEASE_DSN": "/run/lease/leases.sqlite3",
                                  "LEASE_HTTP_ADDR": f"127.0.0.1:{port}",
                                  "LEASE_IDENTITY": "image-test"})
-    name = "lease-image-run"
+    name = _unique("lease-image-run")
     with _container(bundle, name) as runc:
         proc = subprocess.Popen([*runc, "run", "--bundle", str(bundle), name],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
