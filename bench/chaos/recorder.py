@@ -89,19 +89,39 @@ class Recorder:
         self._file_seen: dict[str, float | None] = {}
         self._file_read: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._http_tasks: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
 
     # -- control -----------------------------------------------------------------------
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.http_timeout)
         self._session = aiohttp.ClientSession(timeout=timeout)
-        self._tasks = [asyncio.create_task(self._poll_http(t)) for t in self.targets]
-        self._tasks.append(asyncio.create_task(self._poll_files()))
+        for target in self.targets:
+            self._http_tasks[target.identity] = asyncio.create_task(self._poll_http(target))
+        self._tasks = [asyncio.create_task(self._poll_files())]
+
+    def add_target(self, target: Target) -> None:
+        """Watch one more sidecar from now on (pods come and go in a rolling restart).
+
+        Call on the recorder's event loop, after :meth:`start`.
+        """
+        self.targets.append(target)
+        self.http_stats.setdefault(target.identity, SampleStats())
+        self._http_tasks[target.identity] = asyncio.create_task(self._poll_http(target))
+
+    def remove_target(self, identity: str) -> None:
+        """Stop watching a sidecar that is gone (its address may be given to another)."""
+        self.targets = [t for t in self.targets if t.identity != identity]
+        task = self._http_tasks.pop(identity, None)
+        if task is not None:
+            task.cancel()
+            self._tasks.append(task)  # awaited by stop()
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._http_tasks.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._session is not None:
@@ -150,7 +170,7 @@ class Recorder:
             began = time.time()
             self.file_stats.tick(began)
             self.file_reads.append(began)
-            for target in self.targets:
+            for target in list(self.targets):
                 self._read_file(target)
             await asyncio.sleep(max(0.0, began + self.interval - time.time()))
 

@@ -1,4 +1,4 @@
-"""Build the test-bed tools (kube-apiserver, kubectl, etcd, helm) from Go modules.
+"""Build the test-bed tools (Kubernetes components, etcd, helm) from Go modules.
 
 Every tool is compiled once from the Go module proxy into a cache outside the repo::
 
@@ -20,7 +20,11 @@ kube-apiserver in use (``v1.37.2`` -> ``v0.37.2``) and cached per version and so
 
 Usage::
 
-    python -m tests.testbed.gobuild [kube-apiserver|kubectl|etcd|helm|clientgo-elector|all]
+    python -m tests.testbed.gobuild [TOOL ...|all]
+
+where TOOL is one of :data:`TOOLS` (the control plane's kube-apiserver, kubectl, etcd,
+helm, then the one-node cluster's kubelet, kube-controller-manager and kube-scheduler),
+``clientgo-elector`` or ``promtool`` (built on demand only).
 
 or ``ensure_binary("kube-apiserver") -> Path`` from Python.
 """
@@ -42,7 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-# Newest first.  kube-apiserver and kubectl always come from the same release.
+# Newest first.  Every Kubernetes component always comes from the same release.
 KUBERNETES_VERSIONS: tuple[str, ...] = ("v1.37.2", "v1.36.3", "v1.35.4", "v1.34.4")
 ETCD_VERSION = "v3.6.16"
 HELM_VERSION = "v3.22.0"
@@ -53,7 +57,26 @@ PROMTOOL_VERSION = "v0.316.0"
 # toolchain version approved for this project (fetched by the go command itself).
 FALLBACK_TOOLCHAIN = "go1.27.3"
 
-TOOLS: tuple[str, ...] = ("kube-apiserver", "kubectl", "etcd", "helm")
+# Kubernetes components built from k8s.io/kubernetes; all share one wrapper go.mod recipe.
+KUBE_COMPONENTS: tuple[str, ...] = (
+    "kube-apiserver",
+    "kubectl",
+    "kubelet",
+    "kube-controller-manager",
+    "kube-scheduler",
+)
+
+# Order of `all`: the control plane first (every kube test needs it), then the three
+# components only the one-node cluster (tests/testbed/cluster.py) needs.
+TOOLS: tuple[str, ...] = (
+    "kube-apiserver",
+    "kubectl",
+    "etcd",
+    "helm",
+    "kubelet",
+    "kube-controller-manager",
+    "kube-scheduler",
+)
 # Built on demand only (not by ``all``): the rule check is its only user.
 OPTIONAL_TOOLS: tuple[str, ...] = ("promtool",)
 # Built from sources in this repository rather than from a published module.
@@ -122,7 +145,7 @@ def _kube_ldflags(version: str) -> tuple[str, ...]:
 
 
 def recipe(tool: str, version: str) -> Recipe:
-    if tool in ("kube-apiserver", "kubectl"):
+    if tool in KUBE_COMPONENTS:
         return Recipe(
             tool=tool,
             version=version,
@@ -130,7 +153,7 @@ def recipe(tool: str, version: str) -> Recipe:
             package=f"k8s.io/kubernetes/cmd/{tool}",
             ldflags=_kube_ldflags(version),
             replace_staging_k8s=True,
-            version_args=("--version",) if tool == "kube-apiserver" else ("version", "--client"),
+            version_args=("version", "--client") if tool == "kubectl" else ("--version",),
         )
     if tool == "etcd":
         return Recipe(tool, version, "go.etcd.io/etcd/server/v3", "go.etcd.io/etcd/server/v3")
@@ -159,7 +182,7 @@ def recipe(tool: str, version: str) -> Recipe:
 
 
 def candidate_versions(tool: str) -> tuple[str, ...]:
-    if tool in ("kube-apiserver", "kubectl"):
+    if tool in KUBE_COMPONENTS:
         pinned = os.environ.get("LEASE_TESTBED_K8S_VERSION")
         return (pinned,) if pinned else KUBERNETES_VERSIONS
     return {"etcd": (ETCD_VERSION,), "helm": (HELM_VERSION,),
@@ -427,7 +450,7 @@ def clientgo_elector() -> Path:
 
 
 def resolve_version(tool: str) -> str:
-    if tool in ("kube-apiserver", "kubectl"):
+    if tool in KUBE_COMPONENTS:
         return _kubernetes_version()
     return candidate_versions(tool)[0]
 

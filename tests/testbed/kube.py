@@ -265,8 +265,13 @@ class ControlPlane:
         self,
         apiserver_extra_args: Sequence[str] = (),
         workdir: Path | None = None,
+        *,
+        with_nodes: bool = False,
     ) -> None:
         self.apiserver_extra_args = list(apiserver_extra_args)
+        # A kubelet will register: the apiserver then needs a client certificate for
+        # `kubectl logs/exec` and must call webhooks at their pods' IPs (no kube-proxy).
+        self.with_nodes = with_nodes
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="lease-kube-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pki = self.workdir / "pki"
@@ -358,6 +363,11 @@ class ControlPlane:
         # system:masters is the bootstrap superuser group (bypasses RBAC), as kubeadm does.
         self._admin = issue_cert(ca, self.pki, "admin", cn="testbed-admin", org="system:masters")
         self._sa_keys = make_service_account_keys(self.pki)
+        if self.with_nodes:
+            self._kubelet_client = issue_cert(
+                ca, self.pki, "apiserver-kubelet-client", cn="kube-apiserver-kubelet-client",
+                org="system:masters",
+            )
 
     def _with_port_retry(self, start: Callable[[], None], attempts: int = 3) -> None:
         """free_port() only reserves a port until it returns; another process may grab it
@@ -432,7 +442,20 @@ class ControlPlane:
             "--profiling=false",
             # Leave admission plugins at the version's defaults (includes
             # MutatingAdmissionWebhook / ValidatingAdmissionWebhook / ServiceAccount).
+            *self._node_args(),
             *self.apiserver_extra_args,
+        ]
+
+    def _node_args(self) -> list[str]:
+        if not self.with_nodes:
+            return []
+        return [
+            # Webhooks and aggregated APIs are called at an endpoint's pod IP, which the
+            # host routes to; a Service IP would need kube-proxy.
+            "--enable-aggregator-routing=true",
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={self._kubelet_client.cert}",
+            f"--kubelet-client-key={self._kubelet_client.key}",
         ]
 
     def _start_apiserver(self) -> None:
@@ -488,6 +511,37 @@ class ControlPlane:
             f"{name} not ready at {url} after {START_TIMEOUT:.0f}s ({last}):\n"
             f"{_tail(self.workdir / f'{name}.log')}"
         )
+
+    # -- credentials for other components ----------------------------------------------
+
+    @property
+    def service_account_signing_key(self) -> Path:
+        """The key tokens are signed with (kube-controller-manager signs with it too)."""
+        return self._sa_keys.key
+
+    def issue_client_cert(self, stem: str, cn: str, org: str | None = None) -> CertPair:
+        """A client certificate from the cluster CA: user ``cn``, group ``org``."""
+        return issue_cert(self._ca, self.pki, stem, cn=cn, org=org)
+
+    def issue_serving_cert(
+        self, stem: str, cn: str, names: Sequence[str] = (), ips: Sequence[str] = ()
+    ) -> CertPair:
+        return issue_cert(self._ca, self.pki, stem, cn=cn, server_names=names, server_ips=ips)
+
+    def cert_kubeconfig(self, name: str, pair: CertPair) -> Path:
+        """A kubeconfig for the client certificate ``pair`` (component credentials)."""
+        path = self.workdir / f"{name}.kubeconfig"
+        user = name
+        path.write_text(
+            render_kubeconfig(
+                self.server,
+                self.ca_cert,
+                user,
+                {"client-certificate-data": _b64(pair.cert), "client-key-data": _b64(pair.key)},
+            )
+        )
+        path.chmod(0o600)
+        return path
 
     # -- helpers for tests -------------------------------------------------------------
 

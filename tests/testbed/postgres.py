@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -114,7 +115,13 @@ class PgServer:
     """One PostgreSQL cluster in its own temp dir; a primary unless built as a standby."""
 
     def __init__(self, bindir: Path | None = None, root: Path | None = None,
-                 name: str = "primary") -> None:
+                 name: str = "primary", *, extra_listen: Sequence[str] = (),
+                 client_networks: Sequence[str] = ()) -> None:
+        """``extra_listen``: addresses to listen on besides 127.0.0.1 (the one-node
+        cluster's bridge, so pods reach the server); ``client_networks``: CIDRs whose
+        clients may log in with a password (the pod network)."""
+        self.extra_listen = list(extra_listen)
+        self.client_networks = list(client_networks)
         self.bindir = bindir or ensure_installed()
         self.os_user = ensure_os_user()
         self.root = root or Path(tempfile.mkdtemp(prefix="lease-pg-"))
@@ -135,8 +142,9 @@ class PgServer:
         """The test role's URL (with its password) for the ``lease`` database."""
         return self.dsn_for(TEST_DB)
 
-    def dsn_for(self, dbname: str) -> str:
-        return f"postgresql://{TEST_ROLE}:{self.password}@{HOST}:{self.port}/{dbname}"
+    def dsn_for(self, dbname: str, host: str = HOST) -> str:
+        """The test role's URL for ``dbname``; ``host`` one of the listen addresses."""
+        return f"postgresql://{TEST_ROLE}:{self.password}@{host}:{self.port}/{dbname}"
 
     @property
     def admin_dsn(self) -> str:
@@ -165,7 +173,7 @@ class PgServer:
     def _configure(self) -> None:
         conf = f"""
 # lease-sidecar test bed: fast, throw-away, replication-ready
-listen_addresses = '{HOST}'
+listen_addresses = '{",".join([HOST, *self.extra_listen])}'
 port = {self.port}
 unix_socket_directories = '{self.sockdir}'
 fsync = off
@@ -184,7 +192,8 @@ log_line_prefix = '%m [%p] %u@%d '
             f"local all all trust\n"
             f"host all {SUPERUSER} {HOST}/32 trust\n"
             f"host replication {SUPERUSER} {HOST}/32 trust\n"
-            f"host all all {HOST}/32 scram-sha-256\n")
+            f"host all all {HOST}/32 scram-sha-256\n"
+            + "".join(f"host all all {net} scram-sha-256\n" for net in self.client_networks))
         self._chown(self.data, recursive=True)
 
     def _start_on_free_port(self, attempts: int = 3) -> None:

@@ -1,0 +1,258 @@
+"""Real pods on the one-node cluster: the chart's injector, a 3-replica opted-in
+Deployment, and what an operator would time. Prints a table and writes
+results/pods-<backend>.json.
+
+    flock /tmp/lease-bench.lock python -m bench.bench_pods [--trials 10] [--backend kubernetes]
+
+Needs root (see tests/testbed/cluster.py). Every figure is taken on this host's one wall
+clock: the pod watch, the observer polling every pod's ``/leader`` through its pod IP
+every 20 ms and reading every leader file every 10 ms (bench/chaos/recorder.py), and the
+sidecars' own log timestamps.
+
+- **pod start → sidecar ready**: the pod's first watch event → the first event showing
+  its sidecar container ready (startup probe passed); and → the pod Ready. Every pod
+  the trials create counts (replacements and rolled-out pods).
+- **leader deletion → first claim**: ``kubectl delete pod <leader>`` issued → another
+  pod's first observed claim (``200`` or a leader file). The deleted pod's app stops
+  first (SIGTERM), then its sidecar unpublishes and releases, then the successor waits
+  one claim horizon (250 ms) before it claims.
+- **rolling restart**: ``kubectl rollout restart`` → rolled out with one leader: the
+  longest leaderless gap and the number of moments two pods claimed at once (target 0).
+- **sidecar RSS / CPU**: the kubelet's ``/stats/summary`` for the ``lease-sidecar``
+  container (RSS, working set, usageNanoCores), and the container's own cgroup
+  (``cpuacct.usage`` over a quiet minute), leader and standbys apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.failover import summary
+from tests.e2e import pods_support as ps
+from tests.testbed.cluster import Cluster, unavailable_reason
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# Idle usage: the last rolled-out pods settle first (start-up imports cost CPU), then
+# the kubelet's stats are sampled every 10 s and the cgroup's CPU time taken over QUIET.
+SETTLE = 30.0
+QUIET = 60.0
+
+
+def _pg_backend(cluster: Cluster, ns: str) -> tuple[Any, tuple[str, ...]]:
+    from tests.testbed.postgres import PgServer
+
+    pg = PgServer(extra_listen=[cluster.node_ip], client_networks=[cluster.pod_cidr]).init()
+    database = f"bench_{uuid.uuid4().hex[:8]}"
+    pg.create_database(database)
+    cluster.kubectl("-n", ns, "create", "secret", "generic", "lease-dsn",
+                    f"--from-literal=dsn={pg.dsn_for(database, host=cluster.node_ip)}")
+    return pg, ("lease.dsnSecret.name=lease-dsn",)
+
+
+def deletion_trial(cluster: Cluster, ns: str, obs: ps.PodObserver) -> dict[str, float]:
+    old = ps.wait_one_leader(cluster, ns)
+    cluster.wait_for(lambda: obs.leader_now() == old, 30, "the observer to see the leader")
+    t0 = time.time()
+    cluster.kubectl("-n", ns, "delete", "pod", old, "--wait=false")
+    claim = cluster.wait_for(lambda: obs.first_claim_after(t0, exclude=old), 60,
+                             "a new leader's first claim")
+    cluster.wait_for(lambda: old not in ps.roles(cluster, ns), 90, "the deleted pod gone")
+    ps.wait_rolled_out(cluster, ns, "web")
+    ps.wait_one_leader(cluster, ns)
+    verdict = obs.verdict(t0 - 0.5, time.time())
+    return {"first_claim": claim.start - t0, "gap": verdict.longest_gap,
+            "overlaps": len(verdict.overlaps)}
+
+
+def restart_trial(cluster: Cluster, ns: str, obs: ps.PodObserver) -> dict[str, float]:
+    ps.wait_one_leader(cluster, ns)
+    before = {p["metadata"]["name"] for p in ps.app_pods(cluster, ns)}
+    cluster.wait_for(obs.leader_now, 30, "the observer to see a leader")
+    begin = time.time()
+    cluster.kubectl("-n", ns, "rollout", "restart", "deployment/web")
+    ps.wait_rolled_out(cluster, ns, "web")
+    cluster.wait_for(lambda: not before & set(ps.roles(cluster, ns)), 120, "old pods gone")
+    ps.wait_one_leader(cluster, ns)
+    cluster.wait_for(obs.leader_now, 30, "the observer to see the new leader")
+    end = time.time()
+    verdict = obs.verdict(begin, end)
+    return {"duration": end - begin, "gap": verdict.longest_gap,
+            "overlaps": len(verdict.overlaps),
+            "max_overlap": max((o.length for o in verdict.overlaps), default=0.0),
+            "fencing_violations": len(verdict.fencing)}
+
+
+def _cpuacct(pod: dict[str, Any], container: str) -> Path | None:
+    uid = pod["metadata"]["uid"]
+    for status in pod["status"].get("initContainerStatuses", []):
+        if status["name"] == container and status.get("containerID"):
+            cid = status["containerID"].split("://", 1)[1]
+            for qos in ("burstable", "besteffort", ""):
+                path = Path("/sys/fs/cgroup/cpuacct/kubepods", qos, f"pod{uid}", cid,
+                            "cpuacct.usage")
+                if path.exists():
+                    return path
+    return None
+
+
+def resources(cluster: Cluster, ns: str) -> dict[str, Any]:
+    """Idle usage of each sidecar container: kubelet stats and the cgroup's CPU time."""
+    time.sleep(SETTLE)
+    table = ps.roles(cluster, ns)
+    pods = {p["metadata"]["name"]: p for p in ps.app_pods(cluster, ns)}
+    paths = {name: _cpuacct(pod, ps.SIDECAR) for name, pod in pods.items()}
+    start = {n: int(p.read_text()) for n, p in paths.items() if p}
+    t0 = time.monotonic()
+    samples: dict[str, list[dict[str, float]]] = {n: [] for n in pods}
+    while time.monotonic() - t0 < QUIET:
+        for pod in cluster.kubelet_get("/stats/summary")["pods"]:
+            name = pod["podRef"]["name"]
+            for c in pod.get("containers", []):
+                if name in samples and c["name"] == ps.SIDECAR:
+                    samples[name].append({
+                        "rss_mb": c["memory"].get("rssBytes", 0) / 2**20,
+                        "working_set_mb": c["memory"].get("workingSetBytes", 0) / 2**20,
+                        "cpu_millicores": c["cpu"].get("usageNanoCores", 0) / 1e6,
+                    })
+        time.sleep(10)
+    elapsed = time.monotonic() - t0
+    out: dict[str, Any] = {}
+    for role in ("leader", "standby"):
+        names = [n for n in pods if table.get(n) == role]
+        rows = [s for n in names for s in samples[n]]
+        cgroup_cpu = [(int(paths[n].read_text()) - start[n]) / 1e9 / elapsed * 100  # type: ignore[union-attr]
+                      for n in names if n in start]
+        out[role] = {
+            "pods": len(names),
+            "rss_mb": round(statistics.median(r["rss_mb"] for r in rows), 1) if rows else None,
+            "working_set_mb": round(statistics.median(r["working_set_mb"] for r in rows), 1)
+            if rows else None,
+            "kubelet_cpu_millicores":
+                round(statistics.median(r["cpu_millicores"] for r in rows), 2) if rows else None,
+            "cgroup_cpu_percent": round(statistics.median(cgroup_cpu), 2) if cgroup_cpu else None,
+        }
+    return out
+
+
+def run(trials: int, backend: str) -> dict[str, Any]:
+    cluster = Cluster()
+    pg = None
+    print(f"load average at start: {os.getloadavg()}", file=sys.stderr, flush=True)
+    cluster.start()
+    try:
+        image = ps.load_sidecar_image(cluster)
+        ns = cluster.create_namespace("bench")
+        extra: tuple[str, ...] = ("lease.name=bench",)
+        if backend in ("postgres", "postgres-row"):
+            pg, more = _pg_backend(cluster, ns)
+            extra += more
+        t = time.monotonic()
+        ps.install_release(cluster, ns, image, backend=backend, extra=extra)
+        installed = time.monotonic() - t
+        t = time.monotonic()
+        ps.deploy_app(cluster, ns, image)
+        ps.wait_one_leader(cluster, ns)
+        rolled_out = time.monotonic() - t
+        deletions: list[dict[str, float]] = []
+        restarts: list[dict[str, float]] = []
+        with ps.PodObserver(cluster, ns) as obs:
+            for i in range(trials):
+                deletions.append(deletion_trial(cluster, ns, obs))
+                print(f"deletion {i + 1}/{trials}: {deletions[-1]}", file=sys.stderr, flush=True)
+            for i in range(trials):
+                restarts.append(restart_trial(cluster, ns, obs))
+                print(f"restart {i + 1}/{trials}: {restarts[-1]}", file=sys.stderr, flush=True)
+            created = obs.created_since_start()
+            sidecar_ready = [obs.sidecar_ready[n] - t for n, t in created.items()
+                             if n in obs.sidecar_ready]
+            pod_ready = [obs.pod_ready[n] - t for n, t in created.items() if n in obs.pod_ready]
+            anomalies = list(obs.recorder.anomalies)
+            http_periods = [p for s in obs.recorder.http_stats.values() for p in s.periods]
+        usage = resources(cluster, ns)
+        return {
+            "backend": backend,
+            "image": image,
+            "trials": trials,
+            "cluster_start_s": round(cluster.startup_seconds, 1),
+            "helm_install_s": round(installed, 1),
+            "deployment_rollout_s": round(rolled_out, 1),
+            "pod_start_to_sidecar_ready": summary(sidecar_ready),
+            "pod_start_to_pod_ready": summary(pod_ready),
+            "deletion_to_first_claim": summary([d["first_claim"] for d in deletions]),
+            "deletion_longest_gap": summary([d["gap"] for d in deletions]),
+            "deletion_overlaps": sum(int(d["overlaps"]) for d in deletions),
+            "restart_longest_gap": summary([r["gap"] for r in restarts]),
+            "restart_overlaps": sum(int(r["overlaps"]) for r in restarts),
+            "restart_fencing_violations": sum(int(r["fencing_violations"]) for r in restarts),
+            "restart_duration": summary([r["duration"] for r in restarts]),
+            "http_poll_period_ms_p50": round(statistics.median(http_periods) * 1000, 1),
+            "loadavg_at_end": [round(x, 1) for x in os.getloadavg()],
+            "anomalies": anomalies[:20],
+            "sidecar_usage": usage,
+            "raw": {"deletions": deletions, "restarts": restarts},
+        }
+    finally:
+        cluster.stop()
+        if pg is not None:
+            pg.destroy()
+
+
+def table(r: dict[str, Any]) -> str:
+    def row(label: str, s: dict[str, float], note: str = "") -> str:
+        return f"| {label} | {s['p50_ms']:.0f} ms | {s['p99_ms']:.0f} ms | {s['n']} | {note} |"
+
+    u = r["sidecar_usage"]
+    lines = [
+        "| figure | p50 | p99 | n | note |",
+        "|---|---|---|---|---|",
+        row("pod start → sidecar ready", r["pod_start_to_sidecar_ready"],
+            "first watch event → sidecar container ready"),
+        row("pod start → pod Ready", r["pod_start_to_pod_ready"], "2/2"),
+        row("leader pod deletion → new leader's first claim", r["deletion_to_first_claim"],
+            f"overlaps: {r['deletion_overlaps']}"),
+        row("rolling restart: longest leaderless gap", r["restart_longest_gap"],
+            f"overlaps: {r['restart_overlaps']} (target 0)"),
+        "",
+        "| sidecar container, idle | RSS | working set | CPU (kubelet) | CPU (cgroup, "
+        f"{QUIET:.0f} s) |",
+        "|---|---|---|---|---|",
+    ]
+    for role in ("leader", "standby"):
+        x = u[role]
+        lines.append(f"| {role} ({x['pods']} pods) | {x['rss_mb']} MiB | "
+                     f"{x['working_set_mb']} MiB | {x['kubelet_cpu_millicores']} millicores | "
+                     f"{x['cgroup_cpu_percent']} % of a core |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--backend", default="kubernetes",
+                        choices=("kubernetes", "postgres", "postgres-row"))
+    args = parser.parse_args(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"bench_pods: {reason}", file=sys.stderr)
+        return 2
+    result = run(args.trials, args.backend)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"pods-{args.backend}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    print(f"\ncluster start {result['cluster_start_s']} s, helm install --wait "
+          f"{result['helm_install_s']} s, 3-replica rollout {result['deployment_rollout_s']} s; "
+          f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
