@@ -158,7 +158,7 @@ def run(trials: int, backend: str) -> dict[str, Any]:
         ps.install_release(cluster, ns, image, backend=backend, extra=extra)
         installed = time.monotonic() - t
         t = time.monotonic()
-        ps.deploy_app(cluster, ns, image)
+        ps.deploy_app(cluster, ns, image, "bench")
         ps.wait_one_leader(cluster, ns)
         rolled_out = time.monotonic() - t
         deletions: list[dict[str, float]] = []

@@ -162,9 +162,10 @@ def install_release(
     return release
 
 
-def app_deployment(name: str, image: str, replicas: int = 3, service_account: str = "app",
-                   grace: int = 30) -> str:
-    """A Deployment opted in to injection by label; its app is :data:`APP_SCRIPT`."""
+def app_deployment(name: str, image: str, lease: str, replicas: int = 3,
+                   service_account: str = "app", grace: int = 30) -> str:
+    """A Deployment opted in to injection by label, naming its lease (the injector refuses
+    a pod that does not); its app is :data:`APP_SCRIPT`."""
     return json.dumps({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -173,7 +174,8 @@ def app_deployment(name: str, image: str, replicas: int = 3, service_account: st
             "replicas": replicas,
             "selector": {"matchLabels": {"app": APP_LABEL}},
             "template": {
-                "metadata": {"labels": {"app": APP_LABEL, "lease-sidecar/inject": "true"}},
+                "metadata": {"labels": {"app": APP_LABEL, "lease-sidecar/inject": "true"},
+                             "annotations": {"lease-sidecar/name": lease}},
                 "spec": {
                     "serviceAccountName": service_account,
                     "terminationGracePeriodSeconds": grace,
@@ -195,10 +197,10 @@ def app_deployment(name: str, image: str, replicas: int = 3, service_account: st
     })
 
 
-def deploy_app(cluster: Cluster, namespace: str, image: str, name: str = "web",
+def deploy_app(cluster: Cluster, namespace: str, image: str, lease: str, name: str = "web",
                replicas: int = 3) -> str:
     cluster.kubectl("-n", namespace, "apply", "-f", "-",
-                    input=app_deployment(name, image, replicas))
+                    input=app_deployment(name, image, lease, replicas))
     wait_rolled_out(cluster, namespace, name)
     return name
 

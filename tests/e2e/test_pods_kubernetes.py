@@ -37,7 +37,7 @@ def app(pod_cluster: Cluster, sidecar_image: str) -> Iterator[App]:
     ns = pod_cluster.create_namespace("e2e-kube")
     ps.install_release(pod_cluster, ns, sidecar_image, release=RELEASE,
                        extra=(f"lease.name={LEASE_NAME}",))
-    ps.deploy_app(pod_cluster, ns, sidecar_image)
+    ps.deploy_app(pod_cluster, ns, sidecar_image, LEASE_NAME)
     yield App(pod_cluster, ns, sidecar_image)
     pod_cluster.helm("uninstall", RELEASE, "-n", ns, check=False)
     pod_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
@@ -134,7 +134,9 @@ print(json.dumps({
     "get_lease": status(lambda: coord.read_namespaced_lease(lease, ns)),
     "delete_lease": status(lambda: coord.delete_namespaced_lease(lease, ns)),
     "list_secrets": status(lambda: core.list_namespaced_secret(ns)),
-    "patch_pod": status(lambda: core.patch_namespaced_pod(
+    "patch_label": status(lambda: core.patch_namespaced_pod(
+        pod, ns, {"metadata": {"labels": {"lease-role": "leader"}}})),
+    "patch_other": status(lambda: core.patch_namespaced_pod(
         pod, ns, {"metadata": {"annotations": {"e2e/probe": "1"}}})),
 }))
 """
@@ -146,7 +148,10 @@ print(json.dumps({
         "get_lease": 200,
         "delete_lease": 403,  # the chart's Role grants no delete
         "list_secrets": 403,  # nor secrets
-        "patch_pod": 200,  # the label patch's permission
+        "patch_label": 200,  # the label patch's permission
+        # Anything else on the pod: RBAC allows the patch, the chart's admission policy
+        # (rbac.podPatchPolicy) refuses it.
+        "patch_other": 403,
     }
     # And the sidecar's own writes went through under that Role: it holds the Lease and
     # labelled its pod.

@@ -50,7 +50,7 @@ def pg_app(pod_cluster: Cluster, sidecar_image: str, pods_pg: PgServer) -> Itera
     c.kubectl("-n", ns, "create", "secret", "generic", "lease-dsn", f"--from-literal=dsn={dsn}")
     ps.install_release(c, ns, sidecar_image, release=RELEASE, backend="postgres",
                        extra=("lease.dsnSecret.name=lease-dsn", "lease.name=e2e"))
-    ps.deploy_app(c, ns, sidecar_image)
+    ps.deploy_app(c, ns, sidecar_image, "e2e")
     yield PgApp(c, ns, pods_pg, database)
     c.helm("uninstall", RELEASE, "-n", ns, check=False)
     c.kubectl("delete", "namespace", ns, "--wait=false", check=False)
