@@ -26,6 +26,7 @@ from sidecar.lease import BackendError, NotFound, backend_module
 from sidecar.publish.http import ReleaseOutcome
 from sidecar.redact import redact
 from sidecar.runtime import Sidecar
+from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.cli")
 
@@ -198,6 +199,30 @@ class _ExecSidecar(Sidecar):
         return super().release(name)
 
 
+def _job_env(sidecar: Sidecar, state: LeaseState) -> dict[str, str]:
+    """What the command learns of its lease, as ``consul lock`` sets ``CONSUL_LOCK_HELD``.
+
+    The token and the first claim's expiry are a snapshot at start; the token stays right
+    for the command's whole life (exec ends the command when the term ends, and a term
+    keeps its token). The expiry does not: a command that must honour the live
+    ``valid_until`` reads ``LEASE_LEADER_FILE`` or ``LEASE_LEADER_URL``.
+    """
+    body = state.body(state.claim())
+    host, _ = sidecar.settings.http_addr
+    port = sidecar.http.bound_port if sidecar.http else sidecar.settings.http_addr[1]
+    url_host = f"[{host}]" if ":" in host else host
+    return {
+        **os.environ,
+        "LEASE_HELD": "1",
+        "LEASE_NAME": state.lease,
+        "LEASE_FENCING_TOKEN": str(body["fencing_token"]),
+        "LEASE_VALID_UNTIL": str(body["valid_until"]),
+        "LEASE_VALID_UNTIL_MS": str(body["valid_until_ms"]),
+        "LEASE_LEADER_FILE": str(sidecar.state_dir / "leader"),
+        "LEASE_LEADER_URL": f"http://{url_host}:{port}/leader/{state.lease}",
+    }
+
+
 async def _exec(settings: Settings, cmd: list[str], acquire_timeout: float | None) -> int:
     """Start ``cmd`` once we lead; stop it (and all it started) when we stop leading;
     mirror its exit code."""
@@ -233,7 +258,7 @@ async def _exec(settings: Settings, cmd: list[str], acquire_timeout: float | Non
                 return EXIT_NOT_ACQUIRED
             await _wait_any(state.wait_for_change(state.facts.version, 0.05), stop.wait())
         job = await supervise.Job.start(cmd, state.facts.valid_until, settings.exec_grace,
-                                        settings.safety_margin)
+                                        settings.safety_margin, _job_env(sidecar, state))
         sidecar.job_running = True
         log.info("started command", extra={"lease": state.lease, "pid": job.pid,
                                            "fencing_token": state.facts.fencing_token})

@@ -68,14 +68,14 @@ class Job:
 
     @classmethod
     async def start(cls, cmd: list[str], valid_until: float, grace: float,
-                    margin: float) -> Job:
+                    margin: float, env: dict[str, str] | None = None) -> Job:
         read_end, write_end = os.pipe()  # both non-inheritable (PEP 446)
         try:
             os.set_blocking(write_end, False)
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-I", "-S", str(GUARD_SCRIPT), str(read_end), repr(grace),
                 repr(margin), repr(valid_until), "--", *cmd,
-                pass_fds=(read_end,), start_new_session=True)
+                pass_fds=(read_end,), start_new_session=True, env=env)
         except BaseException:
             os.close(write_end)
             raise

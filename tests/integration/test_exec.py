@@ -9,6 +9,7 @@ worker is gone (by pid and start time in ``/proc``) and that no two jobs ever ov
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -311,3 +312,32 @@ def test_guard_reports_a_command_that_vanished_after_the_check(tmp_path):
     assert result.returncode == 127
     assert result.stderr.strip().splitlines() == [
         f"lease-sidecar: exec: {tmp_path / 'gone'}: No such file or directory"]
+
+
+def test_the_command_is_told_its_lease(tmp_path):
+    """As ``consul lock`` sets CONSUL_LOCK_HELD: name, fencing token, the first claim's
+    expiry, and where to read the live claim (file and URL) while it runs."""
+    out = tmp_path / "env.txt"
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import json, os, sys, urllib.request\n"
+        "env = {k: v for k, v in os.environ.items() if k.startswith('LEASE_')}\n"
+        "with open(os.environ['LEASE_LEADER_FILE']) as fh:\n"
+        "    env['file'] = json.load(fh)\n"
+        "with urllib.request.urlopen(os.environ['LEASE_LEADER_URL'], timeout=5) as r:\n"
+        "    env['url'] = json.load(r)\n"
+        f"open({str(out)!r}, 'w').write(json.dumps(env))\n")
+    proc = start_exec(tmp_path, "exec-env", [sys.executable, str(script)], "--name", "jobs")
+    try:
+        assert proc.proc is not None and proc.proc.wait(30) == 0, proc.logs()
+    finally:
+        proc.stop()
+    seen = json.loads(out.read_text())
+    assert seen["LEASE_HELD"] == "1" and seen["LEASE_NAME"] == "jobs"
+    token = int(seen["LEASE_FENCING_TOKEN"])
+    assert token == seen["file"]["fencing_token"] == seen["url"]["fencing_token"]
+    assert seen["url"]["leader"] is True and seen["url"]["lease"] == "jobs"
+    # The expiry at start, in both forms; the live one in the file is no earlier.
+    assert seen["LEASE_VALID_UNTIL_MS"].isdigit()
+    assert seen["LEASE_VALID_UNTIL"].endswith("Z")
+    assert seen["file"]["valid_until_ms"] >= int(seen["LEASE_VALID_UNTIL_MS"])
