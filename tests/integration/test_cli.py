@@ -75,7 +75,8 @@ def test_version_is_the_package_version() -> None:
 HOLDING = {"--backend", "--dsn", "--replica-dsn", "--replica-timeout", "--name", "--identity",
            "--key-prefix", "--lease-duration", "--renew-interval", "--renew-deadline",
            "--safety-margin", "--claim-horizon", "--http-addr", "--state-dir", "--role",
-           "--schema", "--table", "--odbc-driver", "--pod-label", "--log-level", "--help"}
+           "--schema", "--table", "--odbc-driver", "--pod-label", "--log-level",
+           "--work-stall-after", "--help"}
 FLAGS = {
     "run": HOLDING,
     "exec": HOLDING | {"--grace", "--acquire-timeout"},
