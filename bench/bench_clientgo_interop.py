@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from bench.failover import summary
-from tests.integration.clientgo_support import CLIENTGO_ARGS, Contest
+from tests.integration.clientgo_support import CLIENTGO_ARGS, OBJECT, Contest
 from tests.integration.kube_support import install_rbac
 from tests.testbed import gobuild
 from tests.testbed.kube import ControlPlane
@@ -43,7 +43,7 @@ def main() -> None:
     binary = gobuild.ensure_binary("clientgo-elector")
     with tempfile.TemporaryDirectory(prefix="bench-interop-") as tmp, ControlPlane() as cp:
         ns = cp.create_namespace("interop")
-        contest = Contest(Path(tmp), ns, install_rbac(cp, ns), binary)
+        contest = Contest(Path(tmp), ns, install_rbac(cp, ns, (OBJECT,)), binary)
         try:
             contest.start()
             for i, sig in enumerate([signal.SIGTERM] * args.rounds

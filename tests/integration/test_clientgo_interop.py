@@ -44,7 +44,7 @@ def clientgo_elector(control_plane: ControlPlane) -> Path:
 def test_sidecars_and_clientgo_electors_never_lead_at_once(
     control_plane: ControlPlane, kube_namespace: str, clientgo_elector: Path, tmp_path: Path
 ) -> None:
-    kubeconfig = install_rbac(control_plane, kube_namespace)
+    kubeconfig = install_rbac(control_plane, kube_namespace, (OBJECT,))
     # Someone else's metadata on the Lease: both kinds of contender must keep it.
     control_plane.kubectl("-n", kube_namespace, "apply", "-f", "-", input=json.dumps({
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
