@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from kubernetes import client, config, watch
 
-from tests.support import REPO, SidecarProcess
+from tests.support import REPO, SidecarProcess, wait_until
 from tests.testbed.kube import ControlPlane
 
 RBAC = REPO / "deploy" / "rbac.yaml"
@@ -183,3 +183,21 @@ class Recorder:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no matching event within {timeout}s")
             time.sleep(0.005)
+
+
+def sidecars_in_pods(cp: ControlPlane, namespace: str, workdir: Path, kubeconfig: Path,
+                     pods: tuple[str, ...]) -> Iterator[list[SidecarProcess]]:
+    """One sidecar per pod (the Pod objects made first), all up and one of them leading;
+    stopped when the generator closes. For fixtures: ``yield from sidecars_in_pods(...)``."""
+    create_pods(cp, namespace, *pods)
+    procs = [sidecar(workdir, pod, namespace, kubeconfig) for pod in pods]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.wait_http()
+        wait_until(lambda: leaders(procs), timeout=15)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()

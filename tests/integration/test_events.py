@@ -25,12 +25,11 @@ from kubernetes import client, config, watch
 from sidecar.publish.events import MIN_WRITE_INTERVAL, VOLUNTARY
 from tests.integration.kube_support import (
     SERVICE_ACCOUNT,
-    create_pods,
     install_rbac,
     leaders,
     lease_spec,
     rbac_manifest,
-    sidecar,
+    sidecars_in_pods,
 )
 from tests.support import SidecarProcess, wait_until
 from tests.testbed.kube import ControlPlane
@@ -81,18 +80,7 @@ def pair(control_plane: ControlPlane, kube_namespace: str,
 
 def _run_pair(cp: ControlPlane, ns: str, tmp_path: Path,
               kubeconfig: Path) -> Iterator[list[SidecarProcess]]:
-    create_pods(cp, ns, *PODS)
-    procs = [sidecar(tmp_path, pod, ns, kubeconfig) for pod in PODS]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait_http()
-        wait_until(lambda: leaders(procs), timeout=15)
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+    return sidecars_in_pods(cp, ns, tmp_path, kubeconfig, PODS)
 
 
 def test_a_term_and_its_release_show_on_each_pod(

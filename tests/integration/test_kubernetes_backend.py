@@ -23,6 +23,7 @@ from tests.integration.kube_support import (
     leaders,
     lease_spec,
     sidecar,
+    sidecars_in_pods,
 )
 from tests.support import REPO, SidecarProcess, get_json, wait_until
 from tests.testbed import gobuild
@@ -42,18 +43,7 @@ def sa_kubeconfig(control_plane: ControlPlane, kube_namespace: str) -> Path:
 def trio(control_plane: ControlPlane, kube_namespace: str, sa_kubeconfig: Path,
          tmp_path: Path) -> Iterator[list[SidecarProcess]]:
     """Three contenders, each in its own pod, all up and one of them leading."""
-    create_pods(control_plane, kube_namespace, *PODS)
-    procs = [sidecar(tmp_path, pod, kube_namespace, sa_kubeconfig) for pod in PODS]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait_http()
-        wait_until(lambda: leaders(procs), timeout=15)
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+    yield from sidecars_in_pods(control_plane, kube_namespace, tmp_path, sa_kubeconfig, PODS)
 
 
 def the_leader(procs: list[SidecarProcess], timeout: float = 10) -> SidecarProcess:
