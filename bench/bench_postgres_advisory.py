@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from bench.failover import failover_trials, summary
-from sidecar.config import parse_duration
+from sidecar.durations import parse_duration
 from tests.testbed.postgres import PgServer
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -12,26 +12,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.metadata
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
 
-from sidecar import cli_status, config, jsonlog, supervise
-from sidecar.config import ConfigError, Settings
-from sidecar.lease import BackendError, NotFound, backend_module
-from sidecar.publish.http import ReleaseOutcome
+from sidecar import cli_exec, cli_status, config, jsonlog, supervise
+from sidecar.aio import first_of
+from sidecar.cli_exec import EXIT_BAD_SETTINGS
+from sidecar.durations import parse_duration
+from sidecar.errors import BackendError, ConfigError, NotFound
+from sidecar.lease import backend_entry
 from sidecar.redact import redact
 from sidecar.runtime import Sidecar
-from sidecar.state import LeaseState
+from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar.cli")
-
-EXIT_BAD_SETTINGS = 2
-EXIT_NOT_ACQUIRED = 75
 
 
 def version() -> str:
@@ -99,9 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unusable is not None:
                 code, line = unusable
                 return _fail(f"exec: {line}", code=code)
-            timeout = (config.parse_duration(args.acquire_timeout)
+            timeout = (parse_duration(args.acquire_timeout)
                        if args.acquire_timeout is not None else None)
-            return asyncio.run(_exec(settings, cmd, timeout))
+            return asyncio.run(cli_exec.run(settings, cmd, timeout))
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
         return asyncio.run(_status(settings, as_json=args.json))
@@ -130,38 +127,15 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def _start(sidecar: Sidecar) -> None:
-    try:
-        await sidecar.start()
-    except OSError as exc:
-        await sidecar.stop()
-        raise _start_error(sidecar, exc) from None
-
-
-def _start_error(sidecar: Sidecar, exc: OSError) -> ConfigError:
-    """Name the setting behind a start-up failure: a file error is about the state
-    directory (a ``leader`` *directory* in it, say), a socket error about the address."""
-    if exc.filename is not None:
-        path = os.fsdecode(exc.filename)
-        directory = os.fspath(sidecar.state_dir)
-        if path == directory or path.startswith(directory.rstrip("/") + "/"):
-            return ConfigError(f"LEASE_STATE_DIR / --state-dir: {path}: "
-                               f"{exc.strerror or exc}")
-        return ConfigError(f"cannot start: {path}: {exc.strerror or exc}")
-    host, port = sidecar.settings.http_addr
-    return ConfigError(f"LEASE_HTTP_ADDR / --http-addr: cannot listen on {host}:{port}: "
-                       f"{exc.strerror or exc}")
-
-
 async def _run(settings: Settings) -> int:
     stop = asyncio.Event()
     _stop_on_signals(stop)
     sidecar = Sidecar(settings)
-    await _start(sidecar)
+    await sidecar.start()
     stopped = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(sidecar.wait_failed())
     misconfigured = asyncio.ensure_future(sidecar.wait_misconfigured())
-    await asyncio.wait([stopped, failed, misconfigured], return_when=asyncio.FIRST_COMPLETED)
+    await first_of(stopped, failed, misconfigured)
     crash = failed.exception() if failed.done() else None
     for waiter in (failed, stopped, misconfigured):
         waiter.cancel()
@@ -176,144 +150,16 @@ async def _run(settings: Settings) -> int:
     return 0
 
 
-# Signals whose default action would end the supervisor: each stops the job first
-# (SIGKILL cannot be caught; the guard handles that case).
-EXEC_STOP_SIGNALS = tuple(getattr(signal, name) for name in (
-    "SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGVTALRM",
-    "SIGPROF", "SIGXCPU", "SIGXFSZ", "SIGPWR", "SIGIO") if hasattr(signal, name))
-
-
-class _ExecSidecar(Sidecar):
-    """``POST /release`` under ``exec`` ends the command first, then releases the lease:
-    the work stops while the lease is still ours, never after another holder started."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.release_requested = asyncio.Event()
-        self.job_running = False
-        super().__init__(settings)
-
-    def release(self, name: str | None) -> ReleaseOutcome:
-        if self.job_running and (name or self.settings.name) == self.settings.name:
-            self.release_requested.set()
-            return "released"
-        return super().release(name)
-
-
-def _job_env(sidecar: Sidecar, state: LeaseState) -> dict[str, str]:
-    """What the command learns of its lease, as ``consul lock`` sets ``CONSUL_LOCK_HELD``.
-
-    The token and the first claim's expiry are a snapshot at start; the token stays right
-    for the command's whole life (exec ends the command when the term ends, and a term
-    keeps its token). The expiry does not: a command that must honour the live
-    ``valid_until`` reads ``LEASE_LEADER_FILE`` or ``LEASE_LEADER_URL``.
-    """
-    body = state.body(state.claim())
-    host, _ = sidecar.settings.http_addr
-    port = sidecar.http.bound_port if sidecar.http else sidecar.settings.http_addr[1]
-    url_host = f"[{host}]" if ":" in host else host
-    return {
-        **os.environ,
-        "LEASE_HELD": "1",
-        "LEASE_NAME": state.lease,
-        "LEASE_FENCING_TOKEN": str(body["fencing_token"]),
-        "LEASE_VALID_UNTIL": str(body["valid_until"]),
-        "LEASE_VALID_UNTIL_MS": str(body["valid_until_ms"]),
-        "LEASE_LEADER_FILE": str(sidecar.state_dir / "leader"),
-        "LEASE_LEADER_URL": f"http://{url_host}:{port}/leader/{state.lease}",
-    }
-
-
-async def _exec(settings: Settings, cmd: list[str], acquire_timeout: float | None) -> int:
-    """Start ``cmd`` once we lead; stop it (and all it started) when we stop leading;
-    mirror its exit code."""
-    supervise.become_subreaper()
-    stop = asyncio.Event()
-    kill = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        # A second signal (an impatient Ctrl-C) skips the grace.
-        (kill if stop.is_set() else stop).set()
-
-    for sig in EXEC_STOP_SIGNALS:
-        with contextlib.suppress(ValueError, OSError, RuntimeError):
-            loop.add_signal_handler(sig, on_signal)
-    sidecar = _ExecSidecar(settings)
-    await _start(sidecar)
-    state = sidecar.states[0]
-    deadline = loop.time() + acquire_timeout if acquire_timeout is not None else None
-    job: supervise.Job | None = None
-    # A backend that finds itself misconfigured stops the command like a signal, but
-    # the exit code is 2 (the backend logged why).
-    misconfigured = asyncio.ensure_future(sidecar.wait_misconfigured())
-    misconfigured.add_done_callback(lambda _: stop.set())
-    try:
-        while not state.claim().leader:
-            if misconfigured.done():
-                return EXIT_BAD_SETTINGS
-            if stop.is_set():
-                return 0
-            if deadline is not None and loop.time() >= deadline:
-                log.warning("lease not acquired in time", extra={"lease": state.lease})
-                return EXIT_NOT_ACQUIRED
-            await _wait_any(state.wait_for_change(state.facts.version, 0.05), stop.wait())
-        job = await supervise.Job.start(cmd, state.facts.valid_until, settings.exec_grace,
-                                        settings.safety_margin, _job_env(sidecar, state))
-        sidecar.job_running = True
-        log.info("started command", extra={"lease": state.lease, "pid": job.pid,
-                                           "fencing_token": state.facts.fencing_token})
-        exited = asyncio.ensure_future(job.wait())
-        stopping: str | None = None
-        # Poll the claim at a fraction of the horizon: a claim can lapse with no state
-        # change at all (a renew that hangs until the validity runs out).
-        while not exited.done():
-            leading = state.claim().leader
-            if leading:
-                # Also while stopping on request: the lease is still ours, so the
-                # command gets its whole grace.
-                job.extend(state.facts.valid_until)
-            reason = ("signal" if stop.is_set() else
-                      "release requested" if sidecar.release_requested.is_set() else
-                      None if leading else "lease lost")
-            if reason and stopping is None:
-                stopping = reason
-                log.warning("stopping command", extra={"pid": job.pid, "reason": reason})
-                job.stop()
-            if kill.is_set():
-                job.kill()
-            await _wait_any(exited, stop.wait(), kill.wait(), sidecar.release_requested.wait(),
-                            state.wait_for_change(state.facts.version,
-                                                  settings.claim_horizon / 2))
-        code = await exited
-        return EXIT_BAD_SETTINGS if misconfigured.done() else code
-    finally:
-        misconfigured.cancel()
-        if job is not None:
-            job.close()
-        # Only now, with the command and everything it started gone, is the lease released.
-        await sidecar.stop()
-
-
-async def _wait_any(*waitables) -> None:  # type: ignore[no-untyped-def]
-    """Wait for the first to finish; cancel the helpers we made, never a shared future."""
-    ours = [asyncio.ensure_future(w) for w in waitables if not asyncio.isfuture(w)]
-    shared = [w for w in waitables if asyncio.isfuture(w)]
-    try:
-        await asyncio.wait(ours + shared, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in ours:
-            task.cancel()
-
-
 async def _schema(settings: Settings, apply: bool) -> int:
-    module = backend_module(settings.backend)
-    if not hasattr(module, "schema_sql"):
-        return _fail(f"LEASE_BACKEND / --backend: {settings.backend} has no table to provision")
+    store = settings.store
+    entry = backend_entry(store.backend)
+    if entry.schema_sql is None or entry.apply_schema is None:
+        return _fail(f"LEASE_BACKEND / --backend: {store.backend} has no table to provision")
     if not apply:
-        print(module.schema_sql(settings))
+        print(entry.schema_sql(settings))
         return 0
-    await module.apply_schema(settings)
-    print(f"schema applied ({settings.backend}, {settings.schema}.{settings.table_name})")
+    await entry.apply_schema(settings)
+    print(f"schema applied ({store.backend}, {store.schema}.{store.table_name})")
     return 0
 
 

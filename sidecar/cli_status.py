@@ -23,9 +23,10 @@ import sys
 from datetime import datetime
 from typing import Any, TextIO
 
-from sidecar.config import Settings
-from sidecar.lease import LeaseInfo, backend_module
-from sidecar.state import rfc3339
+from sidecar.clock import rfc3339
+from sidecar.errors import ConfigError
+from sidecar.lease import LeaseInfo, backend_entry
+from sidecar.settings import Settings
 
 EXIT_NOT_FOUND = 3
 COLUMNS = ("LEASE", "HOLDER", "FENCING TOKEN", "EXPIRES")
@@ -35,8 +36,12 @@ async def report(settings: Settings, as_json: bool, out: TextIO | None = None,
                  err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
+    store = settings.store
     asked = settings.names if "names" in settings.explicit else None
-    found = await backend_module(settings.backend).list_leases(settings, asked)
+    list_leases = backend_entry(store.backend).list_leases
+    if list_leases is None:
+        raise ConfigError(f"LEASE_BACKEND / --backend: {store.backend} cannot list its leases")
+    found = await list_leases(settings, asked)
     if asked is None:
         leases, unknown = sorted(found, key=lambda info: info.lease), []
     else:
@@ -48,17 +53,17 @@ async def report(settings: Settings, as_json: bool, out: TextIO | None = None,
     elif leases:
         out.write(table(leases))
     elif not unknown:
-        err.write(f"no leases under key prefix {settings.key_prefix!r} "
-                  f"(backend {settings.backend})\n")
+        err.write(f"no leases under key prefix {store.key_prefix!r} "
+                  f"(backend {store.backend})\n")
     if unknown:
         err.write(f"lease-sidecar: no such lease: {', '.join(unknown)} "
-                  f"(backend {settings.backend}, key prefix {settings.key_prefix!r})\n")
+                  f"(backend {store.backend}, key prefix {store.key_prefix!r})\n")
         return EXIT_NOT_FOUND
     return 0
 
 
 def document(settings: Settings, leases: list[LeaseInfo], unknown: list[str]) -> dict[str, Any]:
-    return {"backend": settings.backend, "key_prefix": settings.key_prefix,
+    return {"backend": settings.store.backend, "key_prefix": settings.store.key_prefix,
             "leases": [row(info) for info in leases], "unknown": unknown}
 
 

@@ -45,14 +45,14 @@ one per retry.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
-from sidecar.config import Settings
+from sidecar.aio import first_of
 from sidecar.lease import Grant, Lease
 from sidecar.publish import Publisher
+from sidecar.settings import RENEW_JITTER, Timing
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.elector")
@@ -67,11 +67,12 @@ def jittered(seconds: float, spread: float = 0.2) -> float:
 
 
 class Elector:
-    def __init__(self, lease: Lease, state: LeaseState, settings: Settings,
+    def __init__(self, lease: Lease, state: LeaseState, timing: Timing, identity: str,
                  publishers: Sequence[Publisher] = ()) -> None:
         self.lease = lease
         self.state = state
-        self.settings = settings
+        self.timing = timing
+        self.identity = identity
         self.publishers = list(publishers)
         self._clock = state.clock
         self._wake = asyncio.Event()
@@ -109,7 +110,7 @@ class Elector:
 
     def alive(self, now: float) -> bool:
         """The loop has run recently (``/healthz``)."""
-        bound = max(self.settings.lease_duration, self.settings.renew_interval * 3) + 5.0
+        bound = max(self.timing.lease_duration, self.timing.renew_interval * 3) + 5.0
         return now - self._last_tick < bound
 
     # -- the loop ------------------------------------------------------------------------
@@ -145,13 +146,13 @@ class Elector:
         # Validity counts from the send time (the earliest the grant can have been
         # decided); the first claim waits one horizon from the *reply* (the latest it can
         # have been decided), since an acquire may wait in the server for the release.
-        delay = max(self.settings.claim_horizon, grant.claim_delay)
+        delay = max(self.timing.claim_horizon, grant.claim_delay)
         replied = self._clock.monotonic()
         self._release_requested = False  # asked of an earlier term, which has ended
         self.state.update(
             "acquired", holding=True, released=False, claim_from=replied + delay,
             valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
-            holder=self.settings.identity, reason="holding")
+            holder=self.identity, reason="holding")
         log.info("acquired lease", extra=self._fields(grant.fencing_token))
         # The previous holder's last claims may still run for up to one horizon.
         await self._sleep_or_wake(delay, watch_lease=False)
@@ -161,12 +162,12 @@ class Elector:
         # A request that came during the previous renew is acted on now: the sleep would
         # clear its wake-up and hold it back one renew interval.
         if not self._release_requested:
-            await self._sleep_or_wake(jittered(self.settings.renew_interval, 0.1),
+            await self._sleep_or_wake(jittered(self.timing.renew_interval, RENEW_JITTER),
                                       watch_lease=False, watch_loss=True)
         if self._release_requested:
             self._release_requested = False
             await self._step_down(self._release_reason, release=True)
-            await self._sleep_or_wake(self.settings.lease_duration, watch_lease=False)
+            await self._sleep_or_wake(self.timing.lease_duration, watch_lease=False)
             return
         facts = self.state.facts
         remaining = facts.valid_until - self._clock.monotonic()
@@ -204,7 +205,7 @@ class Elector:
         if release:
             waited = await self._claims_expired(outstanding)
             try:
-                async with asyncio.timeout(max(1.0, self.settings.renew_interval)):
+                async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
                     await self.lease.release()
             except Exception as exc:
                 log.warning("release failed; the lease frees itself after its TTL",
@@ -250,7 +251,7 @@ class Elector:
             self._failures += 1
             if self.state.facts.backend_ok or self._failures == 1:
                 log.warning("backend unreachable", extra={
-                    "lease": self.state.lease, "identity": self.settings.identity,
+                    "lease": self.state.lease, "identity": self.identity,
                     "operation": what, "error": str(exc) or type(exc).__name__})
                 self.state.update(backend_ok=False, reason=f"backend unreachable: {exc}")
             return None
@@ -259,15 +260,15 @@ class Elector:
         if not self.state.facts.backend_ok:
             if self._failures:
                 log.info("backend reachable again", extra={"lease": self.state.lease,
-                                                           "identity": self.settings.identity})
+                                                           "identity": self.identity})
             self.state.update(backend_ok=True)
         self._failures = 0
         return result
 
     def _retry_delay(self) -> float:
-        base = self.settings.renew_interval
+        base = self.timing.renew_interval
         if self._failures:
-            base = min(base * 2 ** min(self._failures - 1, 10), self.settings.lease_duration)
+            base = min(base * 2 ** min(self._failures - 1, 10), self.timing.lease_duration)
         return jittered(base)
 
     async def _sleep_or_wake(self, seconds: float, watch_lease: bool,
@@ -275,21 +276,13 @@ class Elector:
         """Sleep, but wake for a release request, (standby) a lease change, or (holder)
         the backend's word that the lease is gone (the optional ``lost`` event)."""
         self._wake.clear()
-        waits = [asyncio.ensure_future(self._wake.wait())]
+        waits: list[Awaitable[object]] = [self._wake.wait()]
         if watch_lease:
-            waits.append(asyncio.ensure_future(self.lease.wait_for_change(seconds)))
-        lost = getattr(self.lease, "lost", None) if watch_loss else None
-        if lost is not None:
-            waits.append(asyncio.ensure_future(lost.wait()))
-        try:
-            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in waits:
-                task.cancel()
-            for task in waits:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            waits.append(self.lease.wait_for_change(seconds))
+        if watch_loss and self.lease.lost is not None:
+            waits.append(self.lease.lost.wait())
+        await first_of(*waits, timeout=seconds)
 
     def _fields(self, token: int | None) -> dict[str, object]:
-        return {"lease": self.state.lease, "identity": self.settings.identity,
+        return {"lease": self.state.lease, "identity": self.identity,
                 "fencing_token": token}

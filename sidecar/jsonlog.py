@@ -10,8 +10,8 @@ import json
 import logging
 import sys
 
+from sidecar.clock import rfc3339
 from sidecar.redact import redact, redact_tree
-from sidecar.state import rfc3339
 
 # Attributes every LogRecord has; anything else came in through ``extra``.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}

@@ -23,8 +23,8 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from sidecar.config import Settings
-from sidecar.lease import BackendError
+from sidecar.errors import BackendError
+from sidecar.settings import Settings
 
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # (connect, read) seconds for one request: a hung apiserver must fail a call, not park

@@ -14,18 +14,21 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import os
 from typing import Any
 
 from sidecar import watchdog
-from sidecar.config import Settings
+from sidecar.clock import SystemClock
 from sidecar.elector import Elector
+from sidecar.errors import ConfigError
 from sidecar.lease import Backend, create_backend
 from sidecar.metrics import registry_for
 from sidecar.publish import Publisher
 from sidecar.publish.file import FilePublisher
 from sidecar.publish.http import HeartbeatAnswer, HttpServer, ReleaseOutcome, build_app
 from sidecar.redact import redact_tree
-from sidecar.state import Clock, LeaseState, SystemClock
+from sidecar.settings import Settings
+from sidecar.state import LeaseState
 from sidecar.statedir import resolve_state_dir
 from sidecar.watchdog import WorkWatchdog
 
@@ -42,14 +45,13 @@ def pod_label_wanted(settings: Settings) -> bool:
 
 
 class Sidecar:
-    def __init__(self, settings: Settings, clock: Clock | None = None,
-                 publishers: list[Publisher] | None = None, serve_http: bool = True) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.clock = clock or SystemClock()
+        self.clock = SystemClock()
         self.state_dir = resolve_state_dir(settings)
         self.states = [
             LeaseState(lease=name, identity=settings.identity, role=settings.role,
-                       claim_horizon=settings.claim_horizon, clock=self.clock)
+                       claim_horizon=settings.timing.claim_horizon, clock=self.clock)
             for name in settings.names
         ]
         self.publishers: list[Publisher] = [FilePublisher(self.states, self.state_dir)]
@@ -58,36 +60,41 @@ class Sidecar:
 
             labels = pod_label.create(settings, self.states)
             self.publishers += [labels, events.create(settings, self.states, labels)]
-        self.publishers += publishers or []
         self.backend: Backend | None = None
         self.electors: dict[str, Elector] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self.http: HttpServer | None = None
-        if serve_http:
-            app = build_app(self.states, registry_for(self.states), status=self.status,
-                            alive=self.alive, ready=self.ready, release=self.release,
-                            heartbeat=self.heartbeat)
-            self.http = HttpServer(app, *settings.http_addr)
+        app = build_app(self.states, registry_for(self.states), status=self.status,
+                        alive=self.alive, ready=self.ready, release=self.release,
+                        heartbeat=self.heartbeat)
+        self.http = HttpServer(app, *settings.http_addr)
 
     @property
     def contends(self) -> bool:
         return self.settings.role != "api"
 
     async def start(self) -> None:
+        """Start publishing and contending; a start-up OSError becomes a ConfigError that
+        names the setting behind it (everything started so far is stopped first)."""
+        try:
+            await self._start()
+        except OSError as exc:
+            await self.stop()
+            raise start_error(self, exc) from None
+
+    async def _start(self) -> None:
         for publisher in self.publishers:
             await publisher.start()
-        if self.http:
-            await self.http.start()
+        await self.http.start()
         if not self.contends:
             for state in self.states:
                 state.update("api role", backend_ok=True, reason="role api never contends")
             log.info("running in api role; not contending",
                      extra={"identity": self.settings.identity})
             return
-        self.backend = create_backend(self.settings)
+        self.backend = create_backend(self.settings, self.clock)
         for state in self.states:
-            elector = Elector(self.backend.lease(state.lease), state, self.settings,
-                              self.publishers)
+            elector = Elector(self.backend.lease(state.lease), state, self.settings.timing,
+                              self.settings.identity, self.publishers)
             self.electors[state.lease] = elector
             self._tasks.append(asyncio.create_task(elector.run(), name=f"elector-{state.lease}"))
             if self.settings.work_stall_after is not None:
@@ -97,7 +104,7 @@ class Sidecar:
                                                        name=f"watchdog-{state.lease}"))
         log.info("started", extra={"settings": self.settings.public(),
                                    "state_dir": str(self.state_dir),
-                                   "http_port": self.http.bound_port if self.http else None})
+                                   "http_port": self.http.bound_port})
 
     async def stop(self) -> None:
         """Unpublish and release every lease, then close everything."""
@@ -112,8 +119,7 @@ class Sidecar:
         for publisher in self.publishers:
             with contextlib.suppress(Exception):
                 await publisher.stop()
-        if self.http:
-            await self.http.stop()
+        await self.http.stop()
         if self.backend:
             with contextlib.suppress(Exception):
                 await self.backend.close()
@@ -131,11 +137,9 @@ class Sidecar:
         """Returns (with the backend's one-line message) only when the backend found a
         misconfiguration that shows only once connected: the ``postgres`` advisory lock
         behind a transaction pooler. The backend has already stopped claiming."""
-        event = getattr(self.backend, "misconfigured", None)
-        if event is None:
-            await asyncio.Event().wait()
-        await event.wait()
-        return str(getattr(self.backend, "misconfiguration", "") or "misconfigured backend")
+        event = self.backend.misconfigured if self.backend else None
+        await (event or asyncio.Event()).wait()  # a backend without the check: never
+        return (self.backend.misconfiguration if self.backend else None) or "misconfigured backend"
 
     def alive(self) -> bool:
         now = self.clock.monotonic()
@@ -178,3 +182,18 @@ class Sidecar:
         # Reasons carry backend error text, which may echo a DSN.
         return redact_tree({"identity": self.settings.identity, "role": self.settings.role,
                             "settings": self.settings.public(), "leases": leases})
+
+
+def start_error(sidecar: Sidecar, exc: OSError) -> ConfigError:
+    """Name the setting behind a start-up failure: a file error is about the state
+    directory (a ``leader`` *directory* in it, say), a socket error about the address."""
+    if exc.filename is not None:
+        path = os.fsdecode(exc.filename)
+        directory = os.fspath(sidecar.state_dir)
+        if path == directory or path.startswith(directory.rstrip("/") + "/"):
+            return ConfigError(f"LEASE_STATE_DIR / --state-dir: {path}: "
+                               f"{exc.strerror or exc}")
+        return ConfigError(f"cannot start: {path}: {exc.strerror or exc}")
+    host, port = sidecar.settings.http_addr
+    return ConfigError(f"LEASE_HTTP_ADDR / --http-addr: cannot listen on {host}:{port}: "
+                       f"{exc.strerror or exc}")

@@ -26,27 +26,12 @@ import contextlib
 import hashlib
 import json
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
+from sidecar.clock import Clock, SystemClock, epoch_ms, rfc3339
 from sidecar.stats import CallStats
-
-
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def wall(self) -> float: ...
-
-
-class SystemClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def wall(self) -> float:
-        return time.time()
 
 
 @dataclass(frozen=True)
@@ -82,22 +67,6 @@ class WorkBeats:
     last_beat_wall: float = 0.0  # Unix time; 0: never
     stalls: int = 0
     last_stall: dict[str, Any] | None = None  # {"at": RFC 3339, "reason": ...}
-
-
-def epoch_ms(wall: float | None) -> int | None:
-    """Unix milliseconds, rounded *down* (a claim never reads longer than it is)."""
-    if wall is None:
-        return None
-    return math.floor(wall * 1000)
-
-
-def rfc3339(wall: float | None) -> str | None:
-    """UTC, millisecond precision, rounded *down* like :func:`epoch_ms`."""
-    ms = epoch_ms(wall)
-    if ms is None:
-        return None
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(
-        timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass

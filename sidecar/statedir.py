@@ -33,7 +33,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from sidecar.config import ConfigError, Settings
+from sidecar.errors import ConfigError
+from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar")
 

@@ -17,7 +17,7 @@ from bench.chaos.backends import Timing, make_env
 from bench.chaos.faults import ALL_FAULTS
 from bench.chaos.harness import Config, Harness
 from bench.chaos.report import markdown, summarize, write
-from sidecar.config import parse_duration
+from sidecar.durations import parse_duration
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,15 +15,17 @@ pyodbc, kopf or the kubernetes client.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from sidecar.config import Settings
+from sidecar.clock import Clock
+from sidecar.errors import ConfigError
+from sidecar.settings import HoldsBy, Settings
 
 
 @dataclass(frozen=True)
@@ -70,14 +72,12 @@ class LeaseInfo:
 
 
 class Lease(Protocol):
-    """One named lease as seen by one contender.
-
-    A backend that learns of a loss without being asked (a dropped session) may also
-    expose ``lost: asyncio.Event``; the elector then steps down the moment it is set
-    instead of at the next renew.
-    """
+    """One named lease as seen by one contender."""
 
     name: str
+    # Set by a backend that learns of a loss without being asked (a dropped session): the
+    # elector then steps down at once instead of at the next renew. None: no such signal.
+    lost: asyncio.Event | None
 
     async def try_acquire(self) -> Grant: ...
 
@@ -97,13 +97,14 @@ class Lease(Protocol):
 
 
 class Backend(Protocol):
-    """A connection to where leases live; hands out one :class:`Lease` per name.
+    """A connection to where leases live; hands out one :class:`Lease` per name."""
 
-    A backend that can find, once connected, that it is set up in a way that can never
-    be safe (the advisory lock behind a transaction pooler) may also expose
-    ``misconfigured: asyncio.Event`` and ``misconfiguration: str | None``; by the time
-    the event is set its leases refuse to be held, and ``lease-sidecar`` exits with 2.
-    """
+    # Set when the backend finds, once connected, that it is set up in a way that can
+    # never be safe (the advisory lock behind a transaction pooler); by then its leases
+    # refuse to be held, ``misconfiguration`` says why in one line, and ``lease-sidecar``
+    # exits with 2. None: the backend has no such check.
+    misconfigured: asyncio.Event | None
+    misconfiguration: str | None
 
     def lease(self, name: str) -> Lease: ...
 
@@ -116,40 +117,66 @@ class Backend(Protocol):
 duplicate_identity: Counter[tuple[str, str]] = Counter()
 
 
-class BackendError(Exception):
-    """The backend could not be reached or answered with an error.
+ListLeases = Callable[[Settings, "tuple[str, ...] | None"], Awaitable["list[LeaseInfo]"]]
 
-    The message is one clear line and never contains a password.
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """What a backend module offers, as its module-level ``ENTRY``.
+
+    Only ``create`` is required. ``lease-sidecar schema`` works where ``schema_sql`` and
+    ``apply_schema`` are given, ``lease-sidecar status`` where ``list_leases`` is.
     """
 
+    create: Callable[[Settings, Clock], Backend]
+    # How the backend bounds a holder's validity: picks the timing rules that apply.
+    holds_by: HoldsBy = "ttl"
+    # Extra rules on the settings, checked by config loading before anything connects;
+    # raises ConfigError naming the setting.
+    validate: Callable[[Settings], None] | None = None
+    # True where an empty LEASE_DSN cannot work.
+    needs_dsn: bool = False
+    # True where LEASE_REPLICA_DSN means something (row leases on a server).
+    takes_replica: bool = False
+    # The syntax check of LEASE_DSN and LEASE_REPLICA_DSN; raises sidecar.dsn.DsnError.
+    check_dsn: Callable[[str], None] | None = None
+    # (seconds, why): the least safety margin that is safe against this backend's peers.
+    min_safety_margin: tuple[float, str] | None = None
+    # The DDL of the lease table, and applying it (idempotent).
+    schema_sql: Callable[[Settings], str] | None = None
+    apply_schema: Callable[[Settings], Awaitable[None]] | None = None
+    # Read only: a LeaseInfo for each lease that exists (every lease under the key prefix
+    # when names is None, where the backend can list them); raises NotFound when the store
+    # itself does not exist.
+    list_leases: ListLeases | None = None
 
-class NotFound(BackendError):
-    """What a read-only command asked for does not exist: no database file, no lease
-    table, no such lease. Never a reason to create it."""
 
-
-# backend name -> module under sidecar.lease; each module defines ``create(settings)``.
-_MODULES = {
-    "sqlite": "sqlite",
-    "postgres": "postgres_advisory",
-    "postgres-row": "postgres_row",
-    "sqlserver": "sqlserver",
-    "kubernetes": "kubernetes",
+# backend name -> (module under sidecar.lease defining ENTRY, pip extra it needs)
+_MODULES: dict[str, tuple[str, str | None]] = {
+    "sqlite": ("sqlite", None),
+    "postgres": ("postgres_advisory", "postgres"),
+    "postgres-row": ("postgres_row", "postgres"),
+    "sqlserver": ("sqlserver", "sqlserver"),
+    "kubernetes": ("kubernetes", "kubernetes"),
 }
 
 BACKENDS = tuple(_MODULES)
 
 
-def backend_module(backend: str) -> ModuleType:
-    """The module of one backend; optional extras: ``schema_sql``, ``apply_schema``
-    (``lease-sidecar schema``) and ``list_leases(settings, names)`` (``status``).
+def backend_entry(backend: str) -> BackendEntry:
+    """The entry of one backend, imported on first use: running on SQLite never imports
+    asyncpg, pyodbc or the kubernetes client.
 
-    ``list_leases`` only reads: it returns a :class:`LeaseInfo` for each lease that exists
-    (every lease under the key prefix when ``names`` is None, where the backend can list
-    them), and raises :class:`NotFound` when the store itself does not exist.
+    A backend whose library is missing raises ConfigError naming the extra to install.
     """
-    return importlib.import_module(f"sidecar.lease.{_MODULES[backend]}")
+    module, extra = _MODULES[backend]
+    try:
+        entry: BackendEntry = importlib.import_module(f"sidecar.lease.{module}").ENTRY
+    except ImportError as exc:
+        raise ConfigError(f"LEASE_BACKEND / --backend: the {backend} backend cannot load "
+                          f"({exc}); install lease-sidecar[{extra or 'all'}]") from None
+    return entry
 
 
-def create_backend(settings: Settings) -> Backend:
-    return backend_module(settings.backend).create(settings)
+def create_backend(settings: Settings, clock: Clock) -> Backend:
+    return backend_entry(settings.store.backend).create(settings, clock)

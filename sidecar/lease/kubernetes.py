@@ -75,11 +75,12 @@ from typing import Any, TypeVar
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from sidecar.config import ConfigError, Settings
+from sidecar.clock import Clock, SystemClock
+from sidecar.errors import BackendError, ConfigError
 from sidecar.kube import REQUEST_TIMEOUT, KubeAccess, connect, one_line, request
-from sidecar.lease import BackendError, Grant, Holder, LeaseInfo
+from sidecar.lease import BackendEntry, Grant, Holder, LeaseInfo
 from sidecar.names import object_name_problem, prefixed
-from sidecar.state import Clock, SystemClock
+from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar.lease.kubernetes")
 
@@ -93,10 +94,10 @@ WATCH_RETRY_MAX = 5.0
 
 def object_name(settings: Settings, name: str) -> str:
     """The Lease object's name; ``ConfigError`` (exit 2) unless it is a DNS subdomain."""
-    problem = object_name_problem(settings.key_prefix, name)
+    problem = object_name_problem(settings.store.key_prefix, name)
     if problem:
         raise ConfigError(f"LEASE_NAME / --name: {problem}")
-    return settings.row_name(name)
+    return settings.store.key(name)
 
 
 def micro_time(wall: float) -> str:
@@ -334,6 +335,9 @@ class LeaseWatch:
 class KubeLease:
     """One Lease object as seen by one contender."""
 
+    # A Lease object is lost only when a renew is refused.
+    lost: asyncio.Event | None = None
+
     def __init__(self, backend: KubeBackend, name: str, object_name: str) -> None:
         settings = backend.settings
         self.name = name
@@ -342,8 +346,8 @@ class KubeLease:
         self._identity = settings.identity
         self._clock = backend.clock
         # Whole seconds on the wire; rounding up only makes others wait longer.
-        self._duration = max(1, math.ceil(settings.lease_duration))
-        self._valid_for = settings.lease_duration - settings.safety_margin
+        self._duration = max(1, math.ceil(settings.timing.lease_duration))
+        self._valid_for = settings.timing.lease_duration - settings.timing.safety_margin
         self._observer = Observer(self._clock.monotonic)
         self._mine: Record | None = None  # our last successful write in this term
         self._changed = asyncio.Event()
@@ -508,6 +512,10 @@ class KubeBackend:
     """Lease objects in one namespace; connects lazily so a bad config is a backend error
     (reported on ``/readyz`` and in the log) rather than a crash."""
 
+    # Nothing found once connected can make this backend unsafe.
+    misconfigured: asyncio.Event | None = None
+    misconfiguration: str | None = None
+
     def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock or SystemClock()
@@ -544,7 +552,7 @@ class KubeBackend:
             self.access.api.close()
 
 
-def create(settings: Settings, clock: Clock | None = None) -> KubeBackend:
+def create(settings: Settings, clock: Clock) -> KubeBackend:
     return KubeBackend(settings, clock)
 
 
@@ -554,13 +562,13 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
     namespace (``list``, which needs a Role without ``resourceNames``); never created. A
     Lease whose holder is empty or whose term ran out on this host's clock exists but is
     free."""
-    backend = KubeBackend(settings)
+    backend = KubeBackend(settings, SystemClock())
     try:
         api = await backend.api()
-        prefix = f"{settings.key_prefix}." if settings.key_prefix else ""
+        prefix = f"{settings.store.key_prefix}." if settings.store.key_prefix else ""
         now = datetime.now(UTC)
         if names:
-            found = [(name, await api.get(prefixed(settings.key_prefix, name)))
+            found = [(name, await api.get(prefixed(settings.store.key_prefix, name)))
                      for name in names]
             records = [(name, record) for name, record in found if record is not None]
         else:
@@ -578,3 +586,15 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
         return rows
     finally:
         await backend.close()
+
+
+def _validate(settings: Settings) -> None:
+    for name in settings.names:
+        object_name(settings, name)
+
+
+ENTRY = BackendEntry(
+    create=create, validate=_validate, list_leases=list_leases,
+    min_safety_margin=(1.0, "client-go electors on the same Lease observe its changes at "
+                            "one-second granularity and may take over up to 1s before its "
+                            "nominal expiry"))

@@ -69,9 +69,12 @@ from typing import Any
 
 import asyncpg
 
-from sidecar.config import Settings, check_dsn, redact_dsn
+from sidecar.clock import Clock
 from sidecar.dsn import check_postgres_url
-from sidecar.lease import BackendError, Grant, Holder, LeaseInfo
+from sidecar.errors import BackendError
+from sidecar.lease import BackendEntry, Grant, Holder, LeaseInfo
+from sidecar.redact import redact
+from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar.lease.postgres")
 
@@ -168,7 +171,7 @@ def session_settings(settings: Settings, server_version: int) -> dict[str, str]:
     sent, and no claim outlives that; the server must not end the session (freeing the
     lock) sooner. ``server_version`` is ``server_version_num`` (e.g. 150004).
     """
-    silent = math.ceil(settings.renew_deadline + settings.claim_horizon + 1.0)
+    silent = math.ceil(settings.timing.renew_deadline + settings.timing.claim_horizon + 1.0)
     values = {
         # Keepalive probes start after this much silence; the session dies after
         # idle + interval * count seconds without an answer.
@@ -180,8 +183,8 @@ def session_settings(settings: Settings, server_version: int) -> dict[str, str]:
         # Unacknowledged data (e.g. a heartbeat reply) for this long ends the session.
         values["tcp_user_timeout"] = str(silent * 1000)
     if server_version >= 140000:
-        idle = max(settings.lease_duration, settings.renew_deadline + settings.claim_horizon
-                   + 0.5)
+        timing = settings.timing
+        idle = max(timing.lease_duration, timing.renew_deadline + timing.claim_horizon + 0.5)
         values["idle_session_timeout"] = f"{round(idle * 1000)}ms"
     return values
 
@@ -211,9 +214,9 @@ class _Conn:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.where = redact_dsn(settings.dsn) or "postgres"
+        self.where = redact(settings.store.dsn) or "postgres"
         # Connecting and ordinary queries must answer well within the renew deadline.
-        self.timeout = max(1.0, settings.renew_deadline)
+        self.timeout = max(1.0, settings.timing.renew_deadline)
 
     def error(self, what: str, exc: BaseException) -> BackendError:
         detail = " ".join((str(exc) or type(exc).__name__).split())
@@ -222,7 +225,7 @@ class _Conn:
     async def open(self) -> Session:
         try:
             conn = await asyncpg.connect(
-                self.settings.dsn, timeout=self.timeout, command_timeout=self.timeout,
+                self.settings.store.dsn, timeout=self.timeout, command_timeout=self.timeout,
                 # Unnamed statements only: see the module docstring.
                 statement_cache_size=0,
                 server_settings={"application_name": application_name(
@@ -266,7 +269,7 @@ class AdvisoryLease:
         # Set the moment the connection holding the lock drops; cleared on acquisition.
         self.lost = asyncio.Event()
         self._claims_wait_until = 0.0  # loop time before which no claim (server restart)
-        self.key = lock_id(settings.key_prefix, name)
+        self.key = lock_id(settings.store.key_prefix, name)
         self._halves = lock_halves(self.key)
         self._settings = settings
         self._db = _Conn(settings)
@@ -303,7 +306,7 @@ class AdvisoryLease:
                 previous, started = self._session, loop.time()
                 session = await self._connection()
                 if (session is not previous
-                        and loop.time() - started > self._settings.renew_deadline / 2):
+                        and loop.time() - started > self._settings.timing.renew_deadline / 2):
                     # The grant's validity counts from the elector's send time, before
                     # this slow connect (a session pool with fewer servers than
                     # sidecars queues it): most of it would be spent on arrival and
@@ -448,7 +451,7 @@ class AdvisoryLease:
         """
         try:
             conn = await asyncpg.connect(
-                self._settings.dsn, timeout=self._db.timeout, statement_cache_size=0,
+                self._settings.store.dsn, timeout=self._db.timeout, statement_cache_size=0,
                 server_settings={"application_name": application_name(
                     self._settings.identity)})
         except (*_DB_ERRORS, ValueError):
@@ -562,7 +565,7 @@ class AdvisoryLease:
         # path delays the reset) and claims until its last heartbeat + renew_deadline,
         # which was before the restart: our first claim waits until then.
         self._claims_wait_until = (asyncio.get_running_loop().time()
-                                   + self._settings.renew_deadline - float(server_uptime))
+                                   + self._settings.timing.renew_deadline - float(server_uptime))
         self.lost.clear()
         session = self._session
         if session is not None and session.proxied and (
@@ -574,7 +577,7 @@ class AdvisoryLease:
 
     def _held(self) -> Grant:
         claim_delay = max(0.0, self._claims_wait_until - asyncio.get_running_loop().time())
-        return Grant(held=True, valid_for=self._settings.renew_deadline,
+        return Grant(held=True, valid_for=self._settings.timing.renew_deadline,
                      fencing_token=self._token, holder=self._settings.identity,
                      claim_delay=claim_delay)
 
@@ -651,7 +654,7 @@ class AdvisoryBackend:
         if self.misconfiguration is None:
             self.misconfiguration = message
             log.error(message, extra={"lease": name, "identity": self._settings.identity,
-                                      "dsn": redact_dsn(self._settings.dsn)})
+                                      "dsn": redact(self._settings.store.dsn)})
         # Every lease goes over the same DSN: none of them may claim any more.
         for lease in self._leases.values():
             if lease.pooler is None:
@@ -683,7 +686,7 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
         sessions.setdefault(key_from_halves(row[0], row[1]), []).append(row)
     result = []
     for name in names or settings.names:
-        key = lock_id(settings.key_prefix, name)
+        key = lock_id(settings.store.key_prefix, name)
         if key not in sessions:
             continue
         holder = next((r for r in sessions[key] if r["granted"]), None)
@@ -696,10 +699,9 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
     return result
 
 
-def validate_settings(settings: Settings) -> None:
-    """Refuse up front a URL asyncpg would reject or could never connect with."""
-    check_dsn(settings, check_postgres_url)
-
-
-def create(settings: Settings) -> AdvisoryBackend:
+def create(settings: Settings, clock: Clock) -> AdvisoryBackend:
     return AdvisoryBackend(settings)
+
+
+ENTRY = BackendEntry(create=create, holds_by="session", needs_dsn=True,
+                     check_dsn=check_postgres_url, list_leases=list_leases)

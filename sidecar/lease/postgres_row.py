@@ -15,17 +15,18 @@ at their retry interval (see :mod:`sidecar.lease.sql.asyncpg_driver`).
 
 from __future__ import annotations
 
-from sidecar.config import Settings, check_dsn
+from sidecar.clock import Clock
 from sidecar.dsn import check_postgres_url
-from sidecar.lease import LeaseInfo
+from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
 from sidecar.lease.sql.dialect import PostgresDialect
 from sidecar.lease.sql.store import SqlRowBackend, SqlRowStore, check_names, request_timeout
 from sidecar.lease.sql.store import list_leases as _list_leases
+from sidecar.settings import Settings
 
 
 def _dialect(settings: Settings) -> PostgresDialect:
-    return PostgresDialect(settings.schema, settings.table_name)
+    return PostgresDialect(settings.store.schema, settings.store.table_name)
 
 
 def _store(settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
@@ -34,15 +35,10 @@ def _store(settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
     return SqlRowStore(_dialect(settings), driver, replica=replica)
 
 
-def validate_settings(settings: Settings) -> None:
-    """Refuse up front a URL asyncpg would reject, or names too long for the table."""
-    check_dsn(settings, check_postgres_url)
-    check_names(settings)
-
-
-def create(settings: Settings) -> SqlRowBackend:
-    replica = _store(settings, settings.replica_dsn, replica=True) if settings.replica_dsn else None
-    return SqlRowBackend(settings, _store(settings, settings.dsn or ""), replica)
+def create(settings: Settings, clock: Clock) -> SqlRowBackend:
+    replica_dsn = settings.store.replica_dsn
+    replica = _store(settings, replica_dsn, replica=True) if replica_dsn else None
+    return SqlRowBackend(settings, _store(settings, settings.store.dsn or ""), replica)
 
 
 def schema_sql(settings: Settings) -> str:
@@ -50,7 +46,7 @@ def schema_sql(settings: Settings) -> str:
 
 
 async def apply_schema(settings: Settings) -> None:
-    store = _store(settings, settings.dsn or "")
+    store = _store(settings, settings.store.dsn or "")
     try:
         # Several sidecars may start at once; CREATE … IF NOT EXISTS alone can still race
         # on the catalog, so provisioning holds a transaction-scoped advisory lock.
@@ -63,4 +59,9 @@ async def apply_schema(settings: Settings) -> None:
 
 async def list_leases(settings: Settings,
                       names: tuple[str, ...] | None) -> list[LeaseInfo]:
-    return await _list_leases(settings, _store(settings, settings.dsn or ""))
+    return await _list_leases(settings, _store(settings, settings.store.dsn or ""))
+
+
+ENTRY = BackendEntry(create=create, needs_dsn=True, takes_replica=True,
+                     check_dsn=check_postgres_url, validate=check_names,
+                     schema_sql=schema_sql, apply_schema=apply_schema, list_leases=list_leases)

@@ -87,6 +87,9 @@ class ReplicaCheck:
 class RowLease:
     """A :class:`~sidecar.lease.Lease` over any :class:`RowStore`."""
 
+    # A row lease learns of a loss only when a renew is refused.
+    lost: asyncio.Event | None = None
+
     def __init__(
         self,
         store: RowStore,

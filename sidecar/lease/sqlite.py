@@ -49,10 +49,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TypeVar
 
-from sidecar.config import ConfigError, Settings, check_dsn
+from sidecar.clock import Clock
 from sidecar.dsn import check_sqlite
-from sidecar.lease import BackendError, Grant, LeaseInfo, NotFound
+from sidecar.errors import BackendError, ConfigError, NotFound
+from sidecar.lease import BackendEntry, Grant, LeaseInfo
 from sidecar.lease.rowlease import Row, RowLease
+from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar.lease.sqlite")
 
@@ -434,16 +436,20 @@ class SqliteLease(RowLease):
 
 
 class SqliteBackend:
+
+    # Nothing found once connected can make this backend unsafe.
+    misconfigured: asyncio.Event | None = None
+    misconfiguration: str | None = None
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._store = SqliteStore(sqlite_path(settings.dsn or ""), settings.table_name,
-                                  holdoff=settings.lease_duration)
+        self._store = SqliteStore(sqlite_path(settings.store.dsn or ""), settings.store.table_name,
+                                  holdoff=settings.timing.lease_duration)
 
     def lease(self, name: str) -> RowLease:
         s = self._settings
-        return SqliteLease(self._store, name=name, row_name=s.row_name(name),
-                           owner=s.identity, duration=s.lease_duration,
-                           safety_margin=s.safety_margin)
+        return SqliteLease(self._store, name=name, row_name=s.store.key(name),
+                           owner=s.identity, duration=s.timing.lease_duration,
+                           safety_margin=s.timing.safety_margin)
 
     async def close(self) -> None:
         await self._store.close()
@@ -463,11 +469,11 @@ def sqlite_path(dsn: str) -> str:
 
 
 def schema_sql(settings: Settings) -> str:
-    return _SCHEMA.format(table=settings.table_name).strip()
+    return _SCHEMA.format(table=settings.store.table_name).strip()
 
 
 async def apply_schema(settings: Settings) -> None:
-    store = SqliteStore(sqlite_path(settings.dsn or ""), settings.table_name)
+    store = SqliteStore(sqlite_path(settings.store.dsn or ""), settings.store.table_name)
     try:
         await store.read("")  # connecting creates the file and the tables
     finally:
@@ -480,9 +486,9 @@ _LIST = "SELECT name, owner, version, expires_at, expires_at > {now} FROM {table
 async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list[LeaseInfo]:
     """Every row under the key prefix, read through a read-only handle: ``status`` must
     never create the database file, its directory or the table."""
-    path = sqlite_path(settings.dsn or "")
-    table = settings.table_name
-    prefix = settings.row_name("")
+    path = sqlite_path(settings.store.dsn or "")
+    table = settings.store.table_name
+    prefix = settings.store.key("")
 
     def read() -> list[tuple]:
         if not os.path.isfile(path):
@@ -507,11 +513,11 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
             if name.startswith(prefix)]
 
 
-def validate_settings(settings: Settings) -> None:
-    """Refuse up front a DSN that is not one file shared by the contenders on this host
-    (``:memory:``, a directory, a parent that is a file): it would fail or never lead."""
-    check_dsn(settings, check_sqlite)
-
-
-def create(settings: Settings) -> SqliteBackend:
+def create(settings: Settings, clock: Clock) -> SqliteBackend:
     return SqliteBackend(settings)
+
+
+# check_sqlite refuses up front a DSN that is not one file shared by the contenders on
+# this host (``:memory:``, a directory, a parent that is a file).
+ENTRY = BackendEntry(create=create, check_dsn=check_sqlite, schema_sql=schema_sql,
+                     apply_schema=apply_schema, list_leases=list_leases)

@@ -13,41 +13,37 @@ when the connection string names none.
 
 from __future__ import annotations
 
-from sidecar.config import Settings, check_dsn
+from sidecar.clock import Clock
 from sidecar.dsn import check_odbc
-from sidecar.lease import LeaseInfo
+from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.sql.dialect import TsqlDialect
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 from sidecar.lease.sql.store import SqlRowBackend, SqlRowStore, check_names, request_timeout
 from sidecar.lease.sql.store import list_leases as _list_leases
+from sidecar.settings import Settings
 
 
 def _store(settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
     timeout = request_timeout(settings)
-    driver = PyodbcDriver(dsn, odbc_driver=settings.odbc_driver, login_timeout=timeout,
+    driver = PyodbcDriver(dsn, odbc_driver=settings.store.odbc_driver, login_timeout=timeout,
                           query_timeout=timeout,
                           label="sqlserver replica" if replica else "sqlserver")
-    return SqlRowStore(TsqlDialect(settings.schema, settings.table_name), driver,
+    return SqlRowStore(TsqlDialect(settings.store.schema, settings.store.table_name), driver,
                        replica=replica)
 
 
-def validate_settings(settings: Settings) -> None:
-    """Refuse up front an ODBC string the driver manager cannot parse, or long names."""
-    check_dsn(settings, check_odbc)
-    check_names(settings)
-
-
-def create(settings: Settings) -> SqlRowBackend:
-    replica = _store(settings, settings.replica_dsn, replica=True) if settings.replica_dsn else None
-    return SqlRowBackend(settings, _store(settings, settings.dsn or ""), replica)
+def create(settings: Settings, clock: Clock) -> SqlRowBackend:
+    replica_dsn = settings.store.replica_dsn
+    replica = _store(settings, replica_dsn, replica=True) if replica_dsn else None
+    return SqlRowBackend(settings, _store(settings, settings.store.dsn or ""), replica)
 
 
 def schema_sql(settings: Settings) -> str:
-    return TsqlDialect(settings.schema, settings.table_name).schema_script()
+    return TsqlDialect(settings.store.schema, settings.store.table_name).schema_script()
 
 
 async def apply_schema(settings: Settings) -> None:
-    store = _store(settings, settings.dsn or "")
+    store = _store(settings, settings.store.dsn or "")
     try:
         await store.apply_schema()
     finally:
@@ -56,4 +52,9 @@ async def apply_schema(settings: Settings) -> None:
 
 async def list_leases(settings: Settings,
                       names: tuple[str, ...] | None) -> list[LeaseInfo]:
-    return await _list_leases(settings, _store(settings, settings.dsn or ""))
+    return await _list_leases(settings, _store(settings, settings.store.dsn or ""))
+
+
+ENTRY = BackendEntry(create=create, needs_dsn=True, takes_replica=True, check_dsn=check_odbc,
+                     validate=check_names, schema_sql=schema_sql, apply_schema=apply_schema,
+                     list_leases=list_leases)

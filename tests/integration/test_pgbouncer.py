@@ -22,7 +22,6 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from sidecar.config import Settings
 from sidecar.lease.postgres_advisory import (
     MARKER_SETTING,
     POOLER,
@@ -31,6 +30,7 @@ from sidecar.lease.postgres_advisory import (
     lock_halves,
     lock_id,
 )
+from sidecar.settings import Settings, Store, Timing
 from tests import support
 from tests.support import REPO, SidecarProcess, get_json, one_leader, wait_until
 from tests.testbed.pgbouncer_fixtures import StartBouncer
@@ -130,9 +130,10 @@ def assert_refused(proc: SidecarProcess) -> None:
 
 # -- library level: the checks themselves -------------------------------------------------
 def settings(dsn: str, identity: str) -> Settings:
-    return Settings(backend="postgres", dsn=dsn, identity=identity, names=("jobs",),
-                    lease_duration=LEASE, renew_interval=RENEW, renew_deadline=DEADLINE,
-                    claim_horizon=HORIZON)
+    return Settings(store=Store(backend="postgres", dsn=dsn), identity=identity, names=("jobs",),
+                    timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
+                                  renew_deadline=DEADLINE, claim_horizon=HORIZON,
+                                  holds_by="session"))
 
 
 async def test_shared_server_session_is_refused_on_both_sides(
@@ -366,9 +367,11 @@ async def test_refusal_reason_is_in_status(tmp_path: Path, pg: PgServer, pg_dsn:
     dsn = bouncer.dsn_for(dbname(pg_dsn))
 
     def sidecar(identity: str) -> Sidecar:
-        config = Settings(backend="postgres", dsn=dsn, identity=identity, names=("jobs",),
-                          lease_duration=LEASE, renew_interval=RENEW,
-                          renew_deadline=DEADLINE, claim_horizon=HORIZON,
+        config = Settings(store=Store(backend="postgres", dsn=dsn), identity=identity,
+                          names=("jobs",),
+                          timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
+                                        renew_deadline=DEADLINE, claim_horizon=HORIZON,
+                                        holds_by="session"),
                           http_addr=("127.0.0.1", 0), state_dir=str(tmp_path / identity),
                           pod_label="off")
         return Sidecar(config)

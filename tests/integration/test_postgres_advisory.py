@@ -16,8 +16,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from sidecar.config import Settings
 from sidecar.lease.postgres_advisory import create, lock_halves, lock_id
+from sidecar.settings import Settings, Store, Timing
 from tests.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 from tests.testbed.postgres import PgServer
 
@@ -31,9 +31,10 @@ IDLE_SESSION_TIMEOUT = max(LEASE, DEADLINE + HORIZON + 0.5)
 
 
 def settings(dsn: str, identity: str) -> Settings:
-    return Settings(backend="postgres", dsn=dsn, identity=identity, names=("jobs",),
-                    lease_duration=LEASE, renew_interval=RENEW, renew_deadline=DEADLINE,
-                    claim_horizon=HORIZON)
+    return Settings(store=Store(backend="postgres", dsn=dsn), identity=identity, names=("jobs",),
+                    timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
+                                  renew_deadline=DEADLINE, claim_horizon=HORIZON,
+                                  holds_by="session"))
 
 
 def lock_holder_pid(pg: PgServer, dbname: str, name: str = "jobs") -> int | None:
@@ -161,7 +162,7 @@ async def test_fencing_token_grows_across_holders_and_a_crash(pg: PgServer, pg_d
 
 
 async def test_unreachable_server_is_one_redacted_backend_error(pg: PgServer) -> None:
-    from sidecar.lease import BackendError
+    from sidecar.errors import BackendError
 
     dsn = pg.dsn.replace(f":{pg.port}/", ":1/")
     backend = create(settings(dsn, "nobody"))

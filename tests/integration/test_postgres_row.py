@@ -16,7 +16,8 @@ import asyncpg
 import pytest
 
 from sidecar.config import load
-from sidecar.lease import BackendError, NotFound, postgres_row
+from sidecar.errors import BackendError, NotFound
+from sidecar.lease import postgres_row
 from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
 from sidecar.lease.sql.dialect import PostgresDialect
@@ -242,7 +243,7 @@ async def test_replica_confirmation_against_a_real_standby(
     backend = postgres_row.create(settings)
     lease = backend.lease("replicated")
     primary = SqlRowStore(PostgresDialect(), AsyncpgDriver(pg_dsn, timeout=5.0))
-    row_name = settings.row_name("replicated")
+    row_name = settings.store.key("replicated")
     try:
         pg_standby.pause_replay()
         try:

@@ -23,7 +23,8 @@ import pyodbc
 import pytest
 
 from sidecar.config import load
-from sidecar.lease import BackendError, NotFound, sqlserver
+from sidecar.errors import BackendError, NotFound
+from sidecar.lease import sqlserver
 from sidecar.lease.rowlease import ReplicaCheck, RowLease
 from sidecar.lease.sql.dialect import PostgresDialect, Statement
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver

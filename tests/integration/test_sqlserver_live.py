@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 
 from sidecar.config import load
-from sidecar.lease import BackendError, sqlserver
+from sidecar.errors import BackendError
+from sidecar.lease import sqlserver
 from sidecar.lease.rowlease import ReplicaCheck, RowLease
 from sidecar.lease.sql.dialect import Statement, TsqlDialect
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver

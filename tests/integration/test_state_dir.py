@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.config import ConfigError, Settings
+from sidecar.errors import ConfigError
 from sidecar.runtime import resolve_state_dir
+from sidecar.settings import Settings
 from sidecar.statedir import private_dir
 from tests.support import SidecarProcess, get_json, wait_until
 

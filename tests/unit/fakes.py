@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from sidecar.lease import BackendError, Grant, Holder
+from sidecar.errors import BackendError
+from sidecar.lease import Grant, Holder
 
 
 @dataclass
@@ -35,6 +36,7 @@ class FakeLease:
     fail: bool = False
     token: int = 7
     calls: list[tuple[str, float]] = field(default_factory=list)
+    lost: asyncio.Event | None = None
 
     async def _call(self, what: str) -> Grant:
         self.calls.append((what, self.clock.now))

@@ -13,8 +13,8 @@ from datetime import UTC, datetime
 import pytest
 
 from sidecar import cli_status, config
+from sidecar.clock import rfc3339
 from sidecar.lease import LeaseInfo
-from sidecar.state import rfc3339
 
 EXPIRES = datetime(2025, 5, 1, 12, 0, 3, 250999, tzinfo=UTC)
 
@@ -66,7 +66,7 @@ def test_every_command_still_reads_every_variable() -> None:
     flags = vars(parser_for("status").parse_args([]))
     env = {"LEASE_DURATION": "3s", "LEASE_NAME": "jobs"}
     settings = config.load(flags, env=env)
-    assert settings.lease_duration == 3.0 and settings.names == ("jobs",)
+    assert settings.timing.lease_duration == 3.0 and settings.names == ("jobs",)
     assert "names" in settings.explicit
     with pytest.raises(config.ConfigError, match="LEASE_DURATION"):
         config.load(flags, env={"LEASE_DURATION": "forever"})
@@ -75,6 +75,6 @@ def test_every_command_still_reads_every_variable() -> None:
 def test_only_printing_the_schema_goes_without_a_dsn() -> None:
     flags = {"backend": "postgres-row"}
     settings = config.load(flags, env={}, dsn_required=False)
-    assert settings.dsn is None
+    assert settings.store.dsn is None
     with pytest.raises(config.ConfigError, match="LEASE_DSN / --dsn: the postgres-row backend"):
         config.load(flags, env={})

@@ -120,7 +120,7 @@ def test_bounds(env, value, expected):
 
 def test_zero_is_allowed_where_it_means_something():
     s = load(LEASE_SAFETY_MARGIN="0s", LEASE_EXEC_GRACE="0")
-    assert s.safety_margin == 0.0 and s.exec_grace == 0.0
+    assert s.timing.safety_margin == 0.0 and s.exec_grace == 0.0
 
 
 def test_the_work_watchdog_is_off_unless_set():
@@ -143,15 +143,16 @@ def test_the_largest_accepted_values_are_plain_json():
 
 def test_defaults_match_client_go():
     s = load()
-    assert s.backend == "sqlite"
+    assert s.store.backend == "sqlite"
     assert s.names == ("default",)
-    assert (s.lease_duration, s.renew_deadline, s.renew_interval) == (15.0, 10.0, 2.0)
-    assert s.safety_margin == 1.0
-    assert s.claim_horizon == 0.25
+    t = s.timing
+    assert (t.lease_duration, t.renew_deadline, t.renew_interval) == (15.0, 10.0, 2.0)
+    assert s.timing.safety_margin == 1.0
+    assert s.timing.claim_horizon == 0.25
     assert s.http_addr == ("127.0.0.1", 8099)
     assert s.state_dir == "/run/lease"
     assert s.role == "all"
-    assert s.dsn == config.DEFAULT_SQLITE_PATH
+    assert s.store.dsn == config.DEFAULT_SQLITE_PATH
     assert ":" in s.identity  # host:pid without POD_NAME
 
 
@@ -165,18 +166,18 @@ def test_lease_duration_alone_derives_deadline_and_interval(duration, deadline, 
         if dsn:
             env["LEASE_DSN"] = dsn
         s = config.load({}, env=env)
-        assert (s.renew_deadline, s.renew_interval) == (deadline, interval), backend
+        assert (s.timing.renew_deadline, s.timing.renew_interval) == (deadline, interval), backend
         assert "renew_deadline" not in s.explicit and "renew_interval" not in s.explicit
 
 
 def test_given_values_win_over_derived_ones():
     s = load(LEASE_DURATION="3s", LEASE_RENEW_INTERVAL="1s", LEASE_RENEW_DEADLINE="2500ms")
-    assert (s.renew_interval, s.renew_deadline) == (1.0, 2.5)
+    assert (s.timing.renew_interval, s.timing.renew_deadline) == (1.0, 2.5)
 
 
 def test_the_renew_deadline_is_checked_only_for_the_postgres_backend():
     # The advisory lock is the only backend that reads it.
-    assert load(LEASE_RENEW_DEADLINE="1s").renew_deadline == 1.0
+    assert load(LEASE_RENEW_DEADLINE="1s").timing.renew_deadline == 1.0
     message = error(LEASE_BACKEND="postgres", LEASE_DSN="postgresql://db/x",
                     LEASE_RENEW_DEADLINE="1s")
     assert message.startswith("LEASE_RENEW_DEADLINE / --renew-deadline:")
@@ -256,7 +257,7 @@ def test_the_first_renew_must_fit_in_the_validity(horizon, ok):
     # Validity 3s - 1s = 2s; first renew at most horizon + 1s * 1.1 after the acquire.
     env = {"LEASE_DURATION": "3s", "LEASE_RENEW_INTERVAL": "1s", "LEASE_CLAIM_HORIZON": horizon}
     if ok:
-        assert load(**env).claim_horizon == parse_duration(horizon)
+        assert load(**env).timing.claim_horizon == parse_duration(horizon)
     else:
         assert error(**env).startswith("LEASE_CLAIM_HORIZON / --claim-horizon:")
 
@@ -264,9 +265,10 @@ def test_the_first_renew_must_fit_in_the_validity(horizon, ok):
 def test_the_margin_rule_is_only_for_ttl_backends():
     # The advisory lock's validity is the renew deadline; the margin plays no part.
     s = load(**PG, LEASE_DURATION="3s", LEASE_SAFETY_MARGIN="3s")
-    assert s.safety_margin == 3.0
-    assert load(**KUBE, LEASE_SAFETY_MARGIN="1s").safety_margin == 1.0
-    assert load(LEASE_SAFETY_MARGIN="500ms").safety_margin == 0.5  # sqlite: no client-go peer
+    assert s.timing.safety_margin == 3.0
+    assert load(**KUBE, LEASE_SAFETY_MARGIN="1s").timing.safety_margin == 1.0
+    # sqlite: no client-go peer
+    assert load(LEASE_SAFETY_MARGIN="500ms").timing.safety_margin == 0.5
 
 
 @pytest.mark.parametrize(("env", "named"), [
@@ -293,8 +295,9 @@ def test_each_setting_error_names_its_setting(env, named):
 def test_flags_win_over_environment():
     env = {"LEASE_DURATION": "30s", "LEASE_NAME": "a,b", "POD_NAME": "pod-1"}
     s = config.load({"lease_duration": "20s"}, env=env)
-    assert s.lease_duration == 20.0
-    assert s.renew_interval == pytest.approx(20 * 2 / 15, abs=0.001)  # from the winning value
+    assert s.timing.lease_duration == 20.0
+    # derived from the winning value
+    assert s.timing.renew_interval == pytest.approx(20 * 2 / 15, abs=0.001)
     assert s.names == ("a", "b")
     assert s.name == "a"
     assert s.identity == "pod-1"
@@ -302,7 +305,7 @@ def test_flags_win_over_environment():
 
 def test_row_names_carry_the_prefix():
     s = config.load({}, env={"LEASE_KEY_PREFIX": "billing"})
-    assert s.row_name("sweep") == "billing.sweep"
+    assert s.store.key("sweep") == "billing.sweep"
 
 
 # -- DSNs -----------------------------------------------------------------------------------
@@ -367,7 +370,7 @@ BAD_POSTGRES = [
 def test_postgres_urls_accepted(dsn):
     check_postgres_url(dsn)
     s = load(LEASE_BACKEND="postgres-row", LEASE_DSN=dsn)
-    assert s.dsn == dsn
+    assert s.store.dsn == dsn
 
 
 @pytest.mark.parametrize(("dsn", "expected"), BAD_POSTGRES)
@@ -408,7 +411,7 @@ BAD_ODBC = [
 @pytest.mark.parametrize("dsn", GOOD_ODBC)
 def test_odbc_strings_accepted(dsn):
     check_odbc(dsn)
-    assert load(LEASE_BACKEND="sqlserver", LEASE_DSN=dsn).dsn == dsn
+    assert load(LEASE_BACKEND="sqlserver", LEASE_DSN=dsn).store.dsn == dsn
 
 
 @pytest.mark.parametrize(("dsn", "expected"), BAD_ODBC)
@@ -433,7 +436,7 @@ def test_sqlite_paths_accepted(tmp_path: Path):
     for dsn in (str(existing), str(tmp_path / "new" / "deeper" / "l.db"),
                 f"sqlite:///{tmp_path}/l.db", "sqlite:///relative/l.db", "relative.db"):
         check_sqlite(dsn)
-        assert load(LEASE_DSN=dsn).dsn == dsn
+        assert load(LEASE_DSN=dsn).store.dsn == dsn
 
 
 def test_sqlite_dsns_refused(tmp_path: Path):
@@ -517,18 +520,17 @@ def test_public_settings_hide_passwords_and_are_plain_json():
 def test_start_errors_name_the_state_dir_or_the_address(tmp_path: Path):
     import errno
 
-    from sidecar import cli
-    from sidecar.runtime import Sidecar
+    from sidecar.runtime import Sidecar, start_error
 
     settings = config.load({"state_dir": str(tmp_path / "state"), "dsn": str(tmp_path / "l.db")},
                            env={})
-    sidecar = Sidecar(settings, serve_http=False)
+    sidecar = Sidecar(settings)
     leader = OSError(errno.EISDIR, "Is a directory", str(tmp_path / "state" / "leader"))
-    assert str(cli._start_error(sidecar, leader)) == (
+    assert str(start_error(sidecar, leader)) == (
         f"LEASE_STATE_DIR / --state-dir: {tmp_path}/state/leader: Is a directory")
     token = OSError(errno.EACCES, "Permission denied", "/var/run/secrets/token")
-    assert str(cli._start_error(sidecar, token)) == (
+    assert str(start_error(sidecar, token)) == (
         "cannot start: /var/run/secrets/token: Permission denied")
     busy = OSError(errno.EADDRINUSE, "Address already in use")
-    assert str(cli._start_error(sidecar, busy)) == (
+    assert str(start_error(sidecar, busy)) == (
         "LEASE_HTTP_ADDR / --http-addr: cannot listen on 127.0.0.1:8099: Address already in use")

@@ -10,21 +10,21 @@ import logging
 
 import pytest
 
-from sidecar.config import Settings
 from sidecar.elector import Elector
 from sidecar.lease import Grant
+from sidecar.settings import Timing
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock, FakeLease, RecordingPublisher
 
-FAST = Settings(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,
-                safety_margin=0.1, claim_horizon=0.05, identity="me")
+FAST = Timing(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,
+              safety_margin=0.1, claim_horizon=0.05)
 
 
 def make(clock: FakeClock, lease: FakeLease, sink=None):  # type: ignore[no-untyped-def]
     state = LeaseState(lease="default", identity="me", role="all",
                        claim_horizon=FAST.claim_horizon, clock=clock)
     publisher = RecordingPublisher(sink=sink, clock=clock)
-    return Elector(lease, state, FAST, [publisher]), state, publisher
+    return Elector(lease, state, FAST, "me", [publisher]), state, publisher
 
 
 async def until(predicate, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
@@ -259,11 +259,11 @@ async def test_a_release_asked_during_a_renew_is_not_held_back_a_renew_interval(
     clock = FakeClock()
     lease = GatedRenew(clock)
     lease.gate, lease.renewing = asyncio.Event(), asyncio.Event()
-    slow = Settings(lease_duration=30.0, renew_interval=5.0, renew_deadline=20.0,
-                    safety_margin=1.0, claim_horizon=0.05, identity="me")
+    slow = Timing(lease_duration=30.0, renew_interval=5.0, renew_deadline=20.0,
+                  safety_margin=1.0, claim_horizon=0.05)
     state = LeaseState(lease="default", identity="me", role="all",
                        claim_horizon=slow.claim_horizon, clock=clock)
-    elector = Elector(lease, state, slow)
+    elector = Elector(lease, state, slow, "me")
     await elector._acquire_once()
     # The first renew's sleep is real time (5 s): cut it short with a wake-up.
     renew = asyncio.create_task(elector._renew_once())
@@ -325,11 +325,11 @@ async def test_a_lost_event_wakes_the_holder_at_once():
     clock = FakeClock()
     lease = FakeLease(clock)
     lease.lost = asyncio.Event()  # type: ignore[attr-defined]
-    slow = Settings(lease_duration=60.0, renew_interval=30.0, renew_deadline=40.0,
-                    safety_margin=1.0, claim_horizon=0.01, identity="me")
+    slow = Timing(lease_duration=60.0, renew_interval=30.0, renew_deadline=40.0,
+                  safety_margin=1.0, claim_horizon=0.01)
     state = LeaseState(lease="default", identity="me", role="all", claim_horizon=0.01,
                        clock=clock)
-    elector = Elector(lease, state, slow, [])
+    elector = Elector(lease, state, slow, "me", [])
     task = asyncio.create_task(elector.run())
     await until(lambda: state.facts.holding)
     lease.grant = False

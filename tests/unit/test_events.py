@@ -12,7 +12,6 @@ import queue
 
 import pytest
 
-from sidecar.config import Settings
 from sidecar.elector import Elector
 from sidecar.publish.events import (
     MAX_TRIES,
@@ -23,11 +22,12 @@ from sidecar.publish.events import (
     EventPublisher,
     Occurrence,
 )
+from sidecar.settings import Settings, Timing
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock, FakeLease
 
-SETTINGS = Settings(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,
-                    safety_margin=0.1, claim_horizon=0.05, identity="web-0",
+SETTINGS = Settings(timing=Timing(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,
+                                  safety_margin=0.1, claim_horizon=0.05), identity="web-0",
                     pod_name="web-0", pod_namespace="apps")
 
 
@@ -50,8 +50,8 @@ async def test_each_step_down_of_the_real_elector_becomes_its_event():
     clock = FakeClock()
     lease = FakeLease(clock, valid_for=10.0, token=7)
     state = LeaseState(lease="jobs", identity="web-0", role="all",
-                       claim_horizon=SETTINGS.claim_horizon, clock=clock)
-    elector = Elector(lease, state, SETTINGS)
+                       claim_horizon=SETTINGS.timing.claim_horizon, clock=clock)
+    elector = Elector(lease, state, SETTINGS.timing, SETTINGS.identity)
     publisher = EventPublisher(SETTINGS, [state])
 
     def step(token: int) -> None:

@@ -3,8 +3,9 @@
 import asyncio
 import json
 
+from sidecar.clock import SystemClock
 from sidecar.publish.file import FilePublisher
-from sidecar.state import LeaseState, SystemClock
+from sidecar.state import LeaseState
 
 
 def states_for(*names: str) -> list[LeaseState]:

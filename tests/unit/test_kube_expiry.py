@@ -12,8 +12,9 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.config import ConfigError, Settings
+from sidecar.errors import ConfigError
 from sidecar.lease.kubernetes import Observer, Record, micro_time, object_name
+from sidecar.settings import Settings, Store
 
 
 class FakeClock:
@@ -186,8 +187,8 @@ def test_invalid_object_names_are_a_settings_error(name: str) -> None:
 
 def test_the_key_prefix_is_part_of_the_name() -> None:
     with pytest.raises(ConfigError):
-        object_name(Settings(key_prefix="My_App"), "default")
-    assert object_name(Settings(key_prefix=""), "default") == "default"
+        object_name(Settings(store=Store(key_prefix="My_App")), "default")
+    assert object_name(Settings(store=Store(key_prefix="")), "default") == "default"
 
 
 def test_a_write_changes_only_the_five_fields_we_own() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.config import Settings
 from sidecar.lease.postgres_advisory import (
     application_name,
     key_from_halves,
@@ -16,6 +15,7 @@ from sidecar.lease.postgres_advisory import (
     lock_id,
     session_settings,
 )
+from sidecar.settings import Settings, Store, Timing
 from tests.testbed.postgres import PgServer
 
 IN_POSTGRES = ("select ('x' || substr(encode(sha256(convert_to(t, 'UTF8')), 'hex'), 1, 16))"
@@ -63,8 +63,9 @@ def test_application_name_is_cut_to_63_bytes_on_a_character_boundary() -> None:
 def test_server_outlasts_the_client(lease: float, renew: float, deadline: float,
                                     horizon: float) -> None:
     """The server must not end a silent session before the client stopped claiming."""
-    s = Settings(backend="postgres", lease_duration=lease, renew_interval=renew,
-                 renew_deadline=deadline, claim_horizon=horizon)
+    s = Settings(store=Store(backend="postgres"),
+                 timing=Timing(lease_duration=lease, renew_interval=renew, renew_deadline=deadline,
+                               claim_horizon=horizon, holds_by="session"))
     values = session_settings(s, 150000)
     client_done = deadline + horizon
     keepalive = (int(values["tcp_keepalives_idle"])
@@ -77,7 +78,7 @@ def test_server_outlasts_the_client(lease: float, renew: float, deadline: float,
 
 
 def test_older_servers_get_only_the_settings_they_know() -> None:
-    s = Settings(backend="postgres")
+    s = Settings(store=Store(backend="postgres"), timing=Timing(holds_by="session"))
     assert "idle_session_timeout" not in session_settings(s, 130000)
     assert "tcp_user_timeout" in session_settings(s, 130000)
     assert "tcp_user_timeout" not in session_settings(s, 110000)

@@ -17,22 +17,22 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import __version__
-from sidecar.config import Settings
 from sidecar.elector import Elector
 from sidecar.lease import Grant
 from sidecar.metrics import registry_for
+from sidecar.settings import Timing
 from sidecar.state import LeaseState
 from tests.support import REPO
 from tests.unit.fakes import FakeClock, FakeLease
 
-SETTINGS = Settings(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,
-                    safety_margin=0.1, claim_horizon=0.05, identity="me")
+TIMING = Timing(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,
+                safety_margin=0.1, claim_horizon=0.05)
 
 
 def make(clock: FakeClock, lease: Any) -> tuple[Elector, LeaseState]:
     state = LeaseState(lease="jobs", identity="me", role="all",
-                       claim_horizon=SETTINGS.claim_horizon, clock=clock)
-    return Elector(lease, state, SETTINGS), state
+                       claim_horizon=TIMING.claim_horizon, clock=clock)
+    return Elector(lease, state, TIMING, "me"), state
 
 
 def scrape(states: list[LeaseState]) -> dict[str, float]:
@@ -116,7 +116,7 @@ async def test_gauges_follow_the_state():
     sent_wall = clock.wall()
     await elector._acquire_once()
     replied_wall = clock.wall()
-    clock.advance(SETTINGS.claim_horizon)  # past the first claim's wait
+    clock.advance(TIMING.claim_horizon)  # past the first claim's wait
     during = scrape([state])
     assert during['lease_sidecar_leader{lease="jobs"}'] == 1
     assert during['lease_sidecar_holding{lease="jobs"}'] == 1
@@ -129,7 +129,7 @@ async def test_gauges_follow_the_state():
     assert during['lease_sidecar_state_changes_total{lease="jobs"}'] == state.facts.version
 
     # The scrape handed out a claim: the release waits it out (one horizon on this clock).
-    clock.advance(SETTINGS.claim_horizon)
+    clock.advance(TIMING.claim_horizon)
     await elector.shutdown()  # unpublish, release
     after = scrape([state])
     assert after['lease_sidecar_leader{lease="jobs"}'] == 0

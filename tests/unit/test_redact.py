@@ -163,7 +163,7 @@ def test_status_hides_backend_errors_that_echo_a_dsn(tmp_path):
     dsn = "postgresql://lease:s3cret-pw@127.0.0.1:1/x?sslpassword=k3y-pw"
     settings = config.load({"backend": "postgres-row", "dsn": dsn,
                             "state_dir": str(tmp_path)}, env={})
-    sidecar = Sidecar(settings, serve_http=False)
+    sidecar = Sidecar(settings)
     sidecar.states[0].update("unreachable", reason=f"backend unreachable: postgres-row {dsn}: "
                                                    "password s3cret-pw rejected")
     shown = json.dumps(sidecar.status(), allow_nan=False)

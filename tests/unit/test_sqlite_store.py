@@ -5,9 +5,10 @@ import sqlite3
 
 import pytest
 
-from sidecar.lease import BackendError
+from sidecar.errors import BackendError
 from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sqlite import SqliteStore, schema_sql, sqlite_path
+from sidecar.settings import Settings
 
 
 def lease(store: SqliteStore, owner: str, duration: float = 5.0) -> RowLease:
@@ -89,10 +90,7 @@ async def test_release_wakes_a_waiting_standby(tmp_path):
 
 
 def test_schema_is_idempotent_and_printable(tmp_path):
-    class S:
-        table_name = "leases"
-
-    ddl = schema_sql(S())  # type: ignore[arg-type]
+    ddl = schema_sql(Settings())
     assert "CREATE TABLE IF NOT EXISTS leases" in ddl
     conn = sqlite3.connect(tmp_path / "x.db")
     conn.executescript(ddl)
@@ -198,7 +196,7 @@ async def test_a_wal_database_of_an_older_version_is_switched_to_a_rollback_jour
     path = tmp_path / "old.db"
     old = sqlite3.connect(path)
     old.execute("PRAGMA journal_mode=WAL")
-    old.executescript(schema_sql(type("S", (), {"table_name": "leases"})()))
+    old.executescript(schema_sql(Settings()))
     store = SqliteStore(str(path), "leases")
     # While the older version has it open, the switch is refused with a clear reason.
     with pytest.raises(BackendError, match="cannot leave WAL mode"):

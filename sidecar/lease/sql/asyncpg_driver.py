@@ -36,9 +36,9 @@ from collections.abc import Mapping
 
 import asyncpg
 
-from sidecar.config import redact_dsn
-from sidecar.lease import BackendError, NotFound
+from sidecar.errors import BackendError, NotFound
 from sidecar.lease.sql.dialect import Statement
+from sidecar.redact import redact
 
 log = logging.getLogger("sidecar.lease.sql")
 
@@ -129,7 +129,7 @@ class AsyncpgDriver:
     def _log_pooled(self, evidence: str) -> None:
         log.info("connected through a connection pooler: unnamed statements only (two round "
                  "trips per call) and no NOTIFY wake-ups (standbys poll at their retry "
-                 "interval)", extra={"backend": self._label, "dsn": redact_dsn(self._dsn),
+                 "interval)", extra={"backend": self._label, "dsn": redact(self._dsn),
                                      "evidence": evidence})
 
     # -- wake-ups ------------------------------------------------------------------------
@@ -214,7 +214,7 @@ class AsyncpgDriver:
     def _error(self, exc: BaseException) -> BackendError:
         # A missing table is "not found" to ``status``, which must never create it.
         kind = NotFound if isinstance(exc, asyncpg.UndefinedTableError) else BackendError
-        return kind(f"{self._label} {redact_dsn(self._dsn)}: {describe_error(exc)}")
+        return kind(f"{self._label} {redact(self._dsn)}: {describe_error(exc)}")
 
 
 # asyncpg's errors for a named prepared statement missing on, or already defined in, the

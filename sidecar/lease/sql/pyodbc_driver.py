@@ -26,9 +26,9 @@ from datetime import datetime, timedelta, timezone
 
 import pyodbc
 
-from sidecar.config import redact_dsn
-from sidecar.lease import BackendError, NotFound
+from sidecar.errors import BackendError, NotFound
 from sidecar.lease.sql.dialect import Statement
+from sidecar.redact import redact
 
 DEFAULT_DRIVER = "FreeTDS"
 # SQL_SS_TIMESTAMPOFFSET: pyodbc has no built-in conversion for DATETIMEOFFSET.
@@ -163,7 +163,7 @@ class PyodbcDriver:
         return BackendError(f"{self._where()}: {message}")
 
     def _scrub(self, text: str) -> str:
-        text = redact_dsn(text) or ""
+        text = redact(text) or ""
         return text.replace(self._password, "***") if self._password else text
 
 

@@ -7,10 +7,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Protocol
 
-from sidecar.config import ConfigError, Settings
+from sidecar.errors import ConfigError
 from sidecar.lease import LeaseInfo
 from sidecar.lease.rowlease import ReplicaCheck, Row, RowLease
 from sidecar.lease.sql.dialect import Dialect, Statement
+from sidecar.settings import Settings
 
 # Column sizes of the table (docs/design.md): longer names and owners cannot be stored.
 MAX_ROW_NAME = 200
@@ -102,14 +103,15 @@ class SqlRowStore:
 
 def request_timeout(settings: Settings) -> float:
     """Login and query timeout: a stuck call must end well within one lease duration."""
-    return max(2.0, min(settings.renew_interval * 2, settings.lease_duration / 3, 10.0))
+    timing = settings.timing
+    return max(2.0, min(timing.renew_interval * 2, timing.lease_duration / 3, 10.0))
 
 
 def check_names(settings: Settings) -> None:
     """Names that would not fit the table columns are a configuration error, not a crash."""
     for name in settings.names:
-        if len(settings.row_name(name)) > MAX_ROW_NAME:
-            raise ConfigError(f"LEASE_NAME / --name: {settings.row_name(name)!r} (with the key "
+        if len(settings.store.key(name)) > MAX_ROW_NAME:
+            raise ConfigError(f"LEASE_NAME / --name: {settings.store.key(name)!r} (with the key "
                               f"prefix) is longer than {MAX_ROW_NAME} characters")
     if len(settings.identity) > MAX_OWNER:
         raise ConfigError(f"LEASE_IDENTITY / --identity: longer than {MAX_OWNER} characters")
@@ -117,6 +119,10 @@ def check_names(settings: Settings) -> None:
 
 class SqlRowBackend:
     """Hands out one :class:`RowLease` per name over a shared store (and replica store)."""
+
+    # Nothing found once connected can make this backend unsafe.
+    misconfigured: asyncio.Event | None = None
+    misconfiguration: str | None = None
 
     def __init__(self, settings: Settings, store: SqlRowStore,
                  replica: SqlRowStore | None = None) -> None:
@@ -127,9 +133,9 @@ class SqlRowBackend:
 
     def lease(self, name: str) -> RowLease:
         s = self._settings
-        check = ReplicaCheck(self.replica, s.replica_timeout) if self.replica else None
-        return RowLease(self.store, name=name, row_name=s.row_name(name), owner=s.identity,
-                        duration=s.lease_duration, safety_margin=s.safety_margin,
+        check = ReplicaCheck(self.replica, s.store.replica_timeout) if self.replica else None
+        return RowLease(self.store, name=name, row_name=s.store.key(name), owner=s.identity,
+                        duration=s.timing.lease_duration, safety_margin=s.timing.safety_margin,
                         replica=check)
 
     async def close(self) -> None:
@@ -144,7 +150,7 @@ async def list_leases(settings: Settings, store: SqlRowStore) -> list[LeaseInfo]
     The row's version is not the holder's fencing token here: it grows with every renew
     (for replica confirmation), while the holder keeps the version of its acquire.
     """
-    prefix = settings.row_name("")
+    prefix = settings.store.key("")
     try:
         rows = await store.list_all()
     finally:
