@@ -107,7 +107,7 @@ class PodLabelPublisher:
         self._state = states[0]
         self._pod = settings.pod_name
         self._namespace = settings.pod_namespace
-        self._group = group_value(settings.row_name(settings.name))
+        self._group = group_value(settings.store.key(settings.name))
         self._access: KubeAccess | None = None
         # One worker: our own-pod patches go out in the order the elector made them.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pod-label")
