@@ -10,6 +10,7 @@ run real electors against it without a server. It is not registered in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 
 from sidecar.clock import Clock
@@ -83,10 +84,8 @@ class MemoryLease:
 
     async def wait_for_change(self, timeout: float) -> None:
         async with self._store.changed:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._store.changed.wait(), timeout)
-            except TimeoutError:
-                pass
 
 
 class MemoryBackend:
