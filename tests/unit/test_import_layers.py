@@ -116,7 +116,7 @@ def test_no_import_cycle_between_modules() -> None:
 
     def visit(node: str, path: list[str]) -> None:
         if node in path:
-            cycle = path[path.index(node):] + [node]
+            cycle = [*path[path.index(node):], node]
             raise AssertionError("import cycle: " + " -> ".join(cycle))
         if node in done or node not in graph:
             return
