@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -534,3 +535,17 @@ def test_start_errors_name_the_state_dir_or_the_address(tmp_path: Path):
     busy = OSError(errno.EADDRINUSE, "Address already in use")
     assert str(start_error(sidecar, busy)) == (
         "LEASE_HTTP_ADDR / --http-addr: cannot listen on 127.0.0.1:8099: Address already in use")
+
+
+def test_the_loaded_defaults_are_the_dataclass_defaults():
+    """Defaults are written in two places (the option table's text, the dataclasses that
+    library users and tests build); this keeps them the same."""
+    from sidecar.settings import Settings, Store, Timing
+
+    loaded = config.load({}, env={})
+    assert loaded.timing == Timing()
+    assert replace(loaded.store, dsn=None) == Store()
+    defaults = Settings()
+    for name in ("names", "role", "http_addr", "state_dir", "pod_label", "exec_grace",
+                 "work_stall_after", "log_level"):
+        assert getattr(loaded, name) == getattr(defaults, name), name
