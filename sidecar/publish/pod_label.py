@@ -91,14 +91,6 @@ class Desired:
                 and (meta.get("annotations") or {}).get(ANNOTATION) == self.annotation)
 
 
-def leads_now(state: LeaseState) -> bool:
-    """The claim rule, read-only: safe to call from the kopf thread (facts are immutable)."""
-    facts = state.facts
-    now = state.clock.monotonic()
-    return (facts.holding and not facts.released
-            and facts.claim_from <= now < facts.valid_until)
-
-
 class PodLabelPublisher:
     def __init__(self, settings: Settings, states: list[LeaseState]) -> None:
         if not (settings.pod_name and settings.pod_namespace):
@@ -156,7 +148,13 @@ class PodLabelPublisher:
 
     # -- what we publish -----------------------------------------------------------------
     def _compute(self) -> Desired:
-        """Read from the state on the event loop (``claim()`` records the claim)."""
+        """Read from the state on the event loop (``claim()`` moves ``issued_until``,
+        which only the loop writes).
+
+        The label has no expiry, so ``issued_until`` does not cover it: a ``leader``
+        label stays until the next PATCH. What takes it down before a release is the
+        elector awaiting :meth:`changed` (bounded, see the module docstring).
+        """
         state = self._state
         if self._settings.role == "api":
             role, token = "api", None
@@ -175,6 +173,11 @@ class PodLabelPublisher:
             desired = self._desired
             request(self._access.api, "PATCH", self._pod_path(self._pod),
                     desired.patch(self._group), content_type=MERGE_PATCH)
+
+    def _leads(self) -> bool:
+        """The claim rule without handing out a claim: safe on kopf's threads, since
+        facts are replaced whole and :meth:`Facts.leads_at` writes nothing."""
+        return self._state.facts.leads_at(self._state.clock.monotonic())
 
     def _pod_path(self, name: str) -> str:
         return f"/api/v1/namespaces/{self._namespace}/pods/{quote(name)}"
@@ -229,7 +232,7 @@ class PodLabelPublisher:
                 elif self._desired.role == "leader":
                     self._demote_others()  # our term began: clear stale leaders at once
             elif (dict(body.get("metadata", {}).get("labels") or {}).get(ROLE_LABEL) == "leader"
-                  and leads_now(self._state)):
+                  and self._leads()):
                 self._demote(name, body["metadata"].get("resourceVersion"))
         except ApiException as exc:
             if exc.status not in (404, 409):  # gone, or changed since: a new event follows
@@ -246,7 +249,7 @@ class PodLabelPublisher:
                         f"/api/v1/namespaces/{self._namespace}/pods?labelSelector={selector}")
         for pod in found.get("items", []):
             meta = pod["metadata"]
-            if meta["name"] != self._pod and leads_now(self._state):
+            if meta["name"] != self._pod and self._leads():
                 with contextlib.suppress(ApiException):  # 404/409: a new event follows
                     self._demote(meta["name"], meta.get("resourceVersion"))
 
