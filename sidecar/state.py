@@ -231,6 +231,10 @@ class LeaseState:
         """
         if self.facts.version != version or timeout <= 0:
             return
+        await self._next_update(timeout)
+
+    async def _next_update(self, timeout: float) -> None:
+        """Sleep until the next :meth:`update`, at most ``timeout`` seconds."""
         event = self._changed
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
@@ -278,7 +282,4 @@ class LeaseState:
             boundary = self.facts.next_flip(now)
             if boundary is not None:
                 remaining = min(remaining, boundary - now)
-            event = self._changed
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await event.wait()
+            await self._next_update(remaining)

@@ -6,6 +6,8 @@ the kopf handlers ask before they demote another pod, and which must never disag
 ``GET /leader``. Building the publisher connects to nothing (that happens in ``start``).
 """
 
+import pytest
+
 from sidecar.config import Settings
 from sidecar.publish.pod_label import PodLabelPublisher
 from sidecar.state import LeaseState
@@ -38,3 +40,15 @@ def test_the_label_demotes_others_exactly_while_get_leader_says_leader():
     assert label._leads()
     state.update(released=True)
     assert not label._leads() and not state.claim().leader
+
+
+def test_both_pod_publishers_refuse_to_start_outside_a_pod():
+    from sidecar.publish.events import EventPublisher
+
+    state = LeaseState(lease="default", identity="web-0", role="all", claim_horizon=0.25,
+                       clock=FakeClock())
+    outside = Settings(identity="web-0", pod_namespace="ns")  # POD_NAME missing
+    with pytest.raises(ValueError, match=r"^the pod label needs POD_NAME and POD_NAMESPACE$"):
+        PodLabelPublisher(outside, [state])
+    with pytest.raises(ValueError, match=r"^pod events need POD_NAME and POD_NAMESPACE$"):
+        EventPublisher(outside, [state])

@@ -21,7 +21,6 @@ import threading
 import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 from kubernetes.client.exceptions import ApiException
 
@@ -34,6 +33,7 @@ from sidecar.publish.events.record import (
     from_transition,
     token_note,
 )
+from sidecar.publish.own_pod import MERGE_PATCH, OwnPod
 from sidecar.redact import redact
 from sidecar.state import LeaseState
 
@@ -46,7 +46,6 @@ COMPONENT = "lease-sidecar"  # source.component / reportingComponent ("From" in 
 QUEUE_SIZE = 64  # occurrences waiting for the worker; transitions are seconds apart
 STOP_TIMEOUT = 2.0  # seconds stop() waits for the last writes
 FOLLOW_POLL = 5.0  # seconds: re-read the transitions even if no change was signalled
-MERGE_PATCH = "application/merge-patch+json"
 
 
 class Outage:
@@ -85,12 +84,9 @@ def event_name(regarding: str) -> str:
 class EventPublisher:
     def __init__(self, settings: Settings, states: list[LeaseState],
                  labels: PodLabelPublisher | None = None) -> None:
-        if not (settings.pod_name and settings.pod_namespace):
-            raise ValueError("pod events need POD_NAME and POD_NAMESPACE")
+        self._pod = OwnPod.of(settings, "pod events need")
         self._settings = settings
         self._states = states
-        self._pod = settings.pod_name
-        self._namespace = settings.pod_namespace
         self._instance = settings.identity[:128]  # the apiserver's limit
         self._queue: queue.Queue[Occurrence | None] = queue.Queue(maxsize=QUEUE_SIZE)
         self._aggregator = Aggregator()
@@ -101,7 +97,7 @@ class EventPublisher:
         self._worker: threading.Thread | None = None
         self._stopping = threading.Event()
         self._access: KubeAccess | None = None
-        self._own: dict[str, str] | None = None  # ObjectReference of our pod
+        self._own_ref: dict[str, str] | None = None  # ObjectReference of our pod
         self._posting = Outage("posting pod events")
         self._queueing = Outage("queueing pod events")
         if labels is not None:
@@ -170,7 +166,7 @@ class EventPublisher:
                     f"{state.lease}{token_note(state.facts.fencing_token)}")
             self._offer(Occurrence(
                 "StaleLabelDemoted", "Normal", "Relabel", state.lease, redact(note),
-                time.time(), regarding=_reference(meta, self._namespace), related=True))
+                time.time(), regarding=self._pod.reference(meta), related=True))
         except Exception as exc:  # never disturb kopf's handler
             self._queueing.failed(one_line(exc))
 
@@ -212,7 +208,7 @@ class EventPublisher:
             except Exception as exc:
                 self._aggregator.wrote(series, now, ok=False)
                 self._posting.failed(one_line(exc), reason=series.last.reason,
-                                     namespace=self._namespace)
+                                     namespace=self._pod.namespace)
             else:
                 self._aggregator.wrote(series, now, ok=True)
                 self._posting.ok()
@@ -226,7 +222,7 @@ class EventPublisher:
             patch = {"count": series.count, "lastTimestamp": timestamp(last.at),
                      "message": last.note}
             try:
-                request(api, "PATCH", self._events_path(series.name), patch,
+                request(api, "PATCH", self._pod.events_path(series.name), patch,
                         content_type=MERGE_PATCH)
                 return
             except ApiException as exc:
@@ -237,7 +233,7 @@ class EventPublisher:
         body: dict[str, Any] = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": event_name(regarding["name"]),
-                         "namespace": self._namespace},
+                         "namespace": self._pod.namespace},
             "involvedObject": regarding,
             "reason": last.reason, "message": last.note, "type": last.type,
             "action": last.action,
@@ -248,26 +244,17 @@ class EventPublisher:
         }
         if last.related:
             body["related"] = self._own_reference()
-        created = request(api, "POST", self._events_path(), body)
+        created = request(api, "POST", self._pod.events_path(), body)
         series.name = created["metadata"]["name"]
 
     def _own_reference(self) -> dict[str, str]:
         """Our pod with its uid (``kubectl describe`` matches on it); fetched once."""
-        if self._own is None:
+        if self._own_ref is None:
             assert self._access is not None
-            pod = request(self._access.api, "GET",
-                          f"/api/v1/namespaces/{self._namespace}/pods/{quote(self._pod)}")
-            self._own = _reference(pod["metadata"], self._namespace)
-        return self._own
+            pod = request(self._access.api, "GET", self._pod.pods_path(self._pod.name))
+            self._own_ref = self._pod.reference(pod["metadata"])
+        return self._own_ref
 
-    def _events_path(self, name: str | None = None) -> str:
-        path = f"/api/v1/namespaces/{self._namespace}/events"
-        return f"{path}/{quote(name)}" if name else path
-
-
-def _reference(meta: dict[str, Any], namespace: str) -> dict[str, str]:
-    return {"apiVersion": "v1", "kind": "Pod", "namespace": meta.get("namespace") or namespace,
-            "name": meta["name"], "uid": meta["uid"]}
 
 
 def create(settings: Settings, states: list[LeaseState],

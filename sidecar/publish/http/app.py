@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from aiohttp import web
@@ -20,6 +20,8 @@ ReleaseOutcome = Literal["released", "not-holding", "no-such-lease"]
 # "beat" with the JSON to answer, "not-leading" (409), "no-such-lease" (404).
 HeartbeatAnswer = tuple[Literal["beat", "not-leading", "no-such-lease"], dict[str, Any]]
 
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
 _STATES = web.AppKey("states", dict)
 
 
@@ -33,14 +35,32 @@ async def leader(request: web.Request) -> web.Response:
     name = request.match_info.get("name")
     state = states.get(name) if name else next(iter(states.values()))
     if state is None:
-        raise web.HTTPNotFound(text=f"no lease named {name!r}\n")
+        raise _no_such_lease(name)
     return await longpoll.answer(request, state, request.app[LIMITS])
 
 
-def _not_local(request: web.Request, limits: Limits, what: str) -> web.Response | None:
-    """``403`` unless the request comes from a process of this pod (see :mod:`.access`)."""
-    error = refusal(request.remote, request.headers, limits.release_hosts, what)
-    return None if error is None else _json({"error": error}, 403)
+def _no_such_lease(name: str | None) -> web.HTTPNotFound:
+    return web.HTTPNotFound(text=f"no lease named {name!r}\n")
+
+
+def _probe(check: Callable[[], bool]) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        ok = check()
+        return _json({"ok": ok}, 200 if ok else 503)
+    return handler
+
+
+def _local_post(what: str, limits: Limits,
+                answer: Callable[[str | None], web.Response]) -> Handler:
+    """A ``POST`` that makes a leader step down or keep leading: ``403`` unless it comes
+    from a process of this pod (see :mod:`.access`), else ``answer`` for the lease named
+    in the path (None: the first)."""
+    async def handler(request: web.Request) -> web.Response:
+        error = refusal(request.remote, request.headers, limits.release_hosts, what)
+        if error is not None:
+            return _json({"error": error}, 403)
+        return answer(request.match_info.get("name"))
+    return handler
 
 
 def _no_heartbeat(name: str | None) -> HeartbeatAnswer:
@@ -62,14 +82,6 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     app[LIMITS] = limits = limits or Limits()
     registry.register(LimitsCollector(limits))
 
-    async def healthz(request: web.Request) -> web.Response:
-        ok = alive()
-        return _json({"ok": ok}, 200 if ok else 503)
-
-    async def readyz(request: web.Request) -> web.Response:
-        ok = ready()
-        return _json({"ok": ok}, 200 if ok else 503)
-
     async def metrics_handler(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -77,14 +89,10 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     async def status_handler(request: web.Request) -> web.Response:
         return _json(status())
 
-    async def release_handler(request: web.Request) -> web.Response:
-        refused = _not_local(request, limits, "release")
-        if refused is not None:
-            return refused
-        name = request.match_info.get("name")
+    def released(name: str | None) -> web.Response:
         outcome = release(name)
         if outcome == "no-such-lease":
-            raise web.HTTPNotFound(text=f"no lease named {name!r}\n")
+            raise _no_such_lease(name)
         if outcome == "not-holding":
             # Refused, not remembered: a remembered request would end this contender's
             # next term right after it began, and nobody would lead for a lease duration.
@@ -92,20 +100,20 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
                           "error": "this contender does not hold the lease"}, 409)
         return _json({"released": True, "at": time.time()}, 202)
 
-    async def heartbeat_handler(request: web.Request) -> web.Response:
-        # Same rules as a release: a beat keeps a leader leading, which a web page must
-        # not be able to do for a stalled application.
-        refused = _not_local(request, limits, "heartbeat")
-        if refused is not None:
-            return refused
-        name = request.match_info.get("name")
+    def beat(name: str | None) -> web.Response:
         outcome, answer = heartbeat(name)
         if outcome == "no-such-lease":
-            raise web.HTTPNotFound(text=f"no lease named {name!r}\n")
+            raise _no_such_lease(name)
         if outcome == "not-leading":
             return _json({"ok": False, "error": "this contender does not lead: there is "
                                                 "no work to vouch for"}, 409)
         return _json({"ok": True, **answer})
+
+    # Same rules for both: a beat keeps a leader leading, which a web page must not be
+    # able to do for a stalled application.
+    release_handler = _local_post("release", limits, released)
+    heartbeat_handler = _local_post("heartbeat", limits, beat)
+    healthz, readyz = _probe(alive), _probe(ready)
 
     app.router.add_get("/leader", leader, allow_head=True)
     app.router.add_get("/leader/{name}", leader, allow_head=True)
