@@ -22,25 +22,9 @@ HeartbeatAnswer = tuple[Literal["beat", "not-leading", "no-such-lease"], dict[st
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
-_STATES = web.AppKey("states", dict)
-
-
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=json.dumps(data).encode(), status=status, headers=headers,
                         content_type="application/json")
-
-
-async def leader(request: web.Request) -> web.Response:
-    states: dict[str, LeaseState] = request.app[_STATES]
-    name = request.match_info.get("name")
-    state = states.get(name) if name else next(iter(states.values()))
-    if state is None:
-        raise _no_such_lease(name)
-    return await longpoll.answer(request, state, request.app[LIMITS])
-
-
-def _no_such_lease(name: str | None) -> web.HTTPNotFound:
-    return web.HTTPNotFound(text=f"no lease named {name!r}\n")
 
 
 def _probe(check: Callable[[], bool]) -> Handler:
@@ -78,7 +62,7 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     # error as a bare 500 (the traceback goes to the log, never to the client), and any
     # middleware costs a third of /leader's throughput.
     app = web.Application()
-    app[_STATES] = {s.lease: s for s in states}
+    app[longpoll.STATES] = {s.lease: s for s in states}
     app[LIMITS] = limits = limits or Limits()
     registry.register(LimitsCollector(limits))
 
@@ -92,7 +76,7 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     def released(name: str | None) -> web.Response:
         outcome = release(name)
         if outcome == "no-such-lease":
-            raise _no_such_lease(name)
+            raise longpoll.no_such_lease(name)
         if outcome == "not-holding":
             # Refused, not remembered: a remembered request would end this contender's
             # next term right after it began, and nobody would lead for a lease duration.
@@ -103,7 +87,7 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     def beat(name: str | None) -> web.Response:
         outcome, answer = heartbeat(name)
         if outcome == "no-such-lease":
-            raise _no_such_lease(name)
+            raise longpoll.no_such_lease(name)
         if outcome == "not-leading":
             return _json({"ok": False, "error": "this contender does not lead: there is "
                                                 "no work to vouch for"}, 409)
@@ -115,8 +99,8 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     heartbeat_handler = _local_post("heartbeat", limits, beat)
     healthz, readyz = _probe(alive), _probe(ready)
 
-    app.router.add_get("/leader", leader, allow_head=True)
-    app.router.add_get("/leader/{name}", leader, allow_head=True)
+    app.router.add_get("/leader", longpoll.leader, allow_head=True)
+    app.router.add_get("/leader/{name}", longpoll.leader, allow_head=True)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)

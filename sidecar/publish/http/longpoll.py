@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from sidecar.publish.http.limits import RETRY_AFTER, Limits
+from sidecar.publish.http.limits import LIMITS, RETRY_AFTER, Limits
 from sidecar.state import Claim, LeaseState
 
 MAX_WAIT = 300.0
+
+# The app's lease states by name, first lease first (``/leader`` without a name).
+STATES = web.AppKey("states", dict)
 
 
 def etag(state: LeaseState, claim: Claim | None = None) -> str:
@@ -33,8 +36,17 @@ def wait_seconds(request: web.Request) -> float:
     return seconds
 
 
-async def answer(request: web.Request, state: LeaseState, limits: Limits) -> web.Response:
-    """The answer for ``state``: 200 with the claim while leading, else 503."""
+def no_such_lease(name: str | None) -> web.HTTPNotFound:
+    return web.HTTPNotFound(text=f"no lease named {name!r}\n")
+
+
+async def leader(request: web.Request) -> web.Response:
+    """200 with the claim while leading, else 503 (the same JSON body)."""
+    states: dict[str, LeaseState] = request.app[STATES]
+    name = request.match_info.get("name")
+    state = states.get(name) if name else next(iter(states.values()))
+    if state is None:
+        raise no_such_lease(name)
     # The hot path: skip query parsing when there is no query string.
     wait = wait_seconds(request) if request.query_string else 0.0
     headers = {"ETag": ""}
@@ -44,6 +56,7 @@ async def answer(request: web.Request, state: LeaseState, limits: Limits) -> web
         # Weak comparison (RFC 9110 for If-None-Match): a client that drops the W/ of
         # the tag it echoes still parks.
         if seen is None or seen.removeprefix("W/") == current.removeprefix("W/"):
+            limits: Limits = request.app[LIMITS]
             if limits.waiters >= limits.max_waiters:
                 # Full: answer now with what a query without wait gets. The claim is
                 # computed below, like any other, so it is never a made-up answer.
