@@ -49,6 +49,26 @@ class Facts:
     released: bool = False  # unpublished: no claims from here on, even while holding
     reason: str = "starting"
 
+    # -- the claim rule: the one place that says whether these facts prove leadership --
+    def leads_at(self, now: float) -> bool:
+        """Whether these facts prove leadership at monotonic time ``now``.
+
+        Fail closed: only while the backend grants us the lease, we have not unpublished,
+        the first claim of the term is due (``claim_from``, one horizon after an acquire
+        that may follow another holder's claims) and the proven validity has not ended.
+        Pure, so any thread may ask (the kopf handlers of the pod label do).
+        """
+        return (self.holding and not self.released
+                and self.claim_from <= now < self.valid_until)
+
+    def next_flip(self, now: float) -> float | None:
+        """The next monotonic moment :meth:`leads_at` changes with these facts as they
+        are (the first claim of the term, or the end of validity); None: never."""
+        if not self.holding or self.released:
+            return None
+        later = [t for t in (self.claim_from, self.valid_until) if t > now]
+        return min(later) if later else None
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -127,10 +147,7 @@ class LeaseState:
         """
         facts = self.facts
         now = self.clock.monotonic()
-        if (
-            facts.holding and not facts.released
-            and facts.claim_from <= now < facts.valid_until
-        ):
+        if facts.leads_at(now):
             until = min(facts.valid_until, now + self.claim_horizon)
             if until > self.issued_until:
                 self.issued_until = until
@@ -183,6 +200,10 @@ class LeaseState:
         """
         if self.facts.version != version or timeout <= 0:
             return
+        await self._next_update(timeout)
+
+    async def _next_update(self, timeout: float) -> None:
+        """Sleep until the next :meth:`update`, at most ``timeout`` seconds."""
         event = self._changed
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
@@ -213,15 +234,6 @@ class LeaseState:
         self._tag_facts, self._tag_leader = claim.facts, claim.leader
         return self._tag
 
-    def _next_boundary(self, now: float) -> float | None:
-        """The next moment the claim rule flips with the facts as they are: the first
-        claim of a term (``claim_from``) or the end of validity (``valid_until``)."""
-        facts = self.facts
-        if not facts.holding or facts.released:
-            return None
-        later = [t for t in (facts.claim_from, facts.valid_until) if t > now]
-        return min(later) if later else None
-
     async def wait_for_leadership_change(self, tag: str, timeout: float) -> None:
         """Block while :meth:`leadership_tag` is still ``tag``, at most ``timeout`` s.
 
@@ -236,10 +248,7 @@ class LeaseState:
             if remaining <= 0:
                 return
             now = self.clock.monotonic()
-            boundary = self._next_boundary(now)
+            boundary = self.facts.next_flip(now)
             if boundary is not None:
                 remaining = min(remaining, boundary - now)
-            event = self._changed
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
-                    await event.wait()
+            await self._next_update(remaining)

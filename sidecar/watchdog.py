@@ -20,8 +20,9 @@ import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
-from sidecar.config import format_duration
-from sidecar.state import LeaseState, rfc3339
+from sidecar.clock import rfc3339
+from sidecar.durations import format_duration
+from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.watchdog")
 
@@ -67,13 +68,16 @@ class WorkWatchdog:
         state.work.stall_after = stall_after
         self._stalled_term: float | None = None
 
+    def _beat_this_term(self) -> float | None:
+        """The last beat, if it came after this term's first claim (an earlier term's
+        beat never counts for a later one)."""
+        last = self.state.work.last_beat
+        return last if last is not None and last > self.state.facts.claim_from else None
+
     def deadline(self) -> float:
         """Monotonic time this term stalls without another beat."""
-        facts, work = self.state.facts, self.state.work
-        since = facts.claim_from
-        if work.last_beat is not None and work.last_beat > since:
-            since = work.last_beat
-        return since + self.stall_after
+        beat = self._beat_this_term()
+        return (self.state.facts.claim_from if beat is None else beat) + self.stall_after
 
     async def run(self) -> None:
         state = self.state
@@ -98,9 +102,8 @@ class WorkWatchdog:
 
     def _stall(self, silent: float) -> None:
         state, work = self.state, self.state.work
-        heard = "since its last heartbeat" if (
-            work.last_beat is not None and work.last_beat > state.facts.claim_from
-        ) else "since the first claim of this term (no heartbeat yet)"
+        heard = ("since its last heartbeat" if self._beat_this_term() is not None
+                 else "since the first claim of this term (no heartbeat yet)")
         reason = (f"work stalled: no POST /heartbeat for {format_duration(round(silent, 3))} "
                   f"{heard}; LEASE_WORK_STALL_AFTER is {format_duration(self.stall_after)}")
         work.stalls += 1

@@ -24,7 +24,7 @@ import os
 import secrets
 from pathlib import Path
 
-from sidecar.config import ConfigError
+from sidecar.errors import ConfigError
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.file")

@@ -50,8 +50,9 @@ from urllib.parse import quote
 
 from kubernetes.client.exceptions import ApiException
 
-from sidecar.config import Settings
 from sidecar.kube import KubeAccess, connect, one_line, request
+from sidecar.publish.own_pod import MERGE_PATCH, OwnPod
+from sidecar.settings import Settings
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.pod_label")
@@ -59,7 +60,6 @@ log = logging.getLogger("sidecar.publish.pod_label")
 ROLE_LABEL = "lease-role"
 GROUP_LABEL = "lease-sidecar/group"
 ANNOTATION = "lease-sidecar/lease"
-MERGE_PATCH = "application/merge-patch+json"
 KOPF_STOP_TIMEOUT = 5.0
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
@@ -91,22 +91,11 @@ class Desired:
                 and (meta.get("annotations") or {}).get(ANNOTATION) == self.annotation)
 
 
-def leads_now(state: LeaseState) -> bool:
-    """The claim rule, read-only: safe to call from the kopf thread (facts are immutable)."""
-    facts = state.facts
-    now = state.clock.monotonic()
-    return (facts.holding and not facts.released
-            and facts.claim_from <= now < facts.valid_until)
-
-
 class PodLabelPublisher:
     def __init__(self, settings: Settings, states: list[LeaseState]) -> None:
-        if not (settings.pod_name and settings.pod_namespace):
-            raise ValueError("the pod label needs POD_NAME and POD_NAMESPACE")
+        self._own = OwnPod.of(settings, "the pod label needs")
         self._settings = settings
         self._state = states[0]
-        self._pod = settings.pod_name
-        self._namespace = settings.pod_namespace
         self._group = group_value(settings.store.key(settings.name))
         self._access: KubeAccess | None = None
         # One worker: our own-pod patches go out in the order the elector made them.
@@ -129,7 +118,7 @@ class PodLabelPublisher:
         except Exception as exc:
             # Advisory: a missing pod or a down apiserver must not stop the sidecar; the
             # kopf handler puts the label right once it can.
-            log.warning("pod label not set", extra={"pod": self._pod, "error": one_line(exc)})
+            log.warning("pod label not set", extra={"pod": self._own.name, "error": one_line(exc)})
         if self._access is not None:
             self._kopf = threading.Thread(target=self._run_kopf, daemon=True,
                                           name="kopf-pod-label")
@@ -156,7 +145,13 @@ class PodLabelPublisher:
 
     # -- what we publish -----------------------------------------------------------------
     def _compute(self) -> Desired:
-        """Read from the state on the event loop (``claim()`` records the claim)."""
+        """Read from the state on the event loop (``claim()`` moves ``issued_until``,
+        which only the loop writes).
+
+        The label has no expiry, so ``issued_until`` does not cover it: a ``leader``
+        label stays until the next PATCH. What takes it down before a release is the
+        elector awaiting :meth:`changed` (bounded, see the module docstring).
+        """
         state = self._state
         if self._settings.role == "api":
             role, token = "api", None
@@ -173,11 +168,13 @@ class PodLabelPublisher:
         assert self._access is not None
         with self._lock:
             desired = self._desired
-            request(self._access.api, "PATCH", self._pod_path(self._pod),
+            request(self._access.api, "PATCH", self._own.pods_path(self._own.name),
                     desired.patch(self._group), content_type=MERGE_PATCH)
 
-    def _pod_path(self, name: str) -> str:
-        return f"/api/v1/namespaces/{self._namespace}/pods/{quote(name)}"
+    def _leads(self) -> bool:
+        """The claim rule without handing out a claim: safe on kopf's threads, since
+        facts are replaced whole and :meth:`Facts.leads_at` writes nothing."""
+        return self._state.facts.leads_at(self._state.clock.monotonic())
 
     # -- the kopf side (runs in the kopf thread) -----------------------------------------
     def _run_kopf(self) -> None:
@@ -197,7 +194,7 @@ class PodLabelPublisher:
         try:
             loop.run_until_complete(kopf.operator(
                 registry=registry, settings=settings, standalone=True, clusterwide=False,
-                namespaces=[self._namespace], stop_flag=self._stop_flag))
+                namespaces=[self._own.namespace], stop_flag=self._stop_flag))
         except Exception as exc:
             log.warning("kopf stopped", extra={"error": one_line(exc)})
         finally:
@@ -216,20 +213,20 @@ class PodLabelPublisher:
             server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
             scheme=scheme or ("Bearer" if token else None), token=token or None,
             certificate_path=config.cert_file, private_key_path=config.key_file,
-            default_namespace=self._namespace)
+            default_namespace=self._own.namespace)
 
     def _on_pod(self, name: str, body: Any, type: str | None, **_: Any) -> None:
         """Reconcile one group pod; kopf runs sync handlers in its executor threads."""
         if type == "DELETED":
             return
         try:
-            if name == self._pod:
+            if name == self._own.name:
                 if not self._desired.shown_by(dict(body), self._group):
                     self._sync_own_pod()  # drift: someone else changed our labels
                 elif self._desired.role == "leader":
                     self._demote_others()  # our term began: clear stale leaders at once
             elif (dict(body.get("metadata", {}).get("labels") or {}).get(ROLE_LABEL) == "leader"
-                  and leads_now(self._state)):
+                  and self._leads()):
                 self._demote(name, body["metadata"].get("resourceVersion"))
         except ApiException as exc:
             if exc.status not in (404, 409):  # gone, or changed since: a new event follows
@@ -243,10 +240,10 @@ class PodLabelPublisher:
         assert self._access is not None
         selector = quote(f"{GROUP_LABEL}={self._group},{ROLE_LABEL}=leader")
         found = request(self._access.api, "GET",
-                        f"/api/v1/namespaces/{self._namespace}/pods?labelSelector={selector}")
+                        f"{self._own.pods_path()}?labelSelector={selector}")
         for pod in found.get("items", []):
             meta = pod["metadata"]
-            if meta["name"] != self._pod and leads_now(self._state):
+            if meta["name"] != self._own.name and self._leads():
                 with contextlib.suppress(ApiException):  # 404/409: a new event follows
                     self._demote(meta["name"], meta.get("resourceVersion"))
 
@@ -256,7 +253,7 @@ class PodLabelPublisher:
         patch: dict[str, Any] = {"metadata": {"labels": {ROLE_LABEL: "standby"}}}
         if version:  # only the version we judged: a newer write wins over our demotion
             patch["metadata"]["resourceVersion"] = version
-        demoted = request(self._access.api, "PATCH", self._pod_path(name), patch,
+        demoted = request(self._access.api, "PATCH", self._own.pods_path(name), patch,
                           content_type=MERGE_PATCH)
         log.info("demoted stale leader label", extra={
             "pod": name, "lease": self._state.lease, "identity": self._state.identity})

@@ -118,10 +118,25 @@ def test_connection_cap_answers_503_retry_after(leader: SidecarProcess) -> None:
     finally:
         for sock in held:
             sock.close()
-    # Served again once they are gone.
-    wait_until(lambda: get_json(leader.url + "/healthz")[0] == 200, timeout=5)
+    # Served again once they are gone. A probe may come before the server has seen all
+    # the closes and be refused too, and counted: that is the cap working, so the count
+    # is checked against what the probes saw, not against 1 alone.
+    seen = {"refused": 0, "unanswered": 0}
+
+    def served() -> bool:
+        status, body, _ = get_json(leader.url + "/healthz")
+        if status == 503 and body == {"error": "too many connections"}:
+            seen["refused"] += 1
+        elif status == 0:  # a refusal the client did not get to read
+            seen["unanswered"] += 1
+        return status == 200
+
+    wait_until(served, timeout=5)
     metrics = get_json(leader.url + "/metrics")[1]
-    assert 'lease_http_refused_total{bound="connections"} 1.0' in metrics
+    refused = next(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith('lease_http_refused_total{bound="connections"}'))
+    assert 1 + seen["refused"] <= refused <= 1 + seen["refused"] + seen["unanswered"], (
+        refused, seen)
 
 
 def test_slowloris_is_closed_within_the_header_timeout(leader: SidecarProcess) -> None:

@@ -4,7 +4,7 @@ import asyncio
 import math
 from datetime import datetime
 
-from sidecar.state import LeaseState
+from sidecar.state import Facts, LeaseState
 from tests.unit.fakes import FakeClock
 
 
@@ -103,6 +103,70 @@ def test_valid_until_ms_is_the_same_instant_rounded_down():
     state.update(holding=False)
     standby = state.body(state.claim())
     assert standby["valid_until"] is None and standby["valid_until_ms"] is None
+
+
+# -- Facts.leads_at: the claim rule itself, asked directly at chosen instants ------------
+
+def _term(clock: FakeClock, **changes: object) -> Facts:
+    """Holding since ``clock.now``: first claim 0.25 s later, validity 10 s."""
+    base = {"holding": True, "claim_from": clock.now + 0.25, "valid_until": clock.now + 10}
+    return Facts(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def test_leads_at_from_the_first_claim_up_to_but_not_at_the_end_of_validity():
+    clock = FakeClock()
+    facts = _term(clock)
+    start, end = facts.claim_from, facts.valid_until
+    expected = {
+        clock.now: False,  # acquired, first-claim wait not over
+        start - 1e-9: False,
+        start: True,  # the first claim is due exactly at claim_from
+        start + 5: True,
+        end - 1e-9: True,
+        end: False,  # validity ends: monotonic now < valid_until, strictly
+        end + 100: False,  # a frozen process that resumes late
+    }
+    assert {now: facts.leads_at(now) for now in expected} == expected
+
+
+def test_leads_at_fails_closed_without_the_lease_or_after_unpublishing():
+    clock = FakeClock()
+    middle = clock.now + 5  # inside [claim_from, valid_until) of _term
+    assert _term(clock).leads_at(middle)
+    assert not _term(clock, holding=False).leads_at(middle)
+    assert not _term(clock, released=True).leads_at(middle)
+    assert not Facts().leads_at(middle)  # the facts a state starts with
+
+
+def test_leads_at_is_what_a_claim_says_and_hands_out_nothing():
+    """LeaseState.claim() is leads_at at the clock's now, plus the claim it hands out;
+    leads_at alone (the pod label's question on kopf's threads) leaves issued_until."""
+    clock = FakeClock()
+    state = make_state(clock)
+    state.update(holding=True, claim_from=clock.now + 0.25, valid_until=clock.now + 10)
+    # Before the first claim, at it, inside, at the end of validity, past it.
+    for step in (0.0, 0.25, 4.0, 5.75, 0.1):
+        clock.advance(step)
+        facts = state.facts
+        assert facts.leads_at(clock.now) == state.claim().leader
+        issued = state.issued_until
+        facts.leads_at(clock.now)
+        assert state.issued_until == issued
+    state.update(released=True)
+    assert not state.facts.leads_at(clock.now) and not state.claim().leader
+
+
+def test_next_flip_names_the_first_claim_then_the_end_of_validity():
+    clock = FakeClock()
+    facts = _term(clock)
+    assert facts.next_flip(clock.now) == facts.claim_from
+    assert facts.next_flip(facts.claim_from) == facts.valid_until
+    assert facts.next_flip(facts.valid_until) is None
+    assert _term(clock, released=True).next_flip(clock.now) is None
+    assert Facts().next_flip(clock.now) is None
+    # Just before and after each flip, leads_at says what next_flip promised.
+    for flip in (facts.claim_from, facts.valid_until):
+        assert facts.leads_at(flip - 1e-9) != facts.leads_at(flip)
 
 
 # -- the leadership tag and its wait (the long-poll follows these) -------------------------

@@ -1,0 +1,37 @@
+"""The HTTP endpoint (aiohttp): ``/leader``, ``/healthz``, ``/readyz``, ``/metrics``,
+``/status``, ``POST /release`` and ``POST /heartbeat`` (the work watchdog's input).
+
+``/leader`` is answered from :meth:`LeaseState.claim` at request time. A blocking query
+(``?wait=SECONDS`` with ``If-None-Match``) parks the request until the answer's
+leadership changes (leader, holder, fencing token, role: the ETag) or ``wait`` runs out;
+renews do not end it, so applications need not poll hard and are not woken for nothing.
+
+One job a module:
+
+- :mod:`.app`: the routes and their answers (:func:`build_app`);
+- :mod:`.longpoll`: ``GET /leader``, plain or blocking;
+- :mod:`.access`: who may ``POST`` (loopback, no ``Origin``, our own ``Host``);
+- :mod:`.limits`: the bounds on connections, waiters and request heads, and their metrics;
+- :mod:`.server`: the listening socket that enforces the connection bounds
+  (:class:`HttpServer`).
+"""
+
+from sidecar.publish.http.access import host_allowed, is_loopback, release_hosts
+from sidecar.publish.http.app import HeartbeatAnswer, ReleaseOutcome, build_app
+from sidecar.publish.http.limits import (
+    HEADER_TIMEOUT,
+    MAX_CONNECTIONS,
+    MAX_FIELD,
+    MAX_HEADERS,
+    MAX_LINE,
+    MAX_WAITERS,
+    Limits,
+)
+from sidecar.publish.http.longpoll import MAX_WAIT, etag
+from sidecar.publish.http.server import HttpServer
+
+__all__ = [
+    "HEADER_TIMEOUT", "MAX_CONNECTIONS", "MAX_FIELD", "MAX_HEADERS", "MAX_LINE", "MAX_WAIT",
+    "MAX_WAITERS", "HeartbeatAnswer", "HttpServer", "Limits", "ReleaseOutcome", "build_app",
+    "etag", "host_allowed", "is_loopback", "release_hosts",
+]

@@ -1,0 +1,58 @@
+"""Who may ``POST /release`` and ``POST /heartbeat``: a process of this pod, never a web
+page. Both make a leader step down or keep leading, so both follow the same rules."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from urllib.parse import urlsplit
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Only a process in this pod (or on this host) may make us step down."""
+    if not remote:
+        return False
+    try:
+        return ipaddress.ip_address(remote.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def release_hosts(bound_host: str, port: int) -> frozenset[tuple[str, int]]:
+    """(host, port) pairs a ``POST /release`` may carry in ``Host``: the loopback forms
+    of our port, and the bound address itself unless it is a wildcard."""
+    hosts = {"localhost", "127.0.0.1", "::1"}
+    if bound_host and bound_host not in ("0.0.0.0", "::"):
+        hosts.add(bound_host.lower())
+    return frozenset((host, port) for host in hosts)
+
+
+def host_allowed(header: str | None, allowed: frozenset[tuple[str, int]]) -> bool:
+    """``Host`` names this endpoint, not some other name that resolves here (DNS
+    rebinding: a web page on ``evil.example`` re-pointed at 127.0.0.1)."""
+    if not header:
+        return False
+    try:
+        parts = urlsplit(f"//{header}")
+        host, port = parts.hostname, parts.port or 80
+    except ValueError:
+        return False
+    if host is None or parts.username is not None or parts.path:
+        return False
+    return (host, port) in allowed or (is_loopback(host) and ("127.0.0.1", port) in allowed)
+
+
+def refusal(remote: str | None, headers: Mapping[str, str],
+            allowed: frozenset[tuple[str, int]], what: str) -> str | None:
+    """Why ``what`` is refused to this request (the ``403``'s error), None if it is not.
+
+    Browsers send Origin with every POST, and a page that re-points its own name at
+    127.0.0.1 (DNS rebinding) still sends that name as Host.
+    """
+    if not is_loopback(remote):
+        return f"{what} is accepted only from loopback"
+    if "Origin" in headers:
+        return f"{what} is refused to requests with an Origin header"
+    if not host_allowed(headers.get("Host"), allowed):
+        return f"{what} needs Host: localhost or 127.0.0.1 with this endpoint's port"
+    return None

@@ -1,0 +1,72 @@
+"""Bounds, because anything on the host (or, with a non-loopback bind, the network) can
+connect:
+
+- at most ``MAX_CONNECTIONS`` open connections; one more is answered ``503`` with
+  ``Retry-After`` and closed, without reading it (:mod:`.server`);
+- at most ``MAX_WAITERS`` parked blocking queries; one more is answered at once with
+  the current state (the same truthful claim a query without ``wait`` gets) and the
+  header ``Lease-Wait: full`` — never a made-up "not leader" or "leader" (:mod:`.longpoll`);
+- a request head must arrive within ``HEADER_TIMEOUT`` of the connection opening (or of
+  the previous answer on a kept-alive connection), else the connection is closed; a
+  client that goes away cancels its parked query at once;
+- request line and header sizes are capped, so a slow client cannot make us buffer much;
+- a malformed request gets aiohttp's ``400`` and one debug log line, not a traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# An app's processes long-polling one sidecar number in the tens; these caps keep a
+# flood far below the chart's 128 Mi memory limit (bench/bench_http_limits.py).
+MAX_CONNECTIONS = 512
+MAX_WAITERS = 256
+# Connect → complete request head; also how long an idle kept-alive connection stays.
+HEADER_TIMEOUT = 5.0
+RETRY_AFTER = 1
+# Request line ("GET /leader/<name>?wait=30") and one header line; 24 header lines. A
+# slow client can make us hold at most about MAX_LINE + MAX_HEADERS * MAX_FIELD bytes
+# (about twice that in Python objects): 25 KiB, 13 MiB over all connections.
+MAX_LINE = 1024
+MAX_FIELD = 1024
+MAX_HEADERS = 24
+
+
+@dataclass
+class Limits:
+    """Counters of the bounds above, shared by the app and the server (and /metrics)."""
+
+    max_connections: int = MAX_CONNECTIONS
+    max_waiters: int = MAX_WAITERS
+    waiters: int = 0
+    refused_connections: int = 0
+    waits_refused: int = 0
+    # "host:port" forms a POST /release may name in its Host header (set once bound).
+    release_hosts: frozenset[tuple[str, int]] = frozenset()
+    open_connections: Callable[[], int] = lambda: 0
+
+
+# Where the app keeps its Limits, for the handlers and for the server that runs it.
+LIMITS = web.AppKey("limits", Limits)
+
+
+class LimitsCollector(Collector):
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+
+    def collect(self) -> Iterator[Metric]:
+        limits = self._limits
+        yield GaugeMetricFamily("lease_http_connections", "open HTTP connections",
+                                value=limits.open_connections())
+        yield GaugeMetricFamily("lease_http_waiters", "parked blocking queries",
+                                value=limits.waiters)
+        refused = CounterMetricFamily("lease_http_refused",
+                                      "requests turned away by a bound", labels=["bound"])
+        refused.add_metric(["connections"], limits.refused_connections)
+        refused.add_metric(["waiters"], limits.waits_refused)
+        yield refused
