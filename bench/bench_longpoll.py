@@ -33,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tests.support import SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import SidecarProcess, get_json, one_leader, wait_until
 
 HORIZON = 0.25
 SETTINGS = ["--lease-duration", "3s", "--renew-interval", "300ms", "--renew-deadline", "2s",

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.testbed import gobuild
-from tests.testbed.cluster import Cluster
-from tests.testbed.postgres import PgError, PgServer
+from testkit.testbed import gobuild
+from testkit.testbed.cluster import Cluster
+from testkit.testbed.postgres import PgError, PgServer
 
 
 @dataclass

@@ -23,7 +23,7 @@ import yaml
 from kubernetes import client, config, watch
 
 from sidecar.publish.events import MIN_WRITE_INTERVAL, VOLUNTARY
-from tests.integration.kube_support import (
+from testkit.kube_support import (
     SERVICE_ACCOUNT,
     install_rbac,
     leaders,
@@ -31,8 +31,8 @@ from tests.integration.kube_support import (
     rbac_manifest,
     sidecars_in_pods,
 )
-from tests.support import SidecarProcess, wait_until
-from tests.testbed.kube import ControlPlane
+from testkit.support import SidecarProcess, wait_until
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = [pytest.mark.kube, pytest.mark.slow]
 

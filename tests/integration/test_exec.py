@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import SidecarProcess, wait_until
+from testkit.support import SidecarProcess, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]

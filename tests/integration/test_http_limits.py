@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.publish.http import HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_WAITERS
-from tests.support import SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import SidecarProcess, get_json, one_leader, wait_until
 
 # A renew every 20 s: a leader's state does not change on its own for that long (renews
 # no longer end a blocking query — tests/integration/test_longpoll.py — but a quiet

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import SidecarProcess, get_json, one_leader, wait_until
 
 HORIZON = 0.1
 VALIDITY = 1.7  # lease duration 2 s minus safety margin 300 ms

@@ -19,7 +19,7 @@ import pytest
 from sidecar import config
 from sidecar.config import Settings
 from sidecar.runtime import Sidecar
-from tests.support import SidecarProcess, free_port, get_json, wait_until
+from testkit.support import SidecarProcess, free_port, get_json, wait_until
 
 
 def lease_sidecar() -> list[str]:

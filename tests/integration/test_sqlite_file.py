@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]

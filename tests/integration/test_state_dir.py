@@ -22,7 +22,7 @@ import pytest
 from sidecar.config import ConfigError, Settings
 from sidecar.runtime import resolve_state_dir
 from sidecar.statedir import private_dir
-from tests.support import SidecarProcess, get_json, wait_until
+from testkit.support import SidecarProcess, get_json, wait_until
 
 NOBODY = 65534
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",

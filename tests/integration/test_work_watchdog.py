@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import SidecarProcess, get_json, one_leader, wait_until
 
 STALL = 1.5
 HORIZON = 0.1

@@ -1,4 +1,4 @@
-"""pytest fixtures for the real PostgreSQL test bed (see :mod:`tests.testbed.postgres`).
+"""pytest fixtures for the real PostgreSQL test bed (see :mod:`testkit.testbed.postgres`).
 
 Registered in tests/conftest.py (``pytest_plugins``). Fixtures:
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.testbed.postgres import PgError, PgServer, PgStandby, start_standby
+from testkit.testbed.postgres import PgError, PgServer, PgStandby, start_standby
 
 
 @pytest.fixture(scope="session")

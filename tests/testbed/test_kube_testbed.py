@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.testbed import gobuild
-from tests.testbed.kube import ControlPlane
+from testkit.testbed import gobuild
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
 

@@ -6,7 +6,6 @@ import datetime as dt
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,13 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testkit.procs import free_port
+
+__all__ = ["REPO", "ClaimRecorder", "SidecarProcess", "free_port", "get_json",
+           "one_leader", "wait_until"]
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 2.0,
