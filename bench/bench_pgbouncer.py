@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from bench.failover import summary
-from testkit.support import SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import SidecarProcess, claim_overlaps, get_json, one_leader, wait_until
 from testkit.testbed.pgbouncer import PgBouncer, version
 from testkit.testbed.postgres import PgServer
 
@@ -75,15 +75,7 @@ class Sampler:
             time.sleep(0.01)
 
     def overlaps(self) -> int:
-        found = 0
-        ordered = sorted(self.claims, key=lambda c: c[1])
-        for i, first in enumerate(ordered):
-            for second in ordered[i + 1:]:
-                if second[1] >= first[2]:
-                    break
-                if second[0] != first[0]:
-                    found += 1
-        return found
+        return len(claim_overlaps(self.claims))
 
 
 def sidecar(workdir: Path, identity: str, backend: str, dsn: str) -> SidecarProcess:

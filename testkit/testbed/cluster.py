@@ -483,39 +483,34 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "syncFrequency": "10s",
         }
 
+    def _start_control_component(self, name: str, *args: str) -> None:
+        """kube-controller-manager or kube-scheduler: its own client certificate (user
+        ``system:<name>``), a loopback serving port, no leader election (one replica)."""
+        kubeconfig = self._component_kubeconfig(name, f"system:{name}")
+        self._procs.spawn(name, [
+            str(self._binaries[name]),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            f"--cert-dir={self.workdir / name}",
+            "--leader-elect=false",
+            *args,
+        ])
+
     def _start_components(self) -> None:
         cp = self.control_plane
-        ca, sa_key = cp.ca_cert, cp.service_account_signing_key
-        kcm = self._component_kubeconfig(
-            "kube-controller-manager", "system:kube-controller-manager"
-        )
-        self._procs.spawn("kube-controller-manager", [
-            str(self._binaries["kube-controller-manager"]),
-            f"--kubeconfig={kcm}",
-            f"--authentication-kubeconfig={kcm}",
-            f"--authorization-kubeconfig={kcm}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={free_port()}",
-            f"--cert-dir={self.workdir / 'kube-controller-manager'}",
+        self._start_control_component(
+            "kube-controller-manager",
             "--use-service-account-credentials=true",
-            f"--root-ca-file={ca}",
-            f"--service-account-private-key-file={sa_key}",
+            f"--root-ca-file={cp.ca_cert}",
+            f"--service-account-private-key-file={cp.service_account_signing_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--leader-elect=false",
             "--cluster-name=lease-testbed",
             "--concurrent-deployment-syncs=5",
-        ])
-        sched = self._component_kubeconfig("kube-scheduler", "system:kube-scheduler")
-        self._procs.spawn("kube-scheduler", [
-            str(self._binaries["kube-scheduler"]),
-            f"--kubeconfig={sched}",
-            f"--authentication-kubeconfig={sched}",
-            f"--authorization-kubeconfig={sched}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={free_port()}",
-            f"--cert-dir={self.workdir / 'kube-scheduler'}",
-            "--leader-elect=false",
-        ])
+        )
+        self._start_control_component("kube-scheduler")
         k = self.workdir / "kubelet"
         k.mkdir(exist_ok=True)
         self.kubelet_port = free_port(self.node_ip)

@@ -16,7 +16,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,10 +120,13 @@ def wait_workers(log: Path, tag: str, count: int, births: dict[int, int]) -> lis
     return wait_until(found, timeout=15)
 
 
-def post_release(proc: SidecarProcess) -> None:
-    request = urllib.request.Request(proc.url + "/release", method="POST")
-    with urllib.request.urlopen(request, timeout=2) as response:
-        assert response.status == 202
+def assert_job_ended(runner: SidecarProcess, started: list[Worker], log: Path,
+                     births: dict[int, int]) -> None:
+    """exec exits, and by then every worker is gone, each after its SIGTERM."""
+    assert runner.proc is not None
+    runner.proc.wait(timeout=10)
+    assert [w for w in started if w.alive()] == []
+    assert all(w.stopped for w in workers(log, births))  # SIGTERM first, not SIGKILL
 
 
 def test_release_ends_every_worker_before_exec_exits(tmp_path, job):
@@ -134,11 +136,8 @@ def test_release_ends_every_worker_before_exec_exits(tmp_path, job):
     try:
         runner.wait_http()
         started = wait_workers(log, "a", 2, births)
-        post_release(runner)
-        runner.proc.wait(timeout=10)
-        # exec exits only once the whole job is gone, and each worker had its SIGTERM.
-        assert [w for w in started if w.alive()] == []
-        assert all(w.stopped for w in workers(log, births))
+        assert runner.release() == 202
+        assert_job_ended(runner, started, log, births)
         assert "stopping command" in runner.logs()
     finally:
         runner.stop()
@@ -161,10 +160,8 @@ def test_a_worker_that_left_the_process_group_is_ended_too(tmp_path, job):
         (away,) = wait_workers(log, "x-", 1, births)
         started = [*stay, away]
         assert _stat(away.pid)[3] != _stat(stay[0].pid)[3]  # another session indeed
-        post_release(runner)
-        runner.proc.wait(timeout=10)
-        assert [w for w in started if w.alive()] == []
-        assert all(w.stopped for w in workers(log, births))
+        assert runner.release() == 202
+        assert_job_ended(runner, started, log, births)
     finally:
         runner.stop()
 
@@ -179,9 +176,7 @@ def test_a_signal_to_exec_ends_every_worker(tmp_path, job, sig):
         runner.wait_http()
         started = wait_workers(log, "a", 2, births)
         runner.signal(sig)
-        runner.proc.wait(timeout=10)
-        assert [w for w in started if w.alive()] == []
-        assert all(w.stopped for w in workers(log, births))  # SIGTERM first, not SIGKILL
+        assert_job_ended(runner, started, log, births)
     finally:
         runner.stop()
 
@@ -259,7 +254,7 @@ def test_a_waiting_exec_never_runs_while_a_worker_of_the_first_runs(tmp_path, jo
         time.sleep(0.5)  # b contends and loses
         assert not [w for w in workers(log, births) if w.tag.startswith("b")]
         if fault == "release":
-            post_release(first)
+            assert first.release() == 202
         else:
             first.signal({"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP,
                           "sigterm": signal.SIGTERM}[fault])

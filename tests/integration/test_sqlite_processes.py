@@ -9,7 +9,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -167,9 +166,7 @@ def test_unreachable_backend_keeps_running_and_recovers(tmp_path: Path):
 
 def test_release_endpoint_hands_over(trio):
     leader = wait_until(lambda: one_leader(trio), timeout=10)
-    request = urllib.request.Request(leader.url + "/release", method="POST")
-    with urllib.request.urlopen(request, timeout=2) as response:
-        assert response.status == 202
+    assert leader.release() == 202
     rest = [p for p in trio if p is not leader]
     wait_until(lambda: one_leader(rest), timeout=2.0)
     assert leader.leader() == 503
