@@ -31,9 +31,9 @@ from sidecar.lease.postgres_advisory import (
     lock_halves,
     lock_id,
 )
+from testkit import support
 from testkit.support import REPO, SidecarProcess, get_json, one_leader, wait_until
 from testkit.testbed.postgres import PgServer
-from tests import support
 from tests.testbed.pgbouncer_fixtures import StartBouncer
 
 pytestmark = pytest.mark.postgres
