@@ -4,7 +4,7 @@ overlaps, per direction; prints a table and writes results/clientgo-interop.json
     flock /tmp/lease-bench.lock python -m bench.bench_clientgo_interop [--rounds 20] [--kills 4]
 
 The set-up of tests/integration/test_clientgo_interop.py (see
-tests/integration/clientgo_support.py), with more rounds: one sidecar and one client-go
+testkit/clientgo_support.py), with more rounds: one sidecar and one client-go
 elector (LeaseLock, ReleaseOnCancel, retry 100 ms) at a time, 3 s leases, the sidecar on
 its default safety margin (1 s) and claim horizon (250 ms). ``--rounds`` SIGTERM rounds,
 then ``--kills`` SIGKILL rounds; holders alternate kinds, so each direction gets half.
@@ -26,10 +26,10 @@ import time
 from pathlib import Path
 
 from bench.failover import summary
-from tests.integration.clientgo_support import CLIENTGO_ARGS, OBJECT, Contest
-from tests.integration.kube_support import install_rbac
-from tests.testbed import gobuild
-from tests.testbed.kube import ControlPlane
+from testkit.clientgo_support import CLIENTGO_ARGS, OBJECT, Contest
+from testkit.kube_support import install_rbac
+from testkit.testbed import gobuild
+from testkit.testbed.kube import ControlPlane
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

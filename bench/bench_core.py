@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.failover import failover_trials, summary
 from sidecar.durations import parse_duration
-from tests.support import SidecarProcess, free_port, get_json, wait_until
+from testkit.support import SidecarProcess, free_port, get_json, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

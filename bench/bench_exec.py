@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.failover import summary
 from sidecar import supervise
-from tests.support import SidecarProcess, wait_until
+from testkit.support import SidecarProcess, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",

@@ -38,7 +38,7 @@ from sidecar.publish.http import (
     MAX_LINE,
     MAX_WAITERS,
 )
-from tests.support import SidecarProcess, get_json, wait_until
+from testkit.support import SidecarProcess, get_json, wait_until
 
 CHART_MEMORY_LIMIT_MIB = 128
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -40,15 +40,15 @@ import time
 from pathlib import Path
 
 from bench.bench_core import summary
-from tests.integration.kube_support import (
+from testkit.kube_support import (
     Event,
     Recorder,
     create_pods,
     install_rbac,
     sidecar,
 )
-from tests.support import REPO, SidecarProcess, get_json, wait_until
-from tests.testbed.kube import ControlPlane
+from testkit.support import REPO, SidecarProcess, get_json, wait_until
+from testkit.testbed.kube import ControlPlane
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The anchor refuses a retry period under 1 s; both sides use 1 s for a fair comparison.

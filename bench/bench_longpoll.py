@@ -27,25 +27,15 @@ import statistics
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tests.support import SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import SidecarProcess, get_json, long_poll, one_leader, wait_until
 
 HORIZON = 0.25
 SETTINGS = ["--lease-duration", "3s", "--renew-interval", "300ms", "--renew-deadline", "2s",
             "--claim-horizon", "250ms"]
-
-
-def poll(url: str, tag: str | None, wait: float) -> tuple[int, Any, str, float]:
-    """(status, body, ETag, seconds) of one blocking query."""
-    started = time.monotonic()
-    status, body, headers = get_json(f"{url}/leader?wait={wait:g}", timeout=wait + 10,
-                                     headers={"If-None-Match": tag} if tag else {})
-    return status, body, headers.get("ETag", ""), time.monotonic() - started
 
 
 def renews(proc: SidecarProcess) -> float:
@@ -65,18 +55,18 @@ class Waiter(threading.Thread):
         self.unchanged_wakeups = 0  # early, and the ETag said nothing changed
 
     def run(self) -> None:
-        tag = poll(self.url, None, 0)[2]
+        tag = long_poll(self.url, None, 0).tag
         while time.monotonic() < self.until:
-            status, _, new_tag, seconds = poll(self.url, tag, self.wait)
-            if status == 0:
+            answer = long_poll(self.url, tag, self.wait)
+            if answer.status == 0:
                 time.sleep(0.1)
                 continue
-            if seconds >= self.wait - 0.5:
+            if answer.waited >= self.wait - 0.5:
                 self.timeouts += 1
             else:
                 self.wakeups += 1
-                self.unchanged_wakeups += new_tag == tag
-            tag = new_tag
+                self.unchanged_wakeups += answer.tag == tag
+            tag = answer.tag
 
 
 def idle_phase(procs: list[SidecarProcess], leader: SidecarProcess, args: argparse.Namespace
@@ -106,38 +96,31 @@ def idle_phase(procs: list[SidecarProcess], leader: SidecarProcess, args: argpar
     return result
 
 
-def release(proc: SidecarProcess) -> int:
-    request = urllib.request.Request(proc.url + "/release", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as err:
-        return err.code
-
-
 def one_handover(leader: SidecarProcess, standby: SidecarProcess) -> tuple[float, float]:
     """(ms from POST /release to the leader's waiter hearing 503, ms from the standby's
     first claim to its waiter hearing 200)."""
     results: dict[str, Any] = {}
 
     def lead_waiter() -> None:
-        tag = poll(leader.url, None, 0)[2]
+        tag = long_poll(leader.url, None, 0).tag
         until = time.monotonic() + 10
         while time.monotonic() < until:  # an older version answers at every renew
-            status, _, tag, _ = poll(leader.url, tag, 30)
-            if status != 200:
-                results["leader"] = (status, time.monotonic())
+            answer = long_poll(leader.url, tag, 30)
+            tag = answer.tag
+            if answer.status != 200:
+                results["leader"] = (answer.status, time.monotonic())
                 return
 
     def standby_waiter() -> None:
-        tag = poll(standby.url, None, 0)[2]
+        tag = long_poll(standby.url, None, 0).tag
         # The holder changes at the acquire, then the first claim comes (an older
         # version also answers at every state change: bounded by time, not count).
         until = time.monotonic() + 10
         while time.monotonic() < until:
-            status, body, tag, _ = poll(standby.url, tag, 30)
-            if status == 200:
-                results["standby"] = (body, time.time())
+            answer = long_poll(standby.url, tag, 30)
+            tag = answer.tag
+            if answer.status == 200:
+                results["standby"] = (answer.body, time.time())
                 return
 
     threads = [threading.Thread(target=lead_waiter), threading.Thread(target=standby_waiter)]
@@ -145,7 +128,7 @@ def one_handover(leader: SidecarProcess, standby: SidecarProcess) -> tuple[float
         thread.start()
     time.sleep(0.5)  # both parked, through renews
     asked = time.monotonic()
-    assert release(leader) == 202
+    assert leader.release() == 202
     for thread in threads:
         thread.join(40)
     status, answered = results["leader"]
@@ -163,7 +146,7 @@ def handover_phase(procs: list[SidecarProcess], rounds: int) -> dict[str, Any]:
         standby = next(p for p in procs if p is not leader)
         holder = leader.identity
         # The standby must be contending again (not sitting out a previous release).
-        wait_until(lambda s=standby, h=holder: poll(s.url, None, 0)[1]["holder"] == h, 10)
+        wait_until(lambda s=standby, h=holder: long_poll(s.url, None, 0).body["holder"] == h, 10)
         down, first = one_handover(leader, standby)
         step_down_ms.append(down)
         first_claim_ms.append(first)

@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.support import SidecarProcess, wait_until
+from testkit.support import SidecarProcess, wait_until
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     flock /tmp/lease-bench.lock python -m bench.bench_pgbouncer [--rounds 5] [--trials 10]
 
 A throw-away PostgreSQL (the test bed's ``PgServer``) and Debian's ``pgbouncer`` in front
-of it (``tests.testbed.pgbouncer``). Every sidecar's ``GET /leader`` is sampled about every
+of it (``testkit.testbed.pgbouncer``). Every sidecar's ``GET /leader`` is sampled about every
 10 ms on this process's one clock; a ``200`` is a claim from ``max(request sent,
 valid_until - claim horizon)`` (the earliest it can have been handed out) up to its
 ``valid_until``, and an overlap is two sidecars' claims covering one instant.
@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 from bench.failover import summary
-from tests.support import SidecarProcess, get_json, one_leader, wait_until
-from tests.testbed.pgbouncer import PgBouncer, version
-from tests.testbed.postgres import PgServer
+from testkit.support import SidecarProcess, claim_overlaps, get_json, one_leader, wait_until
+from testkit.testbed.pgbouncer import PgBouncer, version
+from testkit.testbed.postgres import PgServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
@@ -75,15 +75,7 @@ class Sampler:
             time.sleep(0.01)
 
     def overlaps(self) -> int:
-        found = 0
-        ordered = sorted(self.claims, key=lambda c: c[1])
-        for i, first in enumerate(ordered):
-            for second in ordered[i + 1:]:
-                if second[1] >= first[2]:
-                    break
-                if second[0] != first[0]:
-                    found += 1
-        return found
+        return len(claim_overlaps(self.claims))
 
 
 def sidecar(workdir: Path, identity: str, backend: str, dsn: str) -> SidecarProcess:

@@ -4,9 +4,9 @@ results/pods-<backend>.json.
 
     flock /tmp/lease-bench.lock python -m bench.bench_pods [--trials 10] [--backend kubernetes]
 
-Needs root (see tests/testbed/cluster.py). Every figure is taken on this host's one wall
+Needs root (see testkit/testbed/cluster.py). Every figure is taken on this host's one wall
 clock: the pod watch, the observer polling every pod's ``/leader`` through its pod IP
-every 20 ms and reading every leader file every 10 ms (bench/chaos/recorder.py), and the
+every 20 ms and reading every leader file every 10 ms (testkit/chaos/recorder.py), and the
 sidecars' own log timestamps.
 
 - **pod start → sidecar ready**: the pod's first watch event → the first event showing
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.failover import summary
-from tests.e2e import pods_support as ps
-from tests.testbed.cluster import Cluster, unavailable_reason
+from testkit import pods_support as ps
+from testkit.testbed.cluster import Cluster, unavailable_reason
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Idle usage: the last rolled-out pods settle first (start-up imports cost CPU), then
@@ -47,7 +47,7 @@ QUIET = 60.0
 
 
 def _pg_backend(cluster: Cluster, ns: str) -> tuple[Any, tuple[str, ...]]:
-    from tests.testbed.postgres import PgServer
+    from testkit.testbed.postgres import PgServer
 
     pg = PgServer(extra_listen=[cluster.node_ip], client_networks=[cluster.pod_cidr]).init()
     database = f"bench_{uuid.uuid4().hex[:8]}"

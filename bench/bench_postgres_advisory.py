@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bench.failover import failover_trials, summary
 from sidecar.durations import parse_duration
-from tests.testbed.postgres import PgServer
+from testkit.testbed.postgres import PgServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

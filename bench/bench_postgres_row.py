@@ -167,7 +167,7 @@ def main() -> int:
     server = None
     dsn = opts.dsn
     if dsn is None:
-        from tests.testbed.postgres import PgServer
+        from testkit.testbed.postgres import PgServer
 
         server = PgServer().init()
         dsn = server.dsn

@@ -9,7 +9,7 @@ import statistics
 import time
 from pathlib import Path
 
-from tests.support import SidecarProcess, one_leader, wait_until
+from testkit.support import SidecarProcess, one_leader, wait_until
 
 
 def pct(values: list[float], q: float) -> float:

@@ -13,11 +13,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from bench.chaos.backends import Timing, make_env
-from bench.chaos.faults import ALL_FAULTS
-from bench.chaos.harness import Config, Harness
-from bench.chaos.report import markdown, summarize, write
 from sidecar.durations import parse_duration
+from testkit.chaos.backends import Timing, make_env
+from testkit.chaos.faults import ALL_FAULTS
+from testkit.chaos.harness import Config, Harness
+from testkit.chaos.report import markdown, summarize, write
 
 
 def _parser() -> argparse.ArgumentParser:

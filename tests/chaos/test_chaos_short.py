@@ -17,9 +17,9 @@ import os
 
 import pytest
 
-from bench.chaos.backends import Timing, make_env
-from bench.chaos.harness import Config, Harness, Result
-from bench.chaos.report import markdown, summarize
+from testkit.chaos.backends import Timing, make_env
+from testkit.chaos.harness import Config, Harness, Result
+from testkit.chaos.report import markdown, summarize
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.testbed import gobuild
-from tests.testbed.cluster import Cluster
-from tests.testbed.postgres import PgError, PgServer
+from testkit.testbed import gobuild
+from testkit.testbed.cluster import Cluster
+from testkit.testbed.postgres import PgServer
+from tests.testbed.pg_fixtures import serve
 
 
 @dataclass
@@ -64,13 +65,5 @@ def follow_logs(pod_cluster: Cluster) -> Iterator[Callable[[str, str, str], LogF
 @pytest.fixture(scope="session")
 def pods_pg(pod_cluster: Cluster) -> Iterator[PgServer]:
     """A PostgreSQL on the host that pods reach at the node IP (the bridge address)."""
-    server = PgServer(extra_listen=[pod_cluster.node_ip], client_networks=[pod_cluster.pod_cidr])
-    try:
-        server.init()
-    except PgError as exc:
-        server.destroy()
-        pytest.fail(f"postgres for pods did not start:\n{exc}", pytrace=False)
-    try:
-        yield server
-    finally:
-        server.destroy()
+    yield from serve(PgServer(extra_listen=[pod_cluster.node_ip],
+                              client_networks=[pod_cluster.pod_cidr]), "postgres for pods")

@@ -2,7 +2,7 @@
 an opted-in 3-replica Deployment, the ServiceAccount token, native-sidecar order, leader
 pod deletion and a rolling restart, all under a real kubelet.
 
-Run alone: python -m pytest tests/e2e -m pods   (needs root; see tests/testbed/cluster.py)
+Run alone: python -m pytest tests/e2e -m pods   (needs root; see testkit/testbed/cluster.py)
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e import pods_support as ps
-from tests.testbed.cluster import Cluster
+from testkit import pods_support as ps
+from testkit.testbed.cluster import Cluster
 
 pytestmark = [pytest.mark.pods, pytest.mark.slow]
 

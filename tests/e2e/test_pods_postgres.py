@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e import pods_support as ps
-from tests.support import get_json
-from tests.testbed.cluster import Cluster
-from tests.testbed.postgres import PgServer
+from testkit import pods_support as ps
+from testkit.support import get_json
+from testkit.testbed.cluster import Cluster
+from testkit.testbed.postgres import PgServer
 
 pytestmark = [pytest.mark.pods, pytest.mark.slow, pytest.mark.postgres]
 

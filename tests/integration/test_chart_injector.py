@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from sidecar.injector import certs
-from tests.integration.chart_support import (
+from testkit.chart_support import (
     CHART,
     documents,
     find,
@@ -21,9 +21,9 @@ from tests.integration.chart_support import (
     set_args,
     template,
 )
-from tests.support import SidecarProcess, wait_until
-from tests.testbed.crds import install_cert_manager_crds
-from tests.testbed.kube import ControlPlane
+from testkit.support import SidecarProcess, wait_until
+from testkit.testbed.crds import install_cert_manager_crds
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.chart_support import (
+from testkit.chart_support import (
     CHART,
     documents,
     env_map,
@@ -27,8 +27,8 @@ from tests.integration.chart_support import (
     kube_version,
     template,
 )
-from tests.support import REPO
-from tests.testbed.kube import ControlPlane
+from testkit.support import REPO
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
 

@@ -26,11 +26,11 @@ import pytest
 
 from sidecar.lease.postgres_advisory import lock_id
 from sidecar.lease.sql.dialect import PostgresDialect, TsqlDialect
-from tests.integration.kube_support import create_pods, install_rbac, lease_spec
-from tests.integration.kube_support import sidecar as kube_sidecar
-from tests.support import REPO, SidecarProcess, get_json, one_leader, wait_until
-from tests.testbed.kube import ControlPlane
-from tests.testbed.postgres import PgServer
+from testkit.kube_support import create_pods, install_rbac, lease_spec
+from testkit.kube_support import sidecar as kube_sidecar
+from testkit.support import REPO, SidecarProcess, get_json, one_leader, wait_until
+from testkit.testbed.kube import ControlPlane
+from testkit.testbed.postgres import PgServer
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]

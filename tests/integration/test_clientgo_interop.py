@@ -4,7 +4,7 @@ A sidecar and a client-go elector (LeaseLock, ReleaseOnCancel; the client-go rel
 matches the test bed's kube-apiserver) contend for one Lease on the real apiserver, both
 as the ServiceAccount of deploy/rbac.yaml. The holder is SIGTERMed or SIGKILLed in a
 bounded loop and replaced, so takeovers alternate sidecar → client-go → sidecar; see
-tests/integration/clientgo_support.py for how each side's claims are measured.
+testkit/clientgo_support.py for how each side's claims are measured.
 
 Before the release rule (a holder waits out the claims it handed out before it releases),
 this test failed: client-go started leading up to one claim horizon before the
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.clientgo_support import OBJECT, Contest
-from tests.integration.kube_support import install_rbac, lease_spec
-from tests.testbed import gobuild
-from tests.testbed.kube import ControlPlane
+from testkit.clientgo_support import OBJECT, Contest
+from testkit.kube_support import install_rbac, lease_spec
+from testkit.testbed import gobuild
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = [pytest.mark.kube, pytest.mark.slow]
 

@@ -23,7 +23,7 @@ import yaml
 from kubernetes import client, config, watch
 
 from sidecar.publish.events import MIN_WRITE_INTERVAL, VOLUNTARY
-from tests.integration.kube_support import (
+from testkit.kube_support import (
     SERVICE_ACCOUNT,
     install_rbac,
     leaders,
@@ -31,8 +31,8 @@ from tests.integration.kube_support import (
     rbac_manifest,
     sidecars_in_pods,
 )
-from tests.support import SidecarProcess, wait_until
-from tests.testbed.kube import ControlPlane
+from testkit.support import SidecarProcess, wait_until
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = [pytest.mark.kube, pytest.mark.slow]
 
@@ -63,12 +63,6 @@ def log_lines(proc: SidecarProcess) -> list[dict[str, Any]]:
         if line.startswith("{"):
             lines.append(json.loads(line))
     return lines
-
-
-def post_release(proc: SidecarProcess) -> None:
-    request = urllib.request.Request(proc.url + "/release", method="POST", data=b"")
-    with urllib.request.urlopen(request, timeout=3) as response:
-        assert response.status == 202
 
 
 @pytest.fixture
@@ -200,7 +194,7 @@ def test_a_burst_of_transitions_is_one_series_per_reason(
     started = time.monotonic()
     for _ in range(6):  # hand the lease back and forth
         holder = leaders(pair)[0]
-        post_release(holder)
+        assert holder.release() == 202
         wait_until(lambda h=holder: leaders([p for p in pair if p is not h]), timeout=15)
     for proc in pair:
         proc.signal(signal.SIGTERM)
@@ -275,7 +269,7 @@ def test_without_events_permission_leadership_is_untouched(
     try:
         first = leaders(pair)[0]
         second = next(p for p in pair if p is not first)
-        post_release(first)  # released, then the other one leads
+        assert first.release() == 202  # released, then the other one leads
         wait_until(lambda: leaders([second]), timeout=15)
         time.sleep(3.5)  # the first sits out one lease duration, then stands by again
         sent = time.monotonic()

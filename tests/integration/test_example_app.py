@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.chart_support import VALUE_SETS, documents, find, template
-from tests.support import SidecarProcess, wait_until
+from testkit.chart_support import VALUE_SETS, documents, find, template
+from testkit.support import SidecarProcess, wait_until
 
 
 def example_script() -> str:

@@ -9,6 +9,7 @@ worker is gone (by pid and start time in ``/proc``) and that no two jobs ever ov
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,13 +17,13 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.support import SidecarProcess, wait_until
+from testkit.support import SidecarProcess, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -121,27 +122,35 @@ def wait_workers(log: Path, tag: str, count: int, births: dict[int, int]) -> lis
     return wait_until(found, timeout=15)
 
 
-def post_release(proc: SidecarProcess) -> None:
-    request = urllib.request.Request(proc.url + "/release", method="POST")
-    with urllib.request.urlopen(request, timeout=2) as response:
-        assert response.status == 202
+@contextlib.contextmanager
+def running_job(tmp_path: Path, cmd: list[str], log: Path, births: dict[int, int],
+                grace: str) -> Iterator[tuple[SidecarProcess, list[Worker]]]:
+    """``exec`` running ``cmd`` (two workers tagged a-1 and a-2); yields it and the
+    workers once both have started, and stops it at the end."""
+    runner = start_exec(tmp_path, "exec-a", cmd, "--grace", grace)
+    try:
+        runner.wait_http()
+        yield runner, wait_workers(log, "a", 2, births)
+    finally:
+        runner.stop()
+
+
+def assert_job_ended(runner: SidecarProcess, started: list[Worker], log: Path,
+                     births: dict[int, int]) -> None:
+    """exec exits, and by then every worker is gone, each after its SIGTERM."""
+    assert runner.proc is not None
+    runner.proc.wait(timeout=10)
+    assert [w for w in started if w.alive()] == []
+    assert all(w.stopped for w in workers(log, births))  # SIGTERM first, not SIGKILL
 
 
 def test_release_ends_every_worker_before_exec_exits(tmp_path, job):
     command, log = job
     births: dict[int, int] = {}
-    runner = start_exec(tmp_path, "exec-a", command("a"), "--grace", "5s")
-    try:
-        runner.wait_http()
-        started = wait_workers(log, "a", 2, births)
-        post_release(runner)
-        runner.proc.wait(timeout=10)
-        # exec exits only once the whole job is gone, and each worker had its SIGTERM.
-        assert [w for w in started if w.alive()] == []
-        assert all(w.stopped for w in workers(log, births))
+    with running_job(tmp_path, command("a"), log, births, grace="5s") as (runner, started):
+        assert runner.release() == 202
+        assert_job_ended(runner, started, log, births)
         assert "stopping command" in runner.logs()
-    finally:
-        runner.stop()
     with sqlite3.connect(tmp_path / "leases.db") as conn:
         assert conn.execute("SELECT count(*) FROM leases").fetchone() == (0,)
 
@@ -161,10 +170,8 @@ def test_a_worker_that_left_the_process_group_is_ended_too(tmp_path, job):
         (away,) = wait_workers(log, "x-", 1, births)
         started = [*stay, away]
         assert _stat(away.pid)[3] != _stat(stay[0].pid)[3]  # another session indeed
-        post_release(runner)
-        runner.proc.wait(timeout=10)
-        assert [w for w in started if w.alive()] == []
-        assert all(w.stopped for w in workers(log, births))
+        assert runner.release() == 202
+        assert_job_ended(runner, started, log, births)
     finally:
         runner.stop()
 
@@ -174,16 +181,9 @@ def test_a_worker_that_left_the_process_group_is_ended_too(tmp_path, job):
 def test_a_signal_to_exec_ends_every_worker(tmp_path, job, sig):
     command, log = job
     births: dict[int, int] = {}
-    runner = start_exec(tmp_path, "exec-a", command("a"), "--grace", "5s")
-    try:
-        runner.wait_http()
-        started = wait_workers(log, "a", 2, births)
+    with running_job(tmp_path, command("a"), log, births, grace="5s") as (runner, started):
         runner.signal(sig)
-        runner.proc.wait(timeout=10)
-        assert [w for w in started if w.alive()] == []
-        assert all(w.stopped for w in workers(log, births))  # SIGTERM first, not SIGKILL
-    finally:
-        runner.stop()
+        assert_job_ended(runner, started, log, births)
 
 
 @pytest.mark.parametrize("mode", ["polite", "stubborn"])
@@ -195,10 +195,7 @@ def test_sigkill_of_exec_ends_every_worker(tmp_path, job, mode):
     """
     command, log = job
     births: dict[int, int] = {}
-    runner = start_exec(tmp_path, "exec-a", command("a", mode), "--grace", "60s")
-    try:
-        runner.wait_http()
-        started = wait_workers(log, "a", 2, births)
+    with running_job(tmp_path, command("a", mode), log, births, grace="60s") as (runner, started):
         runner.signal(signal.SIGKILL)
         killed = time.monotonic()
         wait_until(lambda: not any(w.alive() for w in started), timeout=LEASE_DURATION + 3)
@@ -206,8 +203,6 @@ def test_sigkill_of_exec_ends_every_worker(tmp_path, job, mode):
         stopped = {w.pid: w.stopped for w in workers(log, births)}
         assert all(stopped.values()) == (mode == "polite")
         assert "stopping the command: lease-sidecar exec is gone" in runner.logs()
-    finally:
-        runner.stop()
 
 
 def test_exec_exits_with_the_command_and_ends_what_it_left_running(tmp_path, job):
@@ -229,18 +224,13 @@ def test_a_killed_guard_is_covered_by_exec(tmp_path, job):
     """Someone SIGKILLs the guard: its orphans come to exec (a subreaper), which ends them."""
     command, log = job
     births: dict[int, int] = {}
-    runner = start_exec(tmp_path, "exec-a", command("a"), "--grace", "5s")
-    try:
-        runner.wait_http()
-        started = wait_workers(log, "a", 2, births)
+    with running_job(tmp_path, command("a"), log, births, grace="5s") as (runner, started):
         guard = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
                  if (_stat(pid) or ["", "0"])[1] == str(runner.proc.pid)]
         assert len(guard) == 1
         os.kill(guard[0], signal.SIGKILL)
         assert runner.proc.wait(timeout=10) == 128 + signal.SIGKILL
         assert [w for w in started if w.alive()] == []
-    finally:
-        runner.stop()
 
 
 @pytest.mark.parametrize("fault", ["release", "sigkill", "sigstop", "sigterm"])
@@ -259,7 +249,7 @@ def test_a_waiting_exec_never_runs_while_a_worker_of_the_first_runs(tmp_path, jo
         time.sleep(0.5)  # b contends and loses
         assert not [w for w in workers(log, births) if w.tag.startswith("b")]
         if fault == "release":
-            post_release(first)
+            assert first.release() == 202
         else:
             first.signal({"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP,
                           "sigterm": signal.SIGTERM}[fault])

@@ -1,6 +1,6 @@
 """The Helm chart, with the real helm and the real kube-apiserver of the test bed.
 
-helm is built from the Go module proxy by tests/testbed/gobuild.py (cached); manifests go
+helm is built from the Go module proxy by testkit/testbed/gobuild.py (cached); manifests go
 to the real kube-apiserver with ``kubectl apply --dry-run=server`` (full validation and
 admission, nothing stored) or are installed for real with ``helm install`` (objects are
 stored; no pod ever runs, because the test bed has no kubelet).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.chart_support import (
+from testkit.chart_support import (
     CHART,
     VALUE_SETS,
     documents,
@@ -27,8 +27,8 @@ from tests.integration.chart_support import (
     set_args,
     template,
 )
-from tests.support import REPO, SidecarProcess, wait_until
-from tests.testbed.kube import ControlPlane
+from testkit.support import REPO, SidecarProcess, wait_until
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
 

@@ -11,15 +11,13 @@ import json
 import signal
 import socket
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sidecar.publish.http import HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_WAITERS
-from tests.support import SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import SidecarProcess, get_json, one_leader, post_json, wait_until
 
 # A renew every 20 s: a leader's state does not change on its own for that long (renews
 # no longer end a blocking query — tests/integration/test_longpoll.py — but a quiet
@@ -27,15 +25,6 @@ from tests.support import SidecarProcess, get_json, one_leader, wait_until
 QUIET = ["--lease-duration", "60s", "--renew-interval", "20s", "--renew-deadline", "30s"]
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
-
-
-def post(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, object]]:
-    request = urllib.request.Request(url, method="POST", headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def connect(port: int) -> socket.socket:
@@ -93,7 +82,7 @@ def test_waiter_cap_answers_at_once_with_the_true_claim(leader: SidecarProcess) 
         # The parked ones are still parked (nothing to read yet).
         assert read_head(parked[0], 0.2) == b""
         # A release changes the state: every parked waiter is answered, none as leader.
-        assert post(leader.url + "/release")[0] == 202
+        assert post_json(leader.url + "/release")[0] == 202
         heads = [read_head(sock, 10) for sock in parked]
         assert all(head.startswith(b"HTTP/1.1 503 ") for head in heads), {
             head[:20] for head in heads}
@@ -205,11 +194,11 @@ def test_release_from_a_web_page_is_refused(leader: SidecarProcess) -> None:
     for headers in ({"Origin": "http://evil.example"},
                     {"Host": f"evil.example:{port}"},  # DNS rebinding to 127.0.0.1
                     {"Host": f"localhost:{port + 1}"}):
-        status, body = post(leader.url + "/release", headers)
+        status, body, _ = post_json(leader.url + "/release", headers=headers)
         assert status == 403 and "error" in body, headers
     assert leader.leader() == 200
     assert "released on request" not in leader.logs()
-    assert post(leader.url + "/release", {"Host": f"localhost:{port}"})[0] == 202
+    assert post_json(leader.url + "/release", headers={"Host": f"localhost:{port}"})[0] == 202
     wait_until(lambda: leader.leader() == 503, timeout=25)
 
 
@@ -224,7 +213,7 @@ def test_release_on_a_standby_is_409_and_forgotten(tmp_path: Path) -> None:
             proc.wait_http()
         first = wait_until(lambda: one_leader(procs), timeout=10)
         standby = next(p for p in procs if p is not first)
-        status, body = post(standby.url + "/release")
+        status, body, _ = post_json(standby.url + "/release")
         assert status == 409 and body["released"] is False
         first.signal(signal.SIGTERM)
         wait_until(lambda: standby.leader() == 200, timeout=5)

@@ -35,10 +35,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from tests.integration.chart_support import documents, env_map, find, template
-from tests.support import REPO, free_port, get_json
-from tests.testbed.crds import install_cert_manager_crds
-from tests.testbed.kube import ControlPlane, ControlPlaneError
+from testkit.chart_support import documents, env_map, find, template
+from testkit.support import REPO, free_port, get_json
+from testkit.testbed.crds import install_cert_manager_crds
+from testkit.testbed.kube import ControlPlane, ControlPlaneError
 
 pytestmark = pytest.mark.kube
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.kube_support import (
+from testkit.kube_support import (
     Recorder,
     create_pods,
     install_rbac,
@@ -25,9 +25,9 @@ from tests.integration.kube_support import (
     sidecar,
     sidecars_in_pods,
 )
-from tests.support import REPO, SidecarProcess, get_json, wait_until
-from tests.testbed import gobuild
-from tests.testbed.kube import ControlPlane, ControlPlaneError
+from testkit.support import REPO, SidecarProcess, get_json, wait_until
+from testkit.testbed import gobuild
+from testkit.testbed.kube import ControlPlane, ControlPlaneError
 
 pytestmark = [pytest.mark.kube, pytest.mark.slow]
 

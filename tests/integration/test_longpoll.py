@@ -15,18 +15,14 @@ import signal
 import sqlite3
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.support import SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import Answer, SidecarProcess, get_json, long_poll, one_leader, wait_until
 
 HORIZON = 0.1
 VALIDITY = 1.7  # lease duration 2 s minus safety margin 300 ms
@@ -38,31 +34,8 @@ LONG = 30.0
 PROMPT = 1.0
 
 
-@dataclass
-class Answer:
-    status: int
-    body: Any
-    tag: str
-    sent: float  # monotonic
-    returned: float  # monotonic
-    returned_wall: float
-
-    @property
-    def waited(self) -> float:
-        return self.returned - self.sent
-
-
-def poll(url: str, tag: str | None, wait: float) -> Answer:
-    headers = {"If-None-Match": tag} if tag else {}
-    sent = time.monotonic()
-    status, body, answer_headers = get_json(f"{url}/leader?wait={wait:g}", timeout=wait + 10,
-                                            headers=headers)
-    return Answer(status, body, answer_headers.get("ETag", ""), sent, time.monotonic(),
-                  time.time())
-
-
 def current(proc: SidecarProcess) -> Answer:
-    return poll(proc.url, None, 0)
+    return long_poll(proc.url, None, 0)
 
 
 def renews(proc: SidecarProcess) -> float:
@@ -71,15 +44,6 @@ def renews(proc: SidecarProcess) -> float:
                       r'outcome="held"\} (\S+)$', text, re.M)
     assert found, text[:500]
     return float(found.group(1))
-
-
-def release(proc: SidecarProcess) -> int:
-    request = urllib.request.Request(proc.url + "/release", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.status
-    except urllib.error.HTTPError as err:
-        return err.code
 
 
 @pytest.fixture
@@ -109,14 +73,14 @@ def park(pool: ThreadPoolExecutor, proc: SidecarProcess, wait: float = LONG
          ) -> tuple[Answer, Future[Answer]]:
     """The current answer, and a blocking query parked with its tag."""
     now = current(proc)
-    return now, pool.submit(poll, proc.url, now.tag, wait)
+    return now, pool.submit(long_poll, proc.url, now.tag, wait)
 
 
 def follow_until_leader(proc: SidecarProcess, first: Answer, limit: int = 5) -> list[Answer]:
     """Re-park with each new tag until the answer is 200; every answer must come early."""
     answers = [first]
     while answers[-1].status != 200 and len(answers) <= limit:
-        answers.append(poll(proc.url, answers[-1].tag, LONG))
+        answers.append(long_poll(proc.url, answers[-1].tag, LONG))
     assert answers[-1].status == 200, [(a.status, a.body) for a in answers]
     assert all(a.waited < LONG / 2 for a in answers), [a.waited for a in answers]
     return answers
@@ -144,9 +108,9 @@ def test_renews_do_not_wake_a_parked_query(pair, pool) -> None:
     assert lead.body["valid_until_ms"] > lead_now.body["valid_until_ms"]
     assert lead.body["valid_until_ms"] >= lead.returned_wall * 1000 - 50
     # If-None-Match as before: a stale tag answers at once, the current one parks.
-    stale = poll(leader.url, 'W/"default-0000000000000000"', LONG)
+    stale = long_poll(leader.url, 'W/"default-0000000000000000"', LONG)
     assert stale.status == 200 and stale.waited < PROMPT
-    assert poll(leader.url, lead.tag, 0.5).waited >= 0.45
+    assert long_poll(leader.url, lead.tag, 0.5).waited >= 0.45
 
 
 def test_release_wakes_the_leader_and_the_standby_becomes_leader(pair, pool) -> None:
@@ -155,7 +119,7 @@ def test_release_wakes_the_leader_and_the_standby_becomes_leader(pair, pool) -> 
     time.sleep(0.3)  # parked through three renews
     assert not lead_wait.done() and not stand_wait.done()
     asked = time.monotonic()
-    assert release(leader) == 202
+    assert leader.release() == 202
     lead = lead_wait.result(LONG)
     assert lead.status == 503 and lead.returned - asked < PROMPT
     assert lead.body["leader"] is False

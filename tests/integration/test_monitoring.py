@@ -23,9 +23,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.chart_support import CHART, documents, find, template
-from tests.support import SidecarProcess, get_json, wait_until
-from tests.testbed import gobuild
+from testkit.chart_support import CHART, documents, find, template
+from testkit.support import SidecarProcess, get_json, wait_until
+from testkit.testbed import gobuild
 
 MONITORING = ["monitoring.podMonitor.enabled=true", "monitoring.prometheusRule.enabled=true",
               "monitoring.dashboard.enabled=true", "example.enabled=true"]

@@ -31,10 +31,10 @@ from sidecar.lease.postgres_advisory import (
     lock_id,
 )
 from sidecar.settings import Settings, Store, Timing
-from tests import support
-from tests.support import REPO, SidecarProcess, get_json, one_leader, wait_until
+from testkit import support
+from testkit.support import REPO, SidecarProcess, get_json, one_leader, wait_until
+from testkit.testbed.postgres import PgServer
 from tests.testbed.pgbouncer_fixtures import StartBouncer
-from tests.testbed.postgres import PgServer
 
 pytestmark = pytest.mark.postgres
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.kube_support import (
+from testkit.kube_support import (
     Recorder,
     create_pods,
     install_rbac,
@@ -25,8 +25,8 @@ from tests.integration.kube_support import (
     role_column,
     sidecar,
 )
-from tests.support import SidecarProcess, get_json, wait_until
-from tests.testbed.kube import ControlPlane
+from testkit.support import SidecarProcess, get_json, wait_until
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = [pytest.mark.kube, pytest.mark.slow]
 

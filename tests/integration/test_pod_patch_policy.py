@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.chart_support import (
+from testkit.chart_support import (
     CHART,
     documents,
     find,
@@ -28,9 +28,9 @@ from tests.integration.chart_support import (
     set_args,
     template,
 )
-from tests.integration.kube_support import install_rbac
-from tests.support import REPO, SidecarProcess, one_leader, wait_until
-from tests.testbed.kube import ControlPlane, render_kubeconfig
+from testkit.kube_support import install_rbac
+from testkit.support import REPO, SidecarProcess, one_leader, wait_until
+from testkit.testbed.kube import ControlPlane, render_kubeconfig
 
 pytestmark = pytest.mark.kube
 

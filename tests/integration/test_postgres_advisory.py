@@ -18,8 +18,8 @@ import pytest
 
 from sidecar.lease.postgres_advisory import create, lock_halves, lock_id
 from sidecar.settings import Settings, Store, Timing
-from tests.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
-from tests.testbed.postgres import PgServer
+from testkit.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+from testkit.testbed.postgres import PgServer
 
 pytestmark = pytest.mark.postgres
 

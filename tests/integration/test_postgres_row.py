@@ -22,8 +22,8 @@ from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
 from sidecar.lease.sql.dialect import PostgresDialect
 from sidecar.lease.sql.store import SqlRowStore
+from testkit.support import SidecarProcess, free_port, wait_until
 from tests.integration.row_contract import LONG, RowStoreContract, fresh, store_factory
-from tests.support import SidecarProcess, free_port, wait_until
 
 pytestmark = pytest.mark.postgres
 

@@ -29,8 +29,8 @@ from sidecar.lease.rowlease import ReplicaCheck, RowLease
 from sidecar.lease.sql.dialect import PostgresDialect, Statement
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 from sidecar.lease.sql.store import SqlRowStore
+from testkit.support import REPO, free_port
 from tests.integration.row_contract import LONG, RowStoreContract, fresh, store_factory
-from tests.support import REPO, free_port
 
 pytestmark = pytest.mark.postgres
 PG_ODBC = "PostgreSQL Unicode"

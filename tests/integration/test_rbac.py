@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.kube_support import RBAC, create_pods, install_rbac
-from tests.testbed.kube import ControlPlane
+from testkit.kube_support import RBAC, create_pods, install_rbac
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
 

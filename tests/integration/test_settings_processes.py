@@ -21,7 +21,7 @@ import pytest
 from sidecar import config
 from sidecar.runtime import Sidecar
 from sidecar.settings import Settings
-from tests.support import SidecarProcess, free_port, get_json, wait_until
+from testkit.support import SidecarProcess, free_port, get_json, wait_until
 
 
 def lease_sidecar() -> list[str]:

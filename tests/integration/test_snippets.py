@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO, SidecarProcess, get_json, wait_until
+from testkit.support import REPO, SidecarProcess, get_json, wait_until
 
 SNIPPETS = REPO / "docs" / "snippets"
 DOC = REPO / "docs" / "integration.md"

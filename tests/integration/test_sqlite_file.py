@@ -13,12 +13,11 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -41,12 +40,6 @@ def token_of(proc: SidecarProcess) -> int:
     status, body, _ = get_json(proc.url + "/leader")
     assert status == 200
     return int(body["fencing_token"])
-
-
-def post_release(proc: SidecarProcess) -> None:
-    request = urllib.request.Request(proc.url + "/release", method="POST")
-    with urllib.request.urlopen(request, timeout=2) as response:
-        assert response.status == 202
 
 
 def log_lines(proc: SidecarProcess) -> list[dict]:
@@ -76,7 +69,7 @@ def test_a_vanished_database_never_gives_two_leaders_nor_a_smaller_token(pair, f
         src.backup(dst)  # an "old copy" of the database as it is now
     # Two handovers first, so the token is above the counter the copy holds.
     for _ in range(2):
-        post_release(leader)
+        assert leader.release() == 202
         leader = next(p for p in procs if p is not leader)
         wait_until(lambda leader=leader: leader.leader() == 200, timeout=LEASE_DURATION * 2 + 2)
     before = token_of(leader)

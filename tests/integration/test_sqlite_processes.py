@@ -9,12 +9,11 @@ import sqlite3
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -167,9 +166,7 @@ def test_unreachable_backend_keeps_running_and_recovers(tmp_path: Path):
 
 def test_release_endpoint_hands_over(trio):
     leader = wait_until(lambda: one_leader(trio), timeout=10)
-    request = urllib.request.Request(leader.url + "/release", method="POST")
-    with urllib.request.urlopen(request, timeout=2) as response:
-        assert response.status == 202
+    assert leader.release() == 202
     rest = [p for p in trio if p is not leader]
     wait_until(lambda: one_leader(rest), timeout=2.0)
     assert leader.leader() == 503

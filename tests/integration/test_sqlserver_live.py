@@ -30,8 +30,8 @@ from sidecar.lease.rowlease import ReplicaCheck, RowLease
 from sidecar.lease.sql.dialect import Statement, TsqlDialect
 from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 from sidecar.lease.sql.store import SqlRowStore
+from testkit.support import SidecarProcess, wait_until
 from tests.integration.row_contract import LONG, RowStoreContract, fresh, store_factory
-from tests.support import SidecarProcess, wait_until
 
 DSN = os.environ.get("LEASE_TEST_MSSQL_DSN", "")
 # Without a real secondary the primary confirms itself: that still runs the

@@ -23,7 +23,7 @@ from sidecar.errors import ConfigError
 from sidecar.runtime import resolve_state_dir
 from sidecar.settings import Settings
 from sidecar.statedir import private_dir
-from tests.support import SidecarProcess, get_json, wait_until
+from testkit.support import SidecarProcess, get_json, wait_until
 
 NOBODY = 65534
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
@@ -123,6 +123,13 @@ def kubelet_emptydir(tmp_path):  # type: ignore[no-untyped-def]
         subprocess.run(["umount", "-l", str(point)], check=False)
 
 
+def in_a_pod(tmp_path: Path, pod: str, state_dir: Path) -> SidecarProcess:
+    """A started sidecar told it runs in pod ``jobs/<pod>``, its state in ``state_dir``."""
+    return SidecarProcess(tmp_path, pod, args=[
+        "--dsn", str(tmp_path / "l.db"), "--state-dir", str(state_dir), "--pod-label", "off",
+        *FAST], env={"POD_NAME": pod, "POD_NAMESPACE": "jobs"}).start()
+
+
 @needs_root
 @pytest.mark.parametrize("options", ["mode=0777", "mode=2777,gid=10001"],
                          ids=["emptyDir", "emptyDir-with-fsGroup"])
@@ -133,10 +140,7 @@ def test_a_pod_volume_is_accepted_in_a_pod_only(tmp_path, kubelet_emptydir, opti
     outside = run_sidecar(volume, tmp_path)
     assert outside.returncode == 2 and "writable by group or others" in one_line(outside)
     # In a pod the emptyDir is reachable only by the pod's containers: accepted.
-    proc = SidecarProcess(tmp_path, "pod-7f9c", args=[
-        "--dsn", str(tmp_path / "l.db"), "--state-dir", str(volume), "--pod-label", "off",
-        *FAST], env={"POD_NAME": "pod-7f9c", "POD_NAMESPACE": "jobs"})
-    proc.start()
+    proc = in_a_pod(tmp_path, "pod-7f9c", volume)
     try:
         proc.wait_http()
         wait_until(lambda: (volume / "leader").exists(), timeout=10)
@@ -152,10 +156,7 @@ def test_a_directory_inside_a_pod_volume_is_accepted_in_a_pod(tmp_path, kubelet_
     inside = volume / "leases"
     outside = run_sidecar(inside, tmp_path)
     assert outside.returncode == 2 and "without the sticky bit" in one_line(outside)
-    proc = SidecarProcess(tmp_path, "pod-1", args=[
-        "--dsn", str(tmp_path / "l.db"), "--state-dir", str(inside), "--pod-label", "off",
-        *FAST], env={"POD_NAME": "pod-1", "POD_NAMESPACE": "jobs"})
-    proc.start()
+    proc = in_a_pod(tmp_path, "pod-1", inside)
     try:
         proc.wait_http()
         wait_until(lambda: (inside / "leader").exists(), timeout=10)

@@ -9,11 +9,8 @@ before it steps down too. All waits are bounded.
 
 from __future__ import annotations
 
-import json
 import re
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -21,22 +18,12 @@ from typing import Any
 
 import pytest
 
-from tests.support import SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import SidecarProcess, get_json, one_leader, post_json, wait_until
 
 STALL = 1.5
 HORIZON = 0.1
 FAST = ["--lease-duration", "2s", "--renew-interval", "200ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
-
-
-def post(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(url, method="POST", headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        raw = err.read()
-        return err.code, json.loads(raw) if raw.startswith(b"{") else {"text": raw.decode()}
 
 
 def metric(proc: SidecarProcess, name: str, labels: str = 'lease="default"') -> float:
@@ -90,15 +77,16 @@ def test_a_leader_whose_work_stops_beating_steps_down_and_the_other_takes_over(p
     assert get_json(leader.url + "/status")[1]["settings"]["work_stall_after"] == STALL
 
     # A standby has no work to vouch for.
-    status, body = post(other.url + "/heartbeat")
+    status, body, _ = post_json(other.url + "/heartbeat")
     assert status == 409 and body["ok"] is False
-    assert post(leader.url + "/heartbeat", {"Origin": "http://evil.example"})[0] == 403
+    evil = {"Origin": "http://evil.example"}
+    assert post_json(leader.url + "/heartbeat", headers=evil)[0] == 403
 
     # Beats every 300 ms for three stall periods: still leading, the same term.
     until = time.monotonic() + 3 * STALL
     last_beat = 0.0
     while time.monotonic() < until:
-        status, body = post(leader.url + "/heartbeat")
+        status, body, _ = post_json(leader.url + "/heartbeat")
         assert status == 200 and body["ok"] is True, body
         last_beat = time.time()
         assert body["stall_after"] == STALL
@@ -154,11 +142,11 @@ def test_without_the_setting_heartbeats_are_taken_and_nothing_steps_down(tmp_pat
         proc.wait_http()
         wait_until(lambda: proc.leader() == 200, timeout=10)
         token = get_json(proc.url + "/leader")[1]["fencing_token"]
-        status, body = post(proc.url + "/heartbeat")
+        status, body, _ = post_json(proc.url + "/heartbeat")
         assert status == 200 and body["stall_after"] is None and body["stalls_at"] is None
         time.sleep(2 * STALL)  # no beats: nothing watches them
         assert get_json(proc.url + "/leader")[1]["fencing_token"] == token
         assert lease_status(proc)["work"]["stall_after"] is None
-        assert post(proc.url + "/heartbeat/nosuch")[0] == 404
+        assert post_json(proc.url + "/heartbeat/nosuch")[0] == 404
     finally:
         proc.stop()

@@ -1,4 +1,4 @@
-"""pytest fixtures for the one-node cluster (:mod:`tests.testbed.cluster`).
+"""pytest fixtures for the one-node cluster (:mod:`testkit.testbed.cluster`).
 
 Registered in tests/conftest.py.  Fixtures:
 
@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.testbed import gobuild, tinyimages
-from tests.testbed.cluster import Cluster, ClusterError, unavailable_reason
+from testkit.testbed import gobuild, tinyimages
+from testkit.testbed.cluster import Cluster, ClusterError, unavailable_reason
 
 _STARTED: list[Cluster] = []
 
@@ -73,7 +73,7 @@ def cluster_host_free() -> None:
 @pytest.fixture(scope="session")
 def sidecar_image(pod_cluster: Cluster) -> str:
     """The lease-sidecar image ref, loaded into the node (imagePullPolicy: Never)."""
-    from tests.e2e.pods_support import load_sidecar_image
+    from testkit.pods_support import load_sidecar_image
 
     try:
         return load_sidecar_image(pod_cluster)

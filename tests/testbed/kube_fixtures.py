@@ -21,8 +21,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.testbed import gobuild
-from tests.testbed.kube import ControlPlane, ControlPlaneError
+from testkit.testbed import gobuild
+from testkit.testbed.kube import ControlPlane, ControlPlaneError
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""pytest fixtures for the real PostgreSQL test bed (see :mod:`tests.testbed.postgres`).
+"""pytest fixtures for the real PostgreSQL test bed (see :mod:`testkit.testbed.postgres`).
 
 Registered in tests/conftest.py (``pytest_plugins``). Fixtures:
 
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.testbed.postgres import PgError, PgServer, PgStandby, start_standby
+from testkit.testbed.postgres import PgError, PgServer, PgStandby, start_standby
 
 
 @pytest.fixture(scope="session")
@@ -29,11 +29,17 @@ def pg() -> Iterator[PgServer]:
     except PgError as exc:
         pytest.fail(f"postgres test bed: cannot install PostgreSQL (run "
                     f"scripts/ensure-postgres as root):\n{exc}", pytrace=False)
+    yield from serve(server, "postgres test bed: primary")
+
+
+def serve(server: PgServer, what: str) -> Iterator[PgServer]:
+    """Start ``server`` for a fixture (``yield from serve(...)``) and destroy it after; a
+    failed start fails the test, naming ``what``, instead of skipping it."""
     try:
         server.init()
     except PgError as exc:
         server.destroy()
-        pytest.fail(f"postgres test bed: primary did not start:\n{exc}", pytrace=False)
+        pytest.fail(f"{what} did not start:\n{exc}", pytrace=False)
     try:
         yield server
     finally:

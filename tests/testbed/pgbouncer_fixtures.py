@@ -1,4 +1,4 @@
-"""pytest fixtures for a real PgBouncer (see :mod:`tests.testbed.pgbouncer`).
+"""pytest fixtures for a real PgBouncer (see :mod:`testkit.testbed.pgbouncer`).
 
 Registered in tests/conftest.py. ``pgbouncer`` (function) is a factory: call it with a
 ``pool_mode`` and a ``pool_size`` to get a started :class:`PgBouncer` in front of the
@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.testbed.pgbouncer import PgBouncer, PgBouncerError
-from tests.testbed.postgres import PgServer
+from testkit.testbed.pgbouncer import PgBouncer, PgBouncerError
+from testkit.testbed.postgres import PgServer
 
 StartBouncer = Callable[..., PgBouncer]
 

@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from tests.testbed import gobuild
-from tests.testbed.cluster import Cluster
+from testkit.testbed import gobuild
+from testkit.testbed.cluster import Cluster
 
 pytestmark = [pytest.mark.pods, pytest.mark.slow]
 

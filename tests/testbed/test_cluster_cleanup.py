@@ -1,7 +1,7 @@
 """A cluster leaves nothing behind: after a failing test, and after being killed outright.
 
 The host is inspected here with plain commands and /proc, independently of the sweep code
-in tests/testbed/hostguard.py, so a blind spot there cannot hide a leftover here.
+in testkit/testbed/hostguard.py, so a blind spot there cannot hide a leftover here.
 
 These tests start clusters of their own, so they stop the session cluster first and run
 last (``cluster_host_free``).
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO
-from tests.testbed import gobuild
-from tests.testbed.cluster import BRIDGE, Cluster
+from testkit.support import REPO
+from testkit.testbed import gobuild
+from testkit.testbed.cluster import BRIDGE, Cluster
 
 pytestmark = [pytest.mark.pods, pytest.mark.slow]
 
@@ -146,7 +146,7 @@ def test_a_killed_run_is_swept_by_the_next_cleanup(cluster_host_free: None) -> N
     before = host_facts()
     # A separate process runs the cluster and is then SIGKILLed: no teardown runs at all.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.testbed.cluster", "up", "--busybox"], cwd=REPO,
+        [sys.executable, "-m", "testkit.testbed.cluster", "up", "--busybox"], cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
@@ -175,7 +175,7 @@ def test_a_killed_run_is_swept_by_the_next_cleanup(cluster_host_free: None) -> N
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
-    cleanup = subprocess.run([sys.executable, "-m", "tests.testbed.cluster", "cleanup"],
+    cleanup = subprocess.run([sys.executable, "-m", "testkit.testbed.cluster", "cleanup"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert cleanup.returncode == 0, cleanup.stdout + cleanup.stderr
     assert "process" in cleanup.stdout  # it reports what it found

@@ -1,7 +1,7 @@
 """The image built from the project's own Dockerfile, checked by running it.
 
 ``build_image()`` builds the Dockerfile with buildah on a locally made Debian base (see
-tests/testbed/image.py). The checks below read the docker-archive that pods import and
+testkit/testbed/image.py). The checks below read the docker-archive that pods import and
 run it the way a container runtime does: skopeo converts the archive to an OCI layout,
 umoci unpacks it into an OCI bundle whose config it derives from the image's own config
 (user, entrypoint, cmd, env), and runc runs that bundle with a read-only root and the two
@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tarfile
 import time
@@ -32,8 +31,9 @@ from typing import Any
 
 import pytest
 
-from tests.support import REPO
-from tests.testbed import image
+from testkit.procs import free_port
+from testkit.support import REPO
+from testkit.testbed import image
 
 RUN_TOOLS = ("skopeo", "umoci", "runc")
 
@@ -226,12 +226,6 @@ def test_extras_import_freetds_registered_root_read_only(bundle: Path) -> None:
     assert proc.returncode == 0 and "[FreeTDS]" in proc.stdout, proc.stdout + proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -244,7 +238,7 @@ def _get(url: str) -> tuple[int, bytes]:
 @pytest.mark.slow
 def test_run_on_sqlite_with_read_only_root_answers_leader(bundle: Path) -> None:
     """The image's own entrypoint and cmd (`lease-sidecar run`), unchanged."""
-    port = _free_port()
+    port = free_port()
     # POD_NAME and POD_NAMESPACE as the chart sets them: only in a pod is a root-owned
     # 0777 volume an acceptable state dir (outside one, others could plant a leader file).
     lease_dir = _runtime_config(bundle, env={"LEASE_DSN": "/run/lease/leases.sqlite3",

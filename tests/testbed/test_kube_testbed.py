@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.testbed import gobuild
-from tests.testbed.kube import ControlPlane
+from testkit.testbed import gobuild
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
 
@@ -139,3 +140,27 @@ def test_helm_runs_from_cache(
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == []
+
+
+def test_a_hard_apiserver_restart_keeps_port_data_and_credentials() -> None:
+    """What the chaos harness's backend-restart fault does: SIGKILL kube-apiserver, then
+    start it from a worker thread that ends right after (a parent-death signal tied to that
+    thread would take the new apiserver down with it)."""
+    with ControlPlane() as cp:
+        namespace = cp.create_namespace("restart")
+        reader = cp.service_account_kubeconfig(namespace, "reader")
+        port = cp.apiserver_port
+        cp.kill_apiserver()
+        down = cp.kubectl("get", "namespace", namespace, "--request-timeout=3s", check=False)
+        assert down.returncode != 0
+        worker = threading.Thread(target=cp.start_apiserver)
+        worker.start()
+        worker.join(150)
+        assert not worker.is_alive()
+        time.sleep(1)  # the thread is gone; the apiserver must outlive it
+        assert cp.apiserver_port == port
+        got = cp.kubectl("get", "namespace", namespace, "-o", "name").stdout.strip()
+        assert got == f"namespace/{namespace}"  # etcd kept the data
+        # A token issued before the restart still authenticates: Forbidden, not Unauthorized.
+        denied = cp.kubectl("-n", namespace, "get", "pods", kubeconfig=reader, check=False)
+        assert "Forbidden" in denied.stderr, denied.stderr

@@ -7,7 +7,7 @@ import uuid
 import asyncpg
 import pytest
 
-from tests.testbed.postgres import PgError, PgServer, PgStandby
+from testkit.testbed.postgres import PgError, PgServer, PgStandby
 
 pytestmark = pytest.mark.postgres
 

@@ -7,9 +7,9 @@ import socket
 import asyncpg
 import pytest
 
-from tests.testbed.pgbouncer import PgBouncer, version
+from testkit.testbed.pgbouncer import PgBouncer, version
+from testkit.testbed.postgres import HOST, PgServer
 from tests.testbed.pgbouncer_fixtures import StartBouncer
-from tests.testbed.postgres import HOST, PgServer
 
 pytestmark = pytest.mark.postgres
 

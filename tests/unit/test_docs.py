@@ -3,7 +3,7 @@
 import re
 import subprocess
 
-from tests.support import REPO
+from testkit.support import REPO
 
 
 def tracked_files() -> list[str]:

@@ -237,18 +237,24 @@ def test_loopback_check():
     assert not is_loopback("garbage")
 
 
+async def post_from_a_non_loopback_peer(app: web.Application, path: str) -> web.StreamResponse:
+    """Call the POST handler of ``path`` with a request whose peer is 10.1.2.3: only
+    loopback addresses exist here, so the peer is a mock transport."""
+    handler = next(r.handler for r in app.router.routes()
+                   if r.method == "POST" and r.resource.canonical == path)
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = (
+        lambda key, default=None: ("10.1.2.3", 40000) if key == "peername" else default)
+    request = make_mocked_request("POST", path, app=app, transport=transport)
+    return await handler(request)
+
+
 async def test_release_refused_from_a_non_loopback_peer():
     """No non-loopback address may be used here, so the peer address is faked."""
     clock = FakeClock()
     released: list[str | None] = []
     app, _ = make_app(clock, released)
-    handler = next(r.handler for r in app.router.routes()
-                   if r.method == "POST" and r.resource.canonical == "/release")
-    transport = mock.Mock()
-    transport.get_extra_info.side_effect = (
-        lambda key, default=None: ("10.1.2.3", 40000) if key == "peername" else default)
-    request = make_mocked_request("POST", "/release", app=app, transport=transport)
-    response = await handler(request)
+    response = await post_from_a_non_loopback_peer(app, "/release")
     assert response.status == 403
     assert released == []
 
@@ -546,12 +552,6 @@ async def test_heartbeat_refused_from_a_non_loopback_peer() -> None:
     clock = FakeClock()
     app, states = beat_app(clock)
     lead(states[0], clock)
-    handler = next(r.handler for r in app.router.routes()
-                   if r.method == "POST" and r.resource.canonical == "/heartbeat")
-    transport = mock.Mock()
-    transport.get_extra_info.side_effect = (
-        lambda key, default=None: ("10.1.2.3", 40000) if key == "peername" else default)
-    request = make_mocked_request("POST", "/heartbeat", app=app, transport=transport)
-    response = await handler(request)
+    response = await post_from_a_non_loopback_peer(app, "/heartbeat")
     assert response.status == 403
     assert states[0].work.last_beat is None

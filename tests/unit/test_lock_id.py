@@ -16,7 +16,7 @@ from sidecar.lease.postgres_advisory import (
     session_settings,
 )
 from sidecar.settings import Settings, Store, Timing
-from tests.testbed.postgres import PgServer
+from testkit.testbed.postgres import PgServer
 
 IN_POSTGRES = ("select ('x' || substr(encode(sha256(convert_to(t, 'UTF8')), 'hex'), 1, 16))"
                "::bit(64)::bigint from (select {text}::text as t) s")

@@ -22,7 +22,7 @@ from sidecar.lease import Grant
 from sidecar.metrics import registry_for
 from sidecar.settings import Timing
 from sidecar.state import LeaseState
-from tests.support import REPO
+from testkit.support import REPO
 from tests.unit.fakes import FakeClock, FakeLease
 
 TIMING = Timing(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,

@@ -214,6 +214,15 @@ def real_state(horizon: float = 0.25) -> LeaseState:
     return LeaseState(lease="default", identity="me", role="all", claim_horizon=horizon)
 
 
+def hold(state: LeaseState, valid_for: float, claim_in: float = 0.0) -> str:
+    """Make ``state`` a holder whose claim starts in ``claim_in`` seconds and is valid for
+    ``valid_for`` seconds from now; return the ETag of its answer now."""
+    now = state.clock.monotonic()
+    state.update(holding=True, holder="me", claim_from=now + claim_in,
+                 valid_until=now + valid_for, fencing_token=1)
+    return state.leadership_tag(state.claim())
+
+
 async def _timed_wait(state: LeaseState, tag: str, timeout: float) -> float:
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -223,10 +232,7 @@ async def _timed_wait(state: LeaseState, tag: str, timeout: float) -> float:
 
 async def test_renews_do_not_end_a_leadership_wait():
     state = real_state()
-    now = state.clock.monotonic()
-    state.update(holding=True, holder="me", claim_from=now, valid_until=now + 0.5,
-                 fencing_token=1)
-    tag = state.leadership_tag(state.claim())
+    tag = hold(state, valid_for=0.5)
 
     async def renew() -> None:
         for _ in range(10):
@@ -243,10 +249,7 @@ async def test_renews_do_not_end_a_leadership_wait():
 async def test_a_claim_lapsing_without_any_update_ends_the_wait():
     """A renew that hangs until validity runs out changes no fact; the answer changes."""
     state = real_state()
-    now = state.clock.monotonic()
-    state.update(holding=True, holder="me", claim_from=now, valid_until=now + 0.15,
-                 fencing_token=1)
-    tag = state.leadership_tag(state.claim())
+    tag = hold(state, valid_for=0.15)
     version = state.facts.version
     waited = await _timed_wait(state, tag, 5)
     assert state.facts.version == version  # nobody updated anything
@@ -257,10 +260,7 @@ async def test_a_claim_lapsing_without_any_update_ends_the_wait():
 async def test_the_first_claim_of_a_term_ends_the_wait():
     """One horizon after the acquire the answer becomes "leader" with no update."""
     state = real_state()
-    now = state.clock.monotonic()
-    state.update(holding=True, holder="me", claim_from=now + 0.2, valid_until=now + 5,
-                 fencing_token=1)
-    tag = state.leadership_tag(state.claim())
+    tag = hold(state, valid_for=5, claim_in=0.2)
     assert not state.claim().leader
     waited = await _timed_wait(state, tag, 5)
     assert 0.19 <= waited < 0.5
@@ -269,10 +269,7 @@ async def test_the_first_claim_of_a_term_ends_the_wait():
 
 async def test_a_step_down_ends_the_wait_at_once():
     state = real_state()
-    now = state.clock.monotonic()
-    state.update(holding=True, holder="me", claim_from=now, valid_until=now + 30,
-                 fencing_token=1)
-    tag = state.leadership_tag(state.claim())
+    tag = hold(state, valid_for=30)
     loop = asyncio.get_running_loop()
     loop.call_later(0.1, lambda: state.update(released=True))
     waited = await _timed_wait(state, tag, 5)

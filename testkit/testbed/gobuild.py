@@ -14,13 +14,13 @@ etcd's server module have them.  The wrapper requires the module and restates th
 replacements against published versions.
 
 One more program is built from this repository's own sources: ``clientgo-elector``
-(``tests/interop/clientgo-elector``), client-go's leader election as a small command for
+(``testkit/interop/clientgo-elector``), client-go's leader election as a small command for
 the interoperability test, built against the client-go release that matches the
 kube-apiserver in use (``v1.37.2`` -> ``v0.37.2``) and cached per version and source hash.
 
 Usage::
 
-    python -m tests.testbed.gobuild [TOOL ...|all]
+    python -m testkit.testbed.gobuild [TOOL ...|all]
 
 where TOOL is one of :data:`TOOLS` (the control plane's kube-apiserver, kubectl, etcd,
 helm, then the one-node cluster's kubelet, kube-controller-manager and kube-scheduler),
@@ -67,7 +67,7 @@ KUBE_COMPONENTS: tuple[str, ...] = (
 )
 
 # Order of `all`: the control plane first (every kube test needs it), then the three
-# components only the one-node cluster (tests/testbed/cluster.py) needs.
+# components only the one-node cluster (testkit/testbed/cluster.py) needs.
 TOOLS: tuple[str, ...] = (
     "kube-apiserver",
     "kubectl",

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from tests.testbed import gobuild
-from tests.testbed.kube import ControlPlane
+from testkit.testbed import gobuild
+from testkit.testbed.kube import ControlPlane
 
 CERT_MANAGER = ("github.com/cert-manager/cert-manager", "v1.17.2")
 CERT_MANAGER_CRDS = ("crd-certificates.yaml", "crd-issuers.yaml", "crd-clusterissuers.yaml")

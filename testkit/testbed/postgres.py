@@ -30,7 +30,6 @@ import pwd
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+
+from testkit.procs import free_port
 
 HOST = "127.0.0.1"
 SUPERUSER = "postgres"
@@ -102,12 +103,6 @@ def ensure_os_user() -> pwd.struct_passwd | None:
         subprocess.run(["useradd", "--system", "--user-group", "--no-create-home",
                         "--shell", "/bin/sh", OS_USER], check=True, capture_output=True)
         return pwd.getpwnam(OS_USER)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 # -- one cluster -------------------------------------------------------------------------
@@ -327,7 +322,7 @@ def start_standby(primary: PgServer, name: str = "standby") -> PgStandby:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tests.testbed.postgres [ensure|smoke]`` (see scripts/ensure-postgres)."""
+    """``python -m testkit.testbed.postgres [ensure|smoke]`` (see scripts/ensure-postgres)."""
     command = argv[0] if argv else "ensure"
     try:
         bindir = ensure_installed()

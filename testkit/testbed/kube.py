@@ -1,6 +1,6 @@
 """A real Kubernetes control plane for tests: etcd + kube-apiserver, no kubelet.
 
-``ControlPlane`` starts etcd and kube-apiserver (built by :mod:`tests.testbed.gobuild`)
+``ControlPlane`` starts etcd and kube-apiserver (built by :mod:`testkit.testbed.gobuild`)
 on free 127.0.0.1 ports with a throw-away PKI, and writes an admin kubeconfig::
 
     with ControlPlane() as cp:
@@ -27,15 +27,11 @@ What is missing, on purpose, because no controllers or kubelet run:
 from __future__ import annotations
 
 import base64
-import contextlib
-import ctypes
 import datetime as dt
 import ipaddress
 import json
 import os
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -46,7 +42,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from cryptography import x509
@@ -54,13 +49,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from tests.testbed import gobuild
+from testkit.procs import Processes, Service, free_port, tail
+from testkit.testbed import gobuild
 
 HOST = "127.0.0.1"
 SERVICE_CIDR = "10.0.0.0/24"
 # The issuer doubles as the default audience; in-cluster clients expect this value.
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 START_TIMEOUT = 120.0
+APISERVER = "kube-apiserver"
 
 
 # --------------------------------------------------------------------------- PKI
@@ -187,20 +184,6 @@ def make_service_account_keys(directory: Path) -> CertPair:
 # --------------------------------------------------------------------------- helpers
 
 
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1 (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL the child if the test process dies (no orphaned etcd)."""
-    with contextlib.suppress(Exception):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 def _b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
@@ -237,13 +220,6 @@ def render_kubeconfig(
     )
 
 
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 # --------------------------------------------------------------------------- control plane
 
 
@@ -251,7 +227,7 @@ class ControlPlaneError(RuntimeError):
     """The control plane failed to start or a helper command failed."""
 
 
-class ControlPlane:
+class ControlPlane(Service):
     """etcd + kube-apiserver on loopback; see the module docstring for what is missing.
 
     ``apiserver_extra_args`` is appended last to the kube-apiserver command line, so it
@@ -279,7 +255,7 @@ class ControlPlane:
         self.version = ""  # Kubernetes gitVersion of the running apiserver
         self.apiserver_port = 0
         self.etcd_port = 0
-        self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._procs = Processes(self.workdir, stop_timeout=15)
         self._binaries: dict[str, Path] = {}
 
     # -- lifecycle -------------------------------------------------------------------
@@ -291,18 +267,6 @@ class ControlPlane:
     @property
     def ca_cert(self) -> Path:
         return self.pki / "ca.crt"
-
-    def __enter__(self) -> ControlPlane:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def start(self) -> None:
         """Build (if needed) and start etcd and kube-apiserver; wait until ready."""
@@ -320,22 +284,45 @@ class ControlPlane:
 
     def stop(self) -> None:
         """Stop the apiserver, then etcd; remove the work directory unless kept."""
-        for name, proc in reversed(self._procs):
-            self._terminate(name, proc)
-        self._procs.clear()
+        self._procs.stop_all()
         if os.environ.get("LEASE_TESTBED_KEEP") != "1":
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    @staticmethod
-    def _terminate(name: str, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    def kill_apiserver(self) -> None:
+        """SIGKILL kube-apiserver (no graceful shutdown, like a crashed node); etcd and
+        everything the apiserver was started with stay, for :meth:`start_apiserver`."""
+        self._procs.stop(APISERVER, kill=True)
+
+    def start_apiserver(self, attempts: int = 5) -> None:
+        """Start kube-apiserver again after :meth:`kill_apiserver`: same port, etcd, PKI
+        and ServiceAccount signing key, so every token and kubeconfig issued stays valid.
+        Waits until /readyz answers."""
+        for attempt in range(attempts):
+            with self._procs.log_path(APISERVER).open("a") as log:
+                log.write(f"\n--- restart at {time.time():.3f} ---\n")
+            # Append: the log keeps every incarnation. Not tied to this thread either: the
+            # chaos harness restarts from a worker thread, and a parent-death signal would
+            # kill the apiserver when that thread ends. stop() still ends it.
+            proc = self._procs.spawn(APISERVER, self._apiserver_args(), append=True,
+                                     tie_to_parent=False)
+            try:
+                self._wait_http(APISERVER, proc, f"{self.server}/readyz",
+                                ssl_ctx=self.admin_ssl_context())
+                return
+            except ControlPlaneError as exc:
+                self.kill_apiserver()
+                # Go sets SO_REUSEADDR, so the port is free again at once; anything else
+                # that grabbed it in between shows up as "address already in use".
+                if "address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                time.sleep(0.5)
+
+    def restart_apiserver(self, down_for: float = 0.0) -> None:
+        """A hard restart: SIGKILL kube-apiserver, keep it down ``down_for`` seconds,
+        start it again on the same port and wait until it is ready."""
+        self.kill_apiserver()
+        time.sleep(down_for)
+        self.start_apiserver()
 
     # -- startup pieces ----------------------------------------------------------------
 
@@ -379,28 +366,13 @@ class ControlPlane:
             except ControlPlaneError as exc:
                 if "address already in use" not in str(exc) or attempt == attempts - 1:
                     raise
-                name, proc = self._procs.pop()
-                self._terminate(name, proc)
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        logfile = self.workdir / f"{name}.log"
-        with logfile.open("wb") as fh:
-            proc = subprocess.Popen(
-                args,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.workdir,
-                preexec_fn=_die_with_parent,
-            )
-        self._procs.append((name, proc))
-        return proc
+                self._procs.stop_last()
 
     def _start_etcd(self) -> None:
         self.etcd_port, peer_port = free_port(), free_port()
         client = f"http://{HOST}:{self.etcd_port}"
         peer = f"http://{HOST}:{peer_port}"
-        proc = self._spawn(
+        proc = self._procs.spawn(
             "etcd",
             [
                 str(self._binaries["etcd"]),
@@ -460,9 +432,9 @@ class ControlPlane:
 
     def _start_apiserver(self) -> None:
         self.apiserver_port = free_port()
-        proc = self._spawn("kube-apiserver", self._apiserver_args())
+        proc = self._procs.spawn(APISERVER, self._apiserver_args())
         ctx = self.admin_ssl_context()
-        self._wait_http("kube-apiserver", proc, f"{self.server}/readyz", ssl_ctx=ctx)
+        self._wait_http(APISERVER, proc, f"{self.server}/readyz", ssl_ctx=ctx)
         self.kubeconfig.write_text(
             render_kubeconfig(
                 self.server,
@@ -498,7 +470,7 @@ class ControlPlane:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise ControlPlaneError(
-                    f"{name} exited with {proc.returncode}:\n{_tail(self.workdir / f'{name}.log')}"
+                    f"{name} exited with {proc.returncode}:\n{tail(self._procs.log_path(name))}"
                 )
             try:
                 with urllib.request.urlopen(url, timeout=5, context=ssl_ctx) as resp:
@@ -509,7 +481,7 @@ class ControlPlane:
             time.sleep(0.3)
         raise ControlPlaneError(
             f"{name} not ready at {url} after {START_TIMEOUT:.0f}s ({last}):\n"
-            f"{_tail(self.workdir / f'{name}.log')}"
+            f"{tail(self._procs.log_path(name))}"
         )
 
     # -- credentials for other components ----------------------------------------------

@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 from kubernetes import client, config, watch
 
-from tests.support import REPO, SidecarProcess, wait_until
-from tests.testbed.kube import ControlPlane
+from testkit.support import REPO, SidecarProcess, wait_until
+from testkit.testbed.kube import ControlPlane
 
 RBAC = REPO / "deploy" / "rbac.yaml"
 SERVICE_ACCOUNT = "lease-sidecar"

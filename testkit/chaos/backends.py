@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.chaos.faults import NETWORK_FAULTS, PROCESS_FAULTS, Fault
-from bench.chaos.proxy import Proxy
+from testkit.chaos.faults import NETWORK_FAULTS, PROCESS_FAULTS, Fault
+from testkit.chaos.proxy import Proxy
 
 if TYPE_CHECKING:
-    from tests.testbed.kube import ControlPlane
-    from tests.testbed.postgres import PgServer
+    from testkit.testbed.kube import ControlPlane
+    from testkit.testbed.postgres import PgServer
 
 SLACK = 1.0
 # How late a live advisory-lock holder may learn that its session ended (the RST on
@@ -150,7 +150,7 @@ class PostgresEnv(BackendEnv):
         self.database = f"chaos_{uuid.uuid4().hex[:10]}"
 
     async def setup(self, workdir: Path, sidecars: int) -> None:
-        from tests.testbed.postgres import HOST, PgServer
+        from testkit.testbed.postgres import HOST, PgServer
 
         if self.server is None:
             self.server = await asyncio.to_thread(lambda: PgServer().init())
@@ -160,7 +160,7 @@ class PostgresEnv(BackendEnv):
         await asyncio.to_thread(self._apply_schema)
 
     def _dsn(self, port: int) -> str:
-        from tests.testbed.postgres import HOST, TEST_ROLE
+        from testkit.testbed.postgres import HOST, TEST_ROLE
 
         assert self.server is not None
         return (f"postgresql://{TEST_ROLE}:{self.server.password}@{HOST}:{port}/"
@@ -236,7 +236,7 @@ class KubeEnv(BackendEnv):
         self.namespace = ""
 
     async def setup(self, workdir: Path, sidecars: int) -> None:
-        from tests.testbed.kube import ControlPlane
+        from testkit.testbed.kube import ControlPlane
 
         if self.cp is None:
             self.cp = ControlPlane()
@@ -251,8 +251,8 @@ class KubeEnv(BackendEnv):
     def _install_rbac(self) -> str:
         """Apply the shipped Role (naming the chaos Lease); return a token of its
         ServiceAccount."""
-        from bench.chaos.harness import LEASE_NAME
-        from tests.integration.kube_support import rbac_manifest
+        from testkit.chaos.harness import LEASE_NAME
+        from testkit.kube_support import rbac_manifest
 
         assert self.cp is not None
         self.cp.kubectl("-n", self.namespace, "apply", "-f", "-",
@@ -261,7 +261,7 @@ class KubeEnv(BackendEnv):
         return self.cp.service_account_token(self.namespace, self.service_account, "4h")
 
     def _write_kubeconfig(self, workdir: Path, index: int, token: str) -> Path:
-        from tests.testbed.kube import render_kubeconfig
+        from testkit.testbed.kube import render_kubeconfig
 
         assert self.cp is not None
         user = f"system:serviceaccount:{self.namespace}:{self.service_account}"
@@ -280,10 +280,10 @@ class KubeEnv(BackendEnv):
         return self.proxies[index]
 
     async def restart(self, down_for: float) -> None:
-        from bench.chaos import apiserver
-
         assert self.cp is not None
-        await asyncio.to_thread(apiserver.restart, self.cp, down_for)
+        await asyncio.to_thread(self.cp.kill_apiserver)
+        await asyncio.sleep(down_for)
+        await asyncio.to_thread(self.cp.start_apiserver)
 
     async def teardown(self) -> None:
         for proxy in self.proxies:

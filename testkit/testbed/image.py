@@ -26,7 +26,7 @@ makes concurrent callers build once. Archives live in
 
 Usage::
 
-    python -m tests.testbed.image [build|base|check]
+    python -m testkit.testbed.image [build|base|check]
 
 or ``build_image() -> ImageArtifact(path, ref)`` from Python.
 """
@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from tests.testbed.gobuild import _locked, cache_root
+from testkit.testbed.gobuild import _locked, cache_root
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
             artifact = build_image()
             print(f"lease-sidecar\t{artifact.path}\t{artifact.ref}", flush=True)
         else:
-            log("usage: python -m tests.testbed.image [build|base|check]")
+            log("usage: python -m testkit.testbed.image [build|base|check]")
             return 2
     except (ImageError, subprocess.TimeoutExpired) as exc:
         log(f"ERROR: {exc}")

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.chaos.faults import Fault
-from bench.chaos.recorder import Span
+from testkit.chaos.faults import Fault
+from testkit.chaos.recorder import Span
 
 
 @dataclass(frozen=True)

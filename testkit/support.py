@@ -6,7 +6,6 @@ import datetime as dt
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,19 +16,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from testkit.procs import free_port
+
+__all__ = ["REPO", "Answer", "ClaimRecorder", "SidecarProcess", "claim_overlaps", "free_port",
+           "get_json", "long_poll", "one_leader", "post_json", "wait_until"]
+
+Claim = tuple[str, float, float]  # (identity, from, until): wall-clock seconds
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 2.0,
              headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
     """GET ``url``; (status, parsed JSON or text, headers). Status 0 when unreachable."""
-    request = urllib.request.Request(url, headers=headers or {})
+    return _request(urllib.request.Request(url, headers=headers or {}), timeout)
+
+
+def post_json(url: str, timeout: float = 5.0,
+              headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    """POST an empty body to ``url``; answers as :func:`get_json`."""
+    return _request(urllib.request.Request(url, data=b"", method="POST", headers=headers or {}),
+                    timeout)
+
+
+def _request(request: urllib.request.Request,
+             timeout: float) -> tuple[int, Any, dict[str, str]]:
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, _parse(response.read()), dict(response.headers)
@@ -95,6 +106,10 @@ class SidecarProcess:
         """Status of GET /leader: 200, 503, or 0 if the process does not answer."""
         return get_json(self.url + "/leader", timeout=timeout)[0]
 
+    def release(self, timeout: float = 5.0) -> int:
+        """Status of POST /release: 202 when accepted, 0 if the process does not answer."""
+        return post_json(self.url + "/release", timeout=timeout)[0]
+
     def signal(self, sig: signal.Signals) -> None:
         assert self.proc is not None
         self.proc.send_signal(sig)
@@ -115,6 +130,46 @@ class SidecarProcess:
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+@dataclass
+class Answer:
+    """One answer to ``GET /leader?wait=`` (a long poll)."""
+
+    status: int
+    body: Any
+    tag: str  # its ETag
+    sent: float  # monotonic
+    returned: float  # monotonic
+    returned_wall: float
+
+    @property
+    def waited(self) -> float:
+        return self.returned - self.sent
+
+
+def long_poll(url: str, tag: str | None, wait: float) -> Answer:
+    """``GET {url}/leader?wait=``, sending ``tag`` as If-None-Match: it returns when the
+    answer differs from ``tag`` or after ``wait`` seconds."""
+    headers = {"If-None-Match": tag} if tag else {}
+    sent = time.monotonic()
+    status, body, answer_headers = get_json(f"{url}/leader?wait={wait:g}", timeout=wait + 10,
+                                            headers=headers)
+    return Answer(status, body, answer_headers.get("ETag", ""), sent, time.monotonic(),
+                  time.time())
+
+
+def claim_overlaps(claims: list[Claim]) -> list[tuple[Claim, Claim]]:
+    """Pairs of claims by different identities whose [from, until) intervals intersect."""
+    found = []
+    ordered = sorted(claims, key=lambda c: c[1])
+    for i, first in enumerate(ordered):
+        for second in ordered[i + 1:]:
+            if second[1] >= first[2]:
+                break
+            if second[0] != first[0]:
+                found.append((first, second))
+    return found
 
 
 def one_leader(procs: list[SidecarProcess], timeout: float = 3.0) -> SidecarProcess | None:
@@ -141,7 +196,7 @@ class ClaimRecorder:
 
     def __init__(self, procs: list[SidecarProcess]) -> None:
         self.procs = procs
-        self.claims: list[tuple[str, float, float]] = []
+        self.claims: list[Claim] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._poll, args=(p,), daemon=True)
                          for p in procs]
@@ -165,13 +220,5 @@ class ClaimRecorder:
                 self.claims.append((proc.identity, sent, until))
             time.sleep(0.01)
 
-    def overlaps(self) -> list[tuple[tuple[str, float, float], tuple[str, float, float]]]:
-        found = []
-        ordered = sorted(self.claims, key=lambda c: c[1])
-        for i, first in enumerate(ordered):
-            for second in ordered[i + 1:]:
-                if second[1] >= first[2]:
-                    break
-                if second[0] != first[0]:
-                    found.append((first, second))
-        return found
+    def overlaps(self) -> list[tuple[Claim, Claim]]:
+        return claim_overlaps(self.claims)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.testbed import gobuild
+from testkit.testbed import gobuild
 
 PAUSE_C = r"""
 #include <signal.h>
@@ -94,7 +94,7 @@ def write_archive(path: Path, ref: str, entries: list[Entry], config: dict) -> s
         "os": "linux",
         "config": config,
         "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-        "history": [{"created_by": "tests/testbed/tinyimages.py"}],
+        "history": [{"created_by": "testkit/testbed/tinyimages.py"}],
     }
     config_bytes = json.dumps(image_config, sort_keys=True).encode()
     config_id = hashlib.sha256(config_bytes).hexdigest()

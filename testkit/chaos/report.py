@@ -7,8 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.chaos.checker import percentile
-from bench.chaos.harness import Result
+from testkit.chaos.checker import percentile
+from testkit.chaos.harness import Result
 
 HEADER = ("| backend | fault | faults | leader hits | overlaps | max overlap ms "
           "| max leaderless gap ms | bound ms | takeovers | p50 takeover ms "

@@ -1,4 +1,4 @@
-"""``python -m bench.chaos.plot RESULT.json ... -o takeover.png``
+"""``python -m testkit.chaos.plot RESULT.json ... -o takeover.png``
 
 One box per backend and fault kind: takeover latency (fault injected → a leader claims
 again), from the ``takeovers`` of each result file written by ``python -m bench.chaos``.
@@ -37,7 +37,7 @@ def plot(results: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos.plot")
+    parser = argparse.ArgumentParser(prog="python -m testkit.chaos.plot")
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("-o", "--out", type=Path, default=Path("bench/results/chaos-takeover.png"))
     args = parser.parse_args(argv)

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.chaos.checker import Interval, claim_time, fencing_violations, find_gaps, find_overlaps
-from bench.chaos.recorder import Recorder, Span, Target
-from tests.support import REPO
-from tests.testbed.cluster import Cluster
+from testkit.chaos.checker import Interval, claim_time, fencing_violations, find_gaps, find_overlaps
+from testkit.chaos.recorder import Recorder, Span, Target
+from testkit.support import REPO
+from testkit.testbed.cluster import Cluster
 
 CHART = REPO / "charts" / "lease-sidecar"
 APP_LABEL = "e2e-app"
@@ -115,7 +115,7 @@ def sidecar_image_archive() -> tuple[Path, str]:
     if prebuilt:
         path, _, ref = prebuilt.partition("=")
         return Path(path), ref
-    from tests.testbed import image  # the Dockerfile build; heavy, so only when needed
+    from testkit.testbed import image  # the Dockerfile build; heavy, so only when needed
 
     return image.build_image()
 
@@ -349,7 +349,7 @@ class PodObserver:
         self._loop_thread.join(timeout=10)
 
     def _kubectl(self) -> list[str]:
-        from tests.testbed import gobuild
+        from testkit.testbed import gobuild
 
         return [str(gobuild.ensure_binary("kubectl")), f"--kubeconfig={self.cluster.kubeconfig}"]
 

@@ -4,7 +4,7 @@ Used by ``tests/integration/test_clientgo_interop.py`` (a short run in CI) and
 ``bench/bench_clientgo_interop.py`` (more rounds, figures for the README).
 
 One sidecar (``--backend kubernetes``) and one client-go elector
-(``tests/interop/clientgo-elector``: ``k8s.io/client-go/tools/leaderelection`` with
+(``testkit/interop/clientgo-elector``: ``k8s.io/client-go/tools/leaderelection`` with
 ``resourcelock.LeaseLock`` and ``ReleaseOnCancel``, the client-go release matching the
 test bed's kube-apiserver) contend for one Lease. Each round signals the holder (SIGTERM or
 SIGKILL), waits for the other one to lead, and replaces the signalled process with a fresh
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.integration.kube_support import sidecar
-from tests.support import SidecarProcess, get_json, wait_until
+from testkit.kube_support import sidecar
+from testkit.support import SidecarProcess, get_json, wait_until
 
 LEASE = "interop"  # lease-sidecar's name; the Lease object is lease-sidecar.interop
 OBJECT = f"lease-sidecar.{LEASE}"

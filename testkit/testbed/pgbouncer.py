@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from tests.testbed.postgres import HOST, TEST_ROLE, PgError, PgServer, free_port
+from testkit.procs import free_port
+from testkit.testbed.postgres import HOST, TEST_ROLE, PgError, PgServer
 
 CANDIDATES = ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer")
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import yaml
 
-from tests.support import REPO
-from tests.testbed import gobuild
+from testkit.support import REPO
+from testkit.testbed import gobuild
 
 CHART = REPO / "charts" / "lease-sidecar"
 

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.chaos.backends import BackendEnv, Timing
-from bench.chaos.checker import Verdict, check
-from bench.chaos.faults import NETWORK_FAULTS, PROCESS_FAULTS, Fault, Schedule
-from bench.chaos.recorder import Recorder, Target
-from tests.support import SidecarProcess
+from testkit.chaos.backends import BackendEnv, Timing
+from testkit.chaos.checker import Verdict, check
+from testkit.chaos.faults import NETWORK_FAULTS, PROCESS_FAULTS, Fault, Schedule
+from testkit.chaos.recorder import Recorder, Target
+from testkit.support import SidecarProcess
 
 LEASE_NAME = "chaos"
 FIRST_LEADER_TIMEOUT = 60.0

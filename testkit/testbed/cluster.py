@@ -1,8 +1,8 @@
 """A one-node Kubernetes cluster that runs real pods: the test bed for end-to-end tests.
 
-On top of :class:`tests.testbed.kube.ControlPlane` (etcd + kube-apiserver) it starts
+On top of :class:`testkit.testbed.kube.ControlPlane` (etcd + kube-apiserver) it starts
 kube-controller-manager, kube-scheduler and a kubelet (all built by
-:mod:`tests.testbed.gobuild`, same release) with containerd + runc and the CNI plugins
+:mod:`testkit.testbed.gobuild`, same release) with containerd + runc and the CNI plugins
 from Debian's packages::
 
     with Cluster() as cluster:
@@ -22,9 +22,9 @@ Needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN on a cgroup v1 host
 (:func:`unavailable_reason` says why not).  Only one cluster runs per machine (the
 kubelet's sysctls, chains and cgroup trees are global): :meth:`Cluster.start` waits for
 a machine-wide lock.  :meth:`Cluster.stop` removes everything the cluster did to the
-host (see :mod:`tests.testbed.hostguard`), also after a failed start; a run killed
+host (see :mod:`testkit.testbed.hostguard`), also after a failed start; a run killed
 outright is swept by the next :meth:`Cluster.start` or by
-``python -m tests.testbed.cluster cleanup``.  Set ``LEASE_TESTBED_KEEP=1`` to keep the
+``python -m testkit.testbed.cluster cleanup``.  Set ``LEASE_TESTBED_KEEP=1`` to keep the
 work directory (every component's log) after a stop.
 """
 
@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -45,11 +44,11 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 
-from tests.testbed import gobuild, hostguard, tinyimages
-from tests.testbed.kube import SERVICE_CIDR, ControlPlane, ControlPlaneError
+from testkit.procs import Processes, Service, free_port
+from testkit.testbed import gobuild, hostguard, tinyimages
+from testkit.testbed.kube import SERVICE_CIDR, ControlPlane, ControlPlaneError
 
 BRIDGE = "lstb0"
 POD_CIDR = "10.244.0.0/24"
@@ -118,20 +117,6 @@ def missing_packages() -> list[str]:
     return sorted(missing)
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL the child when the test process dies."""
-    import ctypes
-
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _run(
     cmd: list[str], timeout: float = 60, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
@@ -141,17 +126,10 @@ def _run(
     return proc
 
 
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
 # --------------------------------------------------------------------------- the cluster
 
 
-class Cluster:
+class Cluster(Service):
     """A one-node cluster; see the module docstring."""
 
     def __init__(self, workdir: Path | None = None) -> None:
@@ -167,7 +145,8 @@ class Cluster:
         self.control_plane = ControlPlane(workdir=self.workdir / "control-plane", with_nodes=True)
         self.stale_found: list[str] = []  # what the start swept after an earlier dead run
         self.startup_seconds = 0.0
-        self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._procs = Processes(self.workdir, stop_timeout=10, append_logs=True,
+                               new_session=True)
         self._binaries: dict[str, Path] = {}
         self._lock = hostguard.HostLock()
         self._snapshot: hostguard.Snapshot | None = None
@@ -185,18 +164,6 @@ class Cluster:
     @property
     def running(self) -> bool:
         return self._started
-
-    def __enter__(self) -> Cluster:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def start(self) -> None:
         """Build what is missing, claim the host, start everything, wait for node Ready."""
@@ -240,9 +207,7 @@ class Cluster:
         keep = os.environ.get("LEASE_TESTBED_KEEP") == "1"
         try:
             # The kubelet first, so nothing restarts what the sweep kills.
-            for name, proc in reversed(self._procs):
-                self._terminate(name, proc)
-            self._procs.clear()
+            self._procs.stop_all()
             assert self._snapshot is not None
             # Pods and the control plane die together: an apiserver stopped first would
             # wait for the pods' watches to drain before it exits.
@@ -372,37 +337,10 @@ class Cluster:
 
     # -- processes -----------------------------------------------------------------------
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        with self.log_path(name).open("ab") as fh:
-            proc = subprocess.Popen(
-                args,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.workdir,
-                start_new_session=True,  # a terminal's Ctrl-C reaches only pytest
-                preexec_fn=_die_with_parent,
-            )
-        self._procs.append((name, proc))
-        return proc
-
-    @staticmethod
-    def _terminate(name: str, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
     def _check_alive(self) -> None:
-        for name, proc in self._procs:
-            if proc.poll() is not None:
-                raise ClusterError(
-                    f"{name} exited with {proc.returncode}:\n{_tail(self.log_path(name))}"
-                )
+        exited = self._procs.exited(lines=30)
+        if exited:
+            raise ClusterError(exited)
 
     # -- containerd --------------------------------------------------------------------
 
@@ -481,7 +419,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         (conf_dir / "10-lease-testbed.conflist").write_text(json.dumps(self._cni_config()))
         config = d / "config.toml"
         config.write_text(self._containerd_config(sandbox_image))
-        proc = self._spawn("containerd", ["containerd", "--config", str(config)])
+        proc = self._procs.spawn("containerd", ["containerd", "--config", str(config)])
 
         def answers() -> bool:
             if proc.poll() is not None:
@@ -519,7 +457,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "port": self.kubelet_port,
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
-            "healthzPort": _free_port(),
+            "healthzPort": free_port(),
             "tlsCertFile": str(serving.cert),
             "tlsPrivateKeyFile": str(serving.key),
             "authentication": {
@@ -545,42 +483,37 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "syncFrequency": "10s",
         }
 
+    def _start_control_component(self, name: str, *args: str) -> None:
+        """kube-controller-manager or kube-scheduler: its own client certificate (user
+        ``system:<name>``), a loopback serving port, no leader election (one replica)."""
+        kubeconfig = self._component_kubeconfig(name, f"system:{name}")
+        self._procs.spawn(name, [
+            str(self._binaries[name]),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            f"--cert-dir={self.workdir / name}",
+            "--leader-elect=false",
+            *args,
+        ])
+
     def _start_components(self) -> None:
         cp = self.control_plane
-        ca, sa_key = cp.ca_cert, cp.service_account_signing_key
-        kcm = self._component_kubeconfig(
-            "kube-controller-manager", "system:kube-controller-manager"
-        )
-        self._spawn("kube-controller-manager", [
-            str(self._binaries["kube-controller-manager"]),
-            f"--kubeconfig={kcm}",
-            f"--authentication-kubeconfig={kcm}",
-            f"--authorization-kubeconfig={kcm}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={_free_port()}",
-            f"--cert-dir={self.workdir / 'kube-controller-manager'}",
+        self._start_control_component(
+            "kube-controller-manager",
             "--use-service-account-credentials=true",
-            f"--root-ca-file={ca}",
-            f"--service-account-private-key-file={sa_key}",
+            f"--root-ca-file={cp.ca_cert}",
+            f"--service-account-private-key-file={cp.service_account_signing_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--leader-elect=false",
             "--cluster-name=lease-testbed",
             "--concurrent-deployment-syncs=5",
-        ])
-        sched = self._component_kubeconfig("kube-scheduler", "system:kube-scheduler")
-        self._spawn("kube-scheduler", [
-            str(self._binaries["kube-scheduler"]),
-            f"--kubeconfig={sched}",
-            f"--authentication-kubeconfig={sched}",
-            f"--authorization-kubeconfig={sched}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={_free_port()}",
-            f"--cert-dir={self.workdir / 'kube-scheduler'}",
-            "--leader-elect=false",
-        ])
+        )
+        self._start_control_component("kube-scheduler")
         k = self.workdir / "kubelet"
         k.mkdir(exist_ok=True)
-        self.kubelet_port = _free_port(self.node_ip)
+        self.kubelet_port = free_port(self.node_ip)
         serving = cp.issue_serving_cert(
             "kubelet-serving", cn=self.node_name, names=[self.node_name], ips=[self.node_ip]
         )
@@ -591,7 +524,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         )
         config = k / "config.json"
         config.write_text(json.dumps(self._kubelet_config(serving), indent=1))
-        self._spawn("kubelet", [
+        self._procs.spawn("kubelet", [
             str(self._binaries["kubelet"]),
             f"--config={config}",
             f"--kubeconfig={kubelet_kc}",
@@ -623,7 +556,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tests.testbed.cluster up [--busybox] | cleanup``.
+    """``python -m testkit.testbed.cluster up [--busybox] | cleanup``.
 
     ``up`` starts a cluster, prints ``kubeconfig <path>`` (and with ``--busybox`` loads
     that image and prints ``busybox <ref>``), then ``ready <seconds>``, and waits for

@@ -1,0 +1,1 @@
+"""The chaos harness: sidecars under injected faults, every claim recorded and checked."""

@@ -1,0 +1,1 @@
+"""The real servers tests and benchmarks run against (built or installed on demand)."""
