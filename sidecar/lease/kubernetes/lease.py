@@ -191,7 +191,7 @@ class KubeLease:
                 and current.transitions == mine.transitions)
 
     def _ensure_watch(self) -> None:
-        # Not before the first call connected: wait_for_change then just sleeps.
+        # Not before a call has connected: until then nothing was observed to wait for.
         if self._watch is not None or self._api is None:
             return
         loop = asyncio.get_running_loop()
