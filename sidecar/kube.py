@@ -1,8 +1,10 @@
-"""Access to the Kubernetes API, shared by the ``kubernetes`` backend and the pod label.
+"""Access to the Kubernetes API for every part of lease-sidecar that talks to it: the
+``kubernetes`` backend, the pod label, the pod Events and the injector.
 
-One rule for where credentials come from, so both halves of the sidecar talk to the same
-cluster as the same ServiceAccount: an explicit ``KUBECONFIG`` wins; else, inside a pod,
-the mounted ServiceAccount token (in-cluster config); else ``~/.kube/config``.
+One rule for where credentials come from (:func:`load_credentials`), so every part talks
+to the same cluster as the same ServiceAccount: an explicit ``KUBECONFIG`` wins; else,
+inside a pod, the mounted ServiceAccount token (in-cluster config); else
+``~/.kube/config``.
 
 The namespace is ``POD_NAMESPACE``, else the kubeconfig context's (or the mounted
 ServiceAccount's) namespace, else ``default``.
@@ -39,24 +41,34 @@ class KubeAccess:
     source: str  # "kubeconfig <path>" or "in-cluster", for logs
 
 
-def connect(settings: Settings) -> KubeAccess:
-    """Build an API client from the environment; ``BackendError`` if there is none."""
-    configuration = client.Configuration()
-    namespace: str | None = None
+def load_credentials(configuration: client.Configuration) -> tuple[str | None, str]:
+    """Fill ``configuration`` by the one rule above; ``BackendError`` if there is none.
+
+    Returns the namespace the credentials name (None if they name none) and where they
+    came from, for logs. ``KUBECONFIG`` is tested before the pod's ServiceAccount because
+    setting it is a deliberate choice, which kubectl honours inside a pod too; a pod whose
+    manifest sets none, as the chart's sidecar and injector do, gets its ServiceAccount.
+    """
     try:
         if os.environ.get("KUBECONFIG") or not os.environ.get("KUBERNETES_SERVICE_HOST"):
             config.load_kube_config(client_configuration=configuration)
             _, active = config.list_kube_config_contexts()
             namespace = (active or {}).get("context", {}).get("namespace")
-            source = f"kubeconfig {os.environ.get('KUBECONFIG', '~/.kube/config')}"
-        else:
-            config.load_incluster_config(client_configuration=configuration)
-            if SA_NAMESPACE_FILE.exists():
-                namespace = SA_NAMESPACE_FILE.read_text().strip() or None
-            source = "in-cluster"
+            return namespace, f"kubeconfig {os.environ.get('KUBECONFIG', '~/.kube/config')}"
+        config.load_incluster_config(client_configuration=configuration)
+        namespace = None
+        if SA_NAMESPACE_FILE.exists():
+            namespace = SA_NAMESPACE_FILE.read_text().strip() or None
+        return namespace, "in-cluster"
     except (ConfigException, OSError, ValueError) as exc:
         raise BackendError(f"kubernetes: no usable credentials (KUBECONFIG or in-cluster): "
                            f"{one_line(exc)}") from None
+
+
+def connect(settings: Settings) -> KubeAccess:
+    """The sidecar's API client: credentials by :func:`load_credentials`, no retries."""
+    configuration = client.Configuration()
+    namespace, source = load_credentials(configuration)
     # The elector retries on its own schedule; urllib3's silent retries would only
     # stretch one call past the deadlines the elector computes.
     configuration.retries = False

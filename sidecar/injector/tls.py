@@ -22,10 +22,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from kubernetes import client, config
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from sidecar.injector.certs import Bundle, renew
+from sidecar.kube import load_credentials
 
 log = logging.getLogger("sidecar.injector")
 
@@ -34,12 +35,11 @@ MAX_RACES = 5
 
 
 def api_client() -> client.ApiClient:
-    """In a pod: the ServiceAccount; elsewhere: $KUBECONFIG / ~/.kube/config."""
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()
-    else:
-        config.load_kube_config()
-    return client.ApiClient()
+    """A client with the sidecar's credentials (:func:`sidecar.kube.load_credentials`);
+    unlike the sidecar's, it keeps urllib3's retries: nothing here runs on a deadline."""
+    configuration = client.Configuration()
+    load_credentials(configuration)
+    return client.ApiClient(configuration)
 
 
 def _decode(data: dict[str, str] | None) -> Bundle:

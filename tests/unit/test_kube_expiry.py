@@ -13,7 +13,9 @@ from dataclasses import replace
 import pytest
 
 from sidecar.errors import ConfigError
-from sidecar.lease.kubernetes import Observer, Record, micro_time, object_name
+from sidecar.lease.kubernetes import validate
+from sidecar.lease.kubernetes.expiry import Observer
+from sidecar.lease.kubernetes.record import Record, micro_time
 from sidecar.settings import Settings, Store
 
 
@@ -176,19 +178,21 @@ def test_a_fresh_object_has_no_holder_fields() -> None:
 
 @pytest.mark.parametrize("name", ["default", "jobs.nightly", "a-b-c", "x9"])
 def test_valid_object_names(name: str) -> None:
-    assert object_name(Settings(), name) == f"lease-sidecar.{name}"
+    validate(Settings(names=(name,)))
+    assert Settings().store.key(name) == f"lease-sidecar.{name}"
 
 
 @pytest.mark.parametrize("name", ["Upper", "under_score", "trailing-", "-leading", "a..b"])
 def test_invalid_object_names_are_a_settings_error(name: str) -> None:
     with pytest.raises(ConfigError, match=r"LEASE_NAME / --name: .* not a valid Kubernetes"):
-        object_name(Settings(), name)
+        validate(Settings(names=(name,)))
 
 
 def test_the_key_prefix_is_part_of_the_name() -> None:
     with pytest.raises(ConfigError):
-        object_name(Settings(store=Store(key_prefix="My_App")), "default")
-    assert object_name(Settings(store=Store(key_prefix="")), "default") == "default"
+        validate(Settings(store=Store(key_prefix="My_App")))
+    validate(Settings(store=Store(key_prefix="")))
+    assert Store(key_prefix="").key("default") == "default"
 
 
 def test_a_write_changes_only_the_five_fields_we_own() -> None:

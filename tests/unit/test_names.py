@@ -53,10 +53,11 @@ def test_names_is_a_bottom_layer_module() -> None:
 
 def test_kubernetes_backend_uses_the_same_rule() -> None:
     from sidecar.config import ConfigError, load
-    from sidecar.lease.kubernetes import object_name
+    from sidecar.lease.kubernetes import check_name
 
     settings = load({"backend": "kubernetes"}, env={})
-    assert object_name(settings, "jobs") == "lease-sidecar.jobs"
+    check_name(settings.store, "jobs")
+    assert settings.store.key("jobs") == "lease-sidecar.jobs"
     for bad in ("Upper_Case", "a\n"):
         with pytest.raises(ConfigError, match="is not a valid Kubernetes object name"):
-            object_name(settings, bad)
+            check_name(settings.store, bad)

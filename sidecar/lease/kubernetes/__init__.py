@@ -1,0 +1,110 @@
+"""``kubernetes``: a ``coordination.k8s.io/v1`` Lease, the way client-go's leader election
+uses one — no database at all.
+
+The Lease object is named ``Store.key(name)``, ``{key_prefix}.{name}`` (it must be a DNS
+subdomain, :mod:`sidecar.names`), and lives in ``POD_NAMESPACE`` (else the kubeconfig's
+namespace, else ``default``). The parts, one job each:
+
+- :mod:`.record`: the five spec fields we own and how a write keeps everyone else's;
+- :mod:`.expiry`: client-go's skew-tolerant expiry rule, on our own monotonic clock;
+- :mod:`.transport`: the Lease calls and the watch, in worker threads;
+- :mod:`.lease`: one contender's acquire, renew, release and wait;
+- this module: the backend, ``lease-sidecar status`` and the registry entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+from sidecar.clock import Clock, SystemClock
+from sidecar.errors import ConfigError
+from sidecar.lease import BackendEntry, LeaseInfo
+from sidecar.lease.kubernetes.lease import KubeLease
+from sidecar.lease.kubernetes.record import Record
+from sidecar.lease.kubernetes.transport import Connection
+from sidecar.names import object_name_problem
+from sidecar.settings import Settings, Store
+
+
+def check_name(store: Store, name: str) -> None:
+    """``ConfigError`` (exit 2) unless lease ``name`` can be a Lease object."""
+    problem = object_name_problem(store.key_prefix, name)
+    if problem:
+        raise ConfigError(f"LEASE_NAME / --name: {problem}")
+
+
+def validate(settings: Settings) -> None:
+    for name in settings.names:
+        check_name(settings.store, name)
+
+
+class KubeBackend:
+    """Lease objects in one namespace, reached through one lazily made connection."""
+
+    # Nothing found once connected can make this backend unsafe.
+    misconfigured: asyncio.Event | None = None
+    misconfiguration: str | None = None
+
+    def __init__(self, settings: Settings, clock: Clock) -> None:
+        validate(settings)  # a bad name is a settings error (exit 2), also when built directly
+        self._settings = settings
+        self._clock = clock
+        self._connection = Connection(settings)
+        self._leases: list[KubeLease] = []
+
+    def lease(self, name: str) -> KubeLease:
+        check_name(self._settings.store, name)
+        lease = KubeLease(name, object_name=self._settings.store.key(name),
+                          identity=self._settings.identity, timing=self._settings.timing,
+                          clock=self._clock, api=self._connection.api)
+        self._leases.append(lease)
+        return lease
+
+    async def close(self) -> None:
+        for lease in self._leases:
+            lease.stop_watch()
+        self._connection.close()
+
+
+def create(settings: Settings, clock: Clock) -> KubeBackend:
+    return KubeBackend(settings, clock)
+
+
+async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list[LeaseInfo]:
+    """``lease-sidecar status``: the named Leases, each read with ``get`` (which the Role's
+    ``resourceNames`` allow), or with no names every Lease of this key prefix in the
+    namespace (``list``, which needs a Role without ``resourceNames``); never created. A
+    Lease whose holder is empty or whose term ran out on this host's clock exists but is
+    free."""
+    clock = SystemClock()  # a one-shot command: no elector's clock to share
+    connection = Connection(settings)
+    try:
+        api = await connection.api()
+        prefix = settings.store.key("")
+        now = datetime.fromtimestamp(clock.wall(), UTC)
+        if names:
+            found = [(name, await api.get(settings.store.key(name))) for name in names]
+            records = [(name, record) for name, record in found if record is not None]
+        else:
+            records = [(obj["metadata"]["name"][len(prefix):], Record.from_object(obj))
+                       for obj in await api.list()
+                       if obj["metadata"]["name"].startswith(prefix)]
+        rows = []
+        for name, record in records:
+            expires = record.expires_at()
+            live = bool(record.holder) and expires is not None and expires > now
+            where = f"{api.namespace}/{settings.store.key(name)}"
+            rows.append(LeaseInfo(lease=name, holder=record.holder if live else None,
+                                  fencing_token=record.transitions, expires_at=expires,
+                                  details={"object": where}))
+        return rows
+    finally:
+        connection.close()
+
+
+ENTRY = BackendEntry(
+    create=create, validate=validate, list_leases=list_leases,
+    min_safety_margin=(1.0, "client-go electors on the same Lease observe its changes at "
+                            "one-second granularity and may take over up to 1s before its "
+                            "nominal expiry"))
