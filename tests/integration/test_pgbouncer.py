@@ -22,14 +22,11 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from sidecar.lease.postgres_advisory import (
-    MARKER_SETTING,
-    POOLER,
-    AdvisoryLease,
-    create,
-    lock_halves,
-    lock_id,
-)
+from sidecar.clock import SystemClock
+from sidecar.lease.postgres_advisory import AdvisoryBackend, create
+from sidecar.lease.postgres_advisory.lease import AdvisoryLease
+from sidecar.lease.postgres_advisory.session import POOLER, pooler_evidence
+from sidecar.lease.postgres_advisory.sql import MARKER_SETTING, lock_halves, lock_id
 from sidecar.settings import Settings, Store, Timing
 from tests import support
 from tests.support import REPO, SidecarProcess, get_json, one_leader, wait_until
@@ -111,7 +108,7 @@ def refusals(proc: SidecarProcess) -> list[dict]:
 
 
 def lock_holders(pg: PgServer, database: str) -> list[int]:
-    classid, objid = lock_halves(lock_id("lease-sidecar", "jobs"))
+    classid, objid = lock_halves(lock_id(Store().key("jobs")))
     out = pg.psql(f"select pid from pg_locks where locktype = 'advisory' and granted "
                   f"and classid = {classid} and objid = {objid} and objsubid = 1",
                   dbname=database)
@@ -136,6 +133,11 @@ def settings(dsn: str, identity: str) -> Settings:
                                   holds_by="session"))
 
 
+def advisory(dsn: str, identity: str) -> AdvisoryBackend:
+    """The backend as the registry builds it."""
+    return create(settings(dsn, identity), SystemClock())
+
+
 async def test_shared_server_session_is_refused_on_both_sides(
         pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,7 +151,7 @@ async def test_shared_server_session_is_refused_on_both_sides(
     monkeypatch.setattr(AdvisoryLease, "_probe_pooler", no_probe)
     bouncer = pgbouncer("transaction", 1)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
-    a, b = create(settings(dsn, "lib-a")), create(settings(dsn, "lib-b"))
+    a, b = advisory(dsn, "lib-a"), advisory(dsn, "lib-b")
     try:
         la, lb = a.lease("jobs"), b.lease("jobs")
         assert (await la.try_acquire()).held  # alone on the pool: nothing to see yet
@@ -178,12 +180,12 @@ async def test_a_session_holding_a_lock_we_never_took_is_not_ours(pg: PgServer,
                                                                    pg_dsn: str) -> None:
     """Straight to PostgreSQL (no pooler) the same held-key check drops the session (it
     frees the unknown lock) and tries again; nothing is refused for good."""
-    backend = create(settings(pg_dsn, "direct"))
+    backend = advisory(pg_dsn, "direct")
     try:
         lease = backend.lease("jobs")
         assert (await lease.try_acquire()).held
         await lease.release()
-        session = lease._session
+        session = lease._link.session
         assert session is not None and not session.proxied
         # Take the lock on our session behind the lease's back.
         await session.conn.fetchval("select pg_advisory_lock($1)", lease.key)
@@ -200,11 +202,11 @@ async def test_session_pooling_passes_every_check(pg: PgServer, pg_dsn: str,
                                                   pgbouncer: StartBouncer) -> None:
     bouncer = pgbouncer("session", 5)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
-    a, b = create(settings(dsn, "s-a")), create(settings(dsn, "s-b"))
+    a, b = advisory(dsn, "s-a"), advisory(dsn, "s-b")
     try:
         la, lb = a.lease("jobs"), b.lease("jobs")
         assert (await la.try_acquire()).held
-        assert la._session is not None and la._session.proxied  # a pooler answered
+        assert la._link.session is not None and la._link.session.proxied  # a pooler answered
         assert lock_holders(pg, dbname(pg_dsn)) == [la.pid]
         refused = await lb.try_acquire()
         assert not refused.held and refused.holder == "s-a"
@@ -231,14 +233,14 @@ async def test_a_grant_that_raced_lock_timeout_is_not_taken_for_a_pooler(
     tight races; see test_postgres_advisory)."""
     bouncer = pgbouncer("session", 5)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
-    a, b = create(settings(dsn, "t-a")), create(settings(dsn, "t-b"))
+    a, b = advisory(dsn, "t-a"), advisory(dsn, "t-b")
     try:
         la, lb = a.lease("jobs"), b.lease("jobs")
         assert (await la.try_acquire()).held
         await lb.wait_for_change(0.1)  # lock_timeout in the server
-        assert lb._session is not None and lb._session.maybe_holds
+        assert lb._link.session is not None and lb._link.session.maybe_holds
         await la.release()
-        await lb._session.conn.fetchval("select pg_advisory_lock($1)", lb.key)
+        await lb._link.session.conn.fetchval("select pg_advisory_lock($1)", lb.key)
         grant = await lb.try_acquire()
         assert not grant.held and "raced lock_timeout" in grant.reason
         # The pooler resets the session (DISCARD ALL) once it sees the client gone.
@@ -271,8 +273,6 @@ async def test_prepared_statement_errors_betray_the_pooler(pg_dsn: str,
                                                            pgbouncer: StartBouncer) -> None:
     """asyncpg's named statements through a transaction pooler fail with the errors the
     backend reads as a pooler (it never uses named statements itself)."""
-    from sidecar.lease.postgres_advisory import _prepared_statement_error
-
     bouncer = pgbouncer("transaction", 1)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
     first, second = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
@@ -286,7 +286,7 @@ async def test_prepared_statement_errors_betray_the_pooler(pg_dsn: str,
         except asyncpg.PostgresError as exc:
             caught = exc
         assert caught is not None
-        assert _prepared_statement_error(caught) is not None
+        assert pooler_evidence(caught) is not None
     finally:
         await first.close()
         await second.close()
@@ -464,11 +464,11 @@ def test_status_command_through_the_pooler(tmp_path: Path, pg: PgServer, pg_dsn:
 async def test_marker_is_a_session_setting_that_a_reset_clears(pg_dsn: str) -> None:
     """The marker lives in the server session: a pooler's reset (DISCARD ALL, as PgBouncer
     runs between clients) clears it, so a reset session never passes for ours."""
-    backend = create(settings(pg_dsn, "reset"))
+    backend = advisory(pg_dsn, "reset")
     try:
         lease = backend.lease("jobs")
         assert (await lease.try_acquire()).held
-        session = lease._session
+        session = lease._link.session
         assert session is not None
         value = await session.conn.fetchval(f"select current_setting('{MARKER_SETTING}')")
         assert value == session.marker
