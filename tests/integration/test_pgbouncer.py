@@ -258,7 +258,7 @@ async def test_a_lone_holder_on_a_transaction_pool_finds_it_by_itself(
     """No other client shares or swaps its session, so no lock statement can see the
     pooler; the probe after the grant does (a fresh connection gets our session)."""
     bouncer = pgbouncer("transaction", pool_size)
-    backend = create(settings(bouncer.dsn_for(dbname(pg_dsn)), "alone"))
+    backend = advisory(bouncer.dsn_for(dbname(pg_dsn)), "alone")
     try:
         lease = backend.lease("jobs")
         assert (await lease.try_acquire()).held
