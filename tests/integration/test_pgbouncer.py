@@ -12,6 +12,7 @@ processes, real signals and every sidecar's ``GET /leader`` sampled on one clock
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import subprocess
@@ -22,22 +23,24 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from sidecar.clock import SystemClock
-from sidecar.lease.postgres_advisory import AdvisoryBackend, create
 from sidecar.lease.postgres_advisory.lease import AdvisoryLease
 from sidecar.lease.postgres_advisory.session import POOLER, pooler_evidence
-from sidecar.lease.postgres_advisory.sql import MARKER_SETTING, lock_halves, lock_id
-from sidecar.settings import Settings, Store, Timing
+from sidecar.lease.postgres_advisory.sql import MARKER_SETTING
 from tests import support
+from tests.integration.advisory_support import (
+    FAST,
+    HORIZON,
+    LEASE,
+    advisory,
+    lock_holders,
+    settings,
+)
 from tests.support import REPO, SidecarProcess, get_json, one_leader, wait_until
 from tests.testbed.pgbouncer_fixtures import StartBouncer
 from tests.testbed.postgres import PgServer
 
 pytestmark = pytest.mark.postgres
 
-LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
-FAST = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
-        "--renew-deadline", f"{DEADLINE}s", "--claim-horizon", f"{HORIZON}s"]
 # What a sidecar that refused logs and /status shows (the first words of the reason).
 REFUSAL = POOLER.split(":", 1)[0]
 PREPARED_ERRORS = ("prepared statement", "__asyncpg_stmt", "DuplicatePreparedStatement",
@@ -107,14 +110,6 @@ def refusals(proc: SidecarProcess) -> list[dict]:
     return [line for line in log_lines(proc) if line.get("msg", "").startswith(REFUSAL)]
 
 
-def lock_holders(pg: PgServer, database: str) -> list[int]:
-    classid, objid = lock_halves(lock_id(Store().key("jobs")))
-    out = pg.psql(f"select pid from pg_locks where locktype = 'advisory' and granted "
-                  f"and classid = {classid} and objid = {objid} and objsubid = 1",
-                  dbname=database)
-    return [int(pid) for pid in out.split()]
-
-
 def assert_refused(proc: SidecarProcess) -> None:
     """Exit code 2, one error line naming the pooler and postgres-row."""
     assert proc.proc is not None and proc.proc.poll() == 2, (proc.identity, proc.logs())
@@ -126,18 +121,6 @@ def assert_refused(proc: SidecarProcess) -> None:
 
 
 # -- library level: the checks themselves -------------------------------------------------
-def settings(dsn: str, identity: str) -> Settings:
-    return Settings(store=Store(backend="postgres", dsn=dsn), identity=identity, names=("jobs",),
-                    timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
-                                  renew_deadline=DEADLINE, claim_horizon=HORIZON,
-                                  holds_by="session"))
-
-
-def advisory(dsn: str, identity: str) -> AdvisoryBackend:
-    """The backend as the registry builds it."""
-    return create(settings(dsn, identity), SystemClock())
-
-
 async def test_shared_server_session_is_refused_on_both_sides(
         pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,13 +350,8 @@ async def test_refusal_reason_is_in_status(tmp_path: Path, pg: PgServer, pg_dsn:
     dsn = bouncer.dsn_for(dbname(pg_dsn))
 
     def sidecar(identity: str) -> Sidecar:
-        config = Settings(store=Store(backend="postgres", dsn=dsn), identity=identity,
-                          names=("jobs",),
-                          timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
-                                        renew_deadline=DEADLINE, claim_horizon=HORIZON,
-                                        holds_by="session"),
-                          http_addr=("127.0.0.1", 0), state_dir=str(tmp_path / identity),
-                          pod_label="off")
+        config = dataclasses.replace(settings(dsn, identity), http_addr=("127.0.0.1", 0),
+                                     state_dir=str(tmp_path / identity), pod_label="off")
         return Sidecar(config)
 
     first, second = sidecar("in-a"), sidecar("in-b")

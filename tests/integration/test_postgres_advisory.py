@@ -16,39 +16,29 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from sidecar.clock import SystemClock
-from sidecar.lease.postgres_advisory import AdvisoryBackend, create
-from sidecar.lease.postgres_advisory.sql import lock_halves, lock_id
-from sidecar.settings import Settings, Store, Timing
+from sidecar.lease.postgres_advisory.sql import lock_id
+from sidecar.settings import Store
+from tests.integration.advisory_support import (
+    DEADLINE,
+    FAST,
+    HORIZON,
+    LEASE,
+    RENEW,
+    advisory,
+    lock_holders,
+)
 from tests.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 from tests.testbed.postgres import PgServer
 
 pytestmark = pytest.mark.postgres
 
-LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
-FAST = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
-        "--renew-deadline", f"{DEADLINE}s", "--claim-horizon", f"{HORIZON}s"]
 # idle_session_timeout the backend sets for these settings (max(lease, deadline+horizon+.5)).
 IDLE_SESSION_TIMEOUT = max(LEASE, DEADLINE + HORIZON + 0.5)
 
 
-def settings(dsn: str, identity: str) -> Settings:
-    return Settings(store=Store(backend="postgres", dsn=dsn), identity=identity, names=("jobs",),
-                    timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
-                                  renew_deadline=DEADLINE, claim_horizon=HORIZON,
-                                  holds_by="session"))
-
-
-def advisory(dsn: str, identity: str) -> AdvisoryBackend:
-    """The backend as the registry builds it."""
-    return create(settings(dsn, identity), SystemClock())
-
-
 def lock_holder_pid(pg: PgServer, dbname: str, name: str = "jobs") -> int | None:
-    classid, objid = lock_halves(lock_id(Store().key(name)))
-    out = pg.psql(f"select pid from pg_locks where locktype = 'advisory' and granted "
-                  f"and classid = {classid} and objid = {objid} and objsubid = 1", dbname=dbname)
-    return int(out) if out else None
+    pids = lock_holders(pg, dbname, name)
+    return pids[0] if pids else None
 
 
 def sessions_of(pg: PgServer, identity: str) -> list[int]:
