@@ -171,7 +171,7 @@ async def test_a_session_holding_a_lock_we_never_took_is_not_ours(pg: PgServer,
         session = lease._link.session
         assert session is not None and not session.proxied
         # Take the lock on our session behind the lease's back.
-        await session.conn.fetchval("select pg_advisory_lock($1)", lease.key)
+        await session.conn.fetchval("select pg_advisory_lock($1)", lease.lock_id)
         grant = await lease.try_acquire()
         assert not grant.held and "unknown to us" in grant.reason
         assert lock_holders(pg, dbname(pg_dsn)) == []  # the session was ended
@@ -223,7 +223,7 @@ async def test_a_grant_that_raced_lock_timeout_is_not_taken_for_a_pooler(
         await lb.wait_for_change(0.1)  # lock_timeout in the server
         assert lb._link.session is not None and lb._link.session.maybe_holds
         await la.release()
-        await lb._link.session.conn.fetchval("select pg_advisory_lock($1)", lb.key)
+        await lb._link.session.conn.fetchval("select pg_advisory_lock($1)", lb.lock_id)
         grant = await lb.try_acquire()
         assert not grant.held and "raced lock_timeout" in grant.reason
         # The pooler resets the session (DISCARD ALL) once it sees the client gone.

@@ -42,15 +42,15 @@ class AdvisoryLease:
     lock it may hold.
     """
 
-    def __init__(self, name: str, key: int, connector: Connector, timing: Timing,
+    def __init__(self, name: str, lock_id: int, connector: Connector, timing: Timing,
                  identity: str, on_pooler: Callable[[str, str], None] | None = None) -> None:
         self.name = name
-        self._link = Link(connector, name, key)
+        self._link = Link(connector, name, lock_id)
         # Set the moment the session holding the lock drops; cleared on a grant.
         self.lost = self._link.lost
         self._claims_wait_until = 0.0  # loop time before which no claim (server restart)
-        self.key = key
-        self._halves = lock_halves(key)
+        self.lock_id = lock_id
+        self._halves = lock_halves(lock_id)
         self._timing = timing
         self._identity = identity
         self._db = connector
@@ -92,7 +92,7 @@ class AdvisoryLease:
                                                     "on the next try")
                 try:
                     ours, already, token, uptime, _, _ = await session.conn.fetchrow(
-                        try_lock_sql(version_num(session.conn)), self.key, self._message,
+                        try_lock_sql(version_num(session.conn)), self.lock_id, self._message,
                         session.marker, *self._halves)
                 except DB_ERRORS as exc:
                     self._link.drop()  # granted or not, a dropped session holds nothing
@@ -147,7 +147,7 @@ class AdvisoryLease:
             if not levels or session is None or session.conn.is_closed():
                 return
             try:
-                ours, _ = await session.conn.fetchrow(UNLOCK, self.key, session.marker,
+                ours, _ = await session.conn.fetchrow(UNLOCK, self.lock_id, session.marker,
                                                       levels)
             except DB_ERRORS as exc:
                 self._link.drop()  # closing the session frees the lock as well
@@ -236,7 +236,7 @@ class AdvisoryLease:
         reason = ("this session holds the lock it was refused (a grant that raced "
                   "lock_timeout); reconnecting to free it" if session.maybe_holds else
                   "this session held the lock unknown to us; reconnecting to free it")
-        log.warning(reason, extra={"lease": self.name, "lock_id": self.key,
+        log.warning(reason, extra={"lease": self.name, "lock_id": self.lock_id,
                                    "pid": session.backend_pid})
         self._link.drop()
         return Grant(held=False, reason=reason)
@@ -254,7 +254,7 @@ class AdvisoryLease:
                 # One round trip: lock_timeout ends the wait in the server; the client
                 # timeout only guards against a hung server.
                 ours, already, token, uptime, _, _ = await session.conn.fetchrow(
-                    wait_lock_sql(version_num(session.conn)), self.key, self._message,
+                    wait_lock_sql(version_num(session.conn)), self.lock_id, self._message,
                     session.marker, *self._halves, wait_ms,
                     timeout=timeout + self._db.timeout)
             except asyncpg.LockNotAvailableError:
@@ -288,7 +288,7 @@ class AdvisoryLease:
                 self._probe is None or self._probe.done()):
             self._probe = asyncio.create_task(self._probe_pooler(session),
                                               name=f"pg-advisory-probe-{self.name}")
-        log.debug("advisory lock granted", extra={"lease": self.name, "lock_id": self.key,
+        log.debug("advisory lock granted", extra={"lease": self.name, "lock_id": self.lock_id,
                                                   "pid": self.pid, "fencing_token": token})
 
     def _held(self) -> Grant:

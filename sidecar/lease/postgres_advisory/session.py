@@ -11,11 +11,15 @@ it, session advisory locks are re-entrant per server session, so two clients han
 same server session both "get" the lock, and the session (with the lock) outlives a killed
 client. So every connection stores a random marker in a session-level setting of its
 server session when it connects (:data:`.sql.APPLY`), and every lock statement checks it
-(:mod:`.sql`). Statements are never named prepared statements (``statement_cache_size=0``):
-behind a transaction pooler a named statement can be bound on another client's session,
-where the same name may hold a different statement; an unnamed one is parsed and run in
-one server link (asyncpg sends Parse/Describe with Flush, not Sync, so the pooler keeps
-the link). Session pooling (``pool_mode=session``) passes every check and works.
+(:mod:`.sql`); a sidecar alone on a transaction pool gives those checks nothing to see, so
+after a grant through a pooler a fresh connection checks that it gets a session of its own
+(:meth:`Connector.hands_out_used_sessions`).
+
+Statements are never named prepared statements (``statement_cache_size=0``): behind a
+transaction pooler a named statement can be bound on another client's session, where the
+same name may hold a different statement; an unnamed one is parsed and run in one server
+link (asyncpg sends Parse/Describe with Flush, not Sync, so the pooler keeps the link).
+Session pooling (``pool_mode=session``) passes every check and works.
 """
 
 from __future__ import annotations
@@ -167,10 +171,10 @@ class Link:
     locks, so a session whose lock state is uncertain is dropped, never kept.
     """
 
-    def __init__(self, connector: Connector, name: str, key: int) -> None:
+    def __init__(self, connector: Connector, name: str, lock_id: int) -> None:
         self._db = connector
         self._name = name
-        self._key = key
+        self._lock_id = lock_id
         # Set the moment the session holding the lock drops; cleared on a grant.
         self.lost = asyncio.Event()
         self.session: Session | None = None
@@ -226,7 +230,7 @@ class Link:
             return
         if self.levels:
             log.warning("lost the PostgreSQL session holding the lock", extra={
-                "lease": self._name, "lock_id": self._key, "pid": session.backend_pid})
+                "lease": self._name, "lock_id": self._lock_id, "pid": session.backend_pid})
             self.lost.set()
         self.levels, self.token, self.session = 0, None, None
 
