@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 
-from sidecar.lease.postgres_advisory import lock_id
+from sidecar.lease.postgres_advisory.sql import lock_id
 from sidecar.lease.sql.dialect import PostgresDialect, TsqlDialect
+from sidecar.settings import Store
 from testkit.kube_support import create_pods, install_rbac, lease_spec
 from testkit.kube_support import sidecar as kube_sidecar
 from testkit.support import REPO, SidecarProcess, get_json, one_leader, wait_until
@@ -304,7 +305,7 @@ def test_status_postgres_advisory_lock(tmp_path: Path, pg: PgServer, pg_dsn: str
                                   "--name", "jobs").stdout)
         row = document["leases"][0]
         assert row["holder"] == leader.identity
-        assert row["lock_id"] == lock_id("lease-sidecar", "jobs")
+        assert row["lock_id"] == lock_id(Store().key("jobs"))
         holder_pid = int(pg.psql(
             "select pid from pg_stat_activity where application_name = "
             f"'{leader.identity}'", dbname=pg_dsn.rsplit("/", 1)[1]))

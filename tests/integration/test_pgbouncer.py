@@ -12,6 +12,7 @@ processes, real signals and every sidecar's ``GET /leader`` sampled on one clock
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import subprocess
@@ -22,25 +23,24 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from sidecar.lease.postgres_advisory import (
-    MARKER_SETTING,
-    POOLER,
-    AdvisoryLease,
-    create,
-    lock_halves,
-    lock_id,
-)
-from sidecar.settings import Settings, Store, Timing
+from sidecar.lease.postgres_advisory.lease import AdvisoryLease
+from sidecar.lease.postgres_advisory.session import POOLER, pooler_evidence
+from sidecar.lease.postgres_advisory.sql import MARKER_SETTING
 from testkit import support
 from testkit.support import REPO, SidecarProcess, get_json, one_leader, wait_until
 from testkit.testbed.postgres import PgServer
+from tests.integration.advisory_support import (
+    FAST,
+    HORIZON,
+    LEASE,
+    advisory,
+    lock_holders,
+    settings,
+)
 from tests.testbed.pgbouncer_fixtures import StartBouncer
 
 pytestmark = pytest.mark.postgres
 
-LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
-FAST = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
-        "--renew-deadline", f"{DEADLINE}s", "--claim-horizon", f"{HORIZON}s"]
 # What a sidecar that refused logs and /status shows (the first words of the reason).
 REFUSAL = POOLER.split(":", 1)[0]
 PREPARED_ERRORS = ("prepared statement", "__asyncpg_stmt", "DuplicatePreparedStatement",
@@ -110,14 +110,6 @@ def refusals(proc: SidecarProcess) -> list[dict]:
     return [line for line in log_lines(proc) if line.get("msg", "").startswith(REFUSAL)]
 
 
-def lock_holders(pg: PgServer, database: str) -> list[int]:
-    classid, objid = lock_halves(lock_id("lease-sidecar", "jobs"))
-    out = pg.psql(f"select pid from pg_locks where locktype = 'advisory' and granted "
-                  f"and classid = {classid} and objid = {objid} and objsubid = 1",
-                  dbname=database)
-    return [int(pid) for pid in out.split()]
-
-
 def assert_refused(proc: SidecarProcess) -> None:
     """Exit code 2, one error line naming the pooler and postgres-row."""
     assert proc.proc is not None and proc.proc.poll() == 2, (proc.identity, proc.logs())
@@ -129,13 +121,6 @@ def assert_refused(proc: SidecarProcess) -> None:
 
 
 # -- library level: the checks themselves -------------------------------------------------
-def settings(dsn: str, identity: str) -> Settings:
-    return Settings(store=Store(backend="postgres", dsn=dsn), identity=identity, names=("jobs",),
-                    timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
-                                  renew_deadline=DEADLINE, claim_horizon=HORIZON,
-                                  holds_by="session"))
-
-
 async def test_shared_server_session_is_refused_on_both_sides(
         pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,7 +134,7 @@ async def test_shared_server_session_is_refused_on_both_sides(
     monkeypatch.setattr(AdvisoryLease, "_probe_pooler", no_probe)
     bouncer = pgbouncer("transaction", 1)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
-    a, b = create(settings(dsn, "lib-a")), create(settings(dsn, "lib-b"))
+    a, b = advisory(dsn, "lib-a"), advisory(dsn, "lib-b")
     try:
         la, lb = a.lease("jobs"), b.lease("jobs")
         assert (await la.try_acquire()).held  # alone on the pool: nothing to see yet
@@ -178,15 +163,15 @@ async def test_a_session_holding_a_lock_we_never_took_is_not_ours(pg: PgServer,
                                                                    pg_dsn: str) -> None:
     """Straight to PostgreSQL (no pooler) the same held-key check drops the session (it
     frees the unknown lock) and tries again; nothing is refused for good."""
-    backend = create(settings(pg_dsn, "direct"))
+    backend = advisory(pg_dsn, "direct")
     try:
         lease = backend.lease("jobs")
         assert (await lease.try_acquire()).held
         await lease.release()
-        session = lease._session
+        session = lease._link.session
         assert session is not None and not session.proxied
         # Take the lock on our session behind the lease's back.
-        await session.conn.fetchval("select pg_advisory_lock($1)", lease.key)
+        await session.conn.fetchval("select pg_advisory_lock($1)", lease.lock_id)
         grant = await lease.try_acquire()
         assert not grant.held and "unknown to us" in grant.reason
         assert lock_holders(pg, dbname(pg_dsn)) == []  # the session was ended
@@ -200,11 +185,11 @@ async def test_session_pooling_passes_every_check(pg: PgServer, pg_dsn: str,
                                                   pgbouncer: StartBouncer) -> None:
     bouncer = pgbouncer("session", 5)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
-    a, b = create(settings(dsn, "s-a")), create(settings(dsn, "s-b"))
+    a, b = advisory(dsn, "s-a"), advisory(dsn, "s-b")
     try:
         la, lb = a.lease("jobs"), b.lease("jobs")
         assert (await la.try_acquire()).held
-        assert la._session is not None and la._session.proxied  # a pooler answered
+        assert la._link.session is not None and la._link.session.proxied  # a pooler answered
         assert lock_holders(pg, dbname(pg_dsn)) == [la.pid]
         refused = await lb.try_acquire()
         assert not refused.held and refused.holder == "s-a"
@@ -231,14 +216,14 @@ async def test_a_grant_that_raced_lock_timeout_is_not_taken_for_a_pooler(
     tight races; see test_postgres_advisory)."""
     bouncer = pgbouncer("session", 5)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
-    a, b = create(settings(dsn, "t-a")), create(settings(dsn, "t-b"))
+    a, b = advisory(dsn, "t-a"), advisory(dsn, "t-b")
     try:
         la, lb = a.lease("jobs"), b.lease("jobs")
         assert (await la.try_acquire()).held
         await lb.wait_for_change(0.1)  # lock_timeout in the server
-        assert lb._session is not None and lb._session.maybe_holds
+        assert lb._link.session is not None and lb._link.session.maybe_holds
         await la.release()
-        await lb._session.conn.fetchval("select pg_advisory_lock($1)", lb.key)
+        await lb._link.session.conn.fetchval("select pg_advisory_lock($1)", lb.lock_id)
         grant = await lb.try_acquire()
         assert not grant.held and "raced lock_timeout" in grant.reason
         # The pooler resets the session (DISCARD ALL) once it sees the client gone.
@@ -256,7 +241,7 @@ async def test_a_lone_holder_on_a_transaction_pool_finds_it_by_itself(
     """No other client shares or swaps its session, so no lock statement can see the
     pooler; the probe after the grant does (a fresh connection gets our session)."""
     bouncer = pgbouncer("transaction", pool_size)
-    backend = create(settings(bouncer.dsn_for(dbname(pg_dsn)), "alone"))
+    backend = advisory(bouncer.dsn_for(dbname(pg_dsn)), "alone")
     try:
         lease = backend.lease("jobs")
         assert (await lease.try_acquire()).held
@@ -271,8 +256,6 @@ async def test_prepared_statement_errors_betray_the_pooler(pg_dsn: str,
                                                            pgbouncer: StartBouncer) -> None:
     """asyncpg's named statements through a transaction pooler fail with the errors the
     backend reads as a pooler (it never uses named statements itself)."""
-    from sidecar.lease.postgres_advisory import _prepared_statement_error
-
     bouncer = pgbouncer("transaction", 1)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
     first, second = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
@@ -286,7 +269,7 @@ async def test_prepared_statement_errors_betray_the_pooler(pg_dsn: str,
         except asyncpg.PostgresError as exc:
             caught = exc
         assert caught is not None
-        assert _prepared_statement_error(caught) is not None
+        assert pooler_evidence(caught) is not None
     finally:
         await first.close()
         await second.close()
@@ -367,13 +350,8 @@ async def test_refusal_reason_is_in_status(tmp_path: Path, pg: PgServer, pg_dsn:
     dsn = bouncer.dsn_for(dbname(pg_dsn))
 
     def sidecar(identity: str) -> Sidecar:
-        config = Settings(store=Store(backend="postgres", dsn=dsn), identity=identity,
-                          names=("jobs",),
-                          timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
-                                        renew_deadline=DEADLINE, claim_horizon=HORIZON,
-                                        holds_by="session"),
-                          http_addr=("127.0.0.1", 0), state_dir=str(tmp_path / identity),
-                          pod_label="off")
+        config = dataclasses.replace(settings(dsn, identity), http_addr=("127.0.0.1", 0),
+                                     state_dir=str(tmp_path / identity), pod_label="off")
         return Sidecar(config)
 
     first, second = sidecar("in-a"), sidecar("in-b")
@@ -464,11 +442,11 @@ def test_status_command_through_the_pooler(tmp_path: Path, pg: PgServer, pg_dsn:
 async def test_marker_is_a_session_setting_that_a_reset_clears(pg_dsn: str) -> None:
     """The marker lives in the server session: a pooler's reset (DISCARD ALL, as PgBouncer
     runs between clients) clears it, so a reset session never passes for ours."""
-    backend = create(settings(pg_dsn, "reset"))
+    backend = advisory(pg_dsn, "reset")
     try:
         lease = backend.lease("jobs")
         assert (await lease.try_acquire()).held
-        session = lease._session
+        session = lease._link.session
         assert session is not None
         value = await session.conn.fetchval(f"select current_setting('{MARKER_SETTING}')")
         assert value == session.marker

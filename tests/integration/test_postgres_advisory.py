@@ -16,32 +16,29 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from sidecar.lease.postgres_advisory import create, lock_halves, lock_id
-from sidecar.settings import Settings, Store, Timing
+from sidecar.lease.postgres_advisory.sql import lock_id
+from sidecar.settings import Store
 from testkit.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 from testkit.testbed.postgres import PgServer
+from tests.integration.advisory_support import (
+    DEADLINE,
+    FAST,
+    HORIZON,
+    LEASE,
+    RENEW,
+    advisory,
+    lock_holders,
+)
 
 pytestmark = pytest.mark.postgres
 
-LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
-FAST = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
-        "--renew-deadline", f"{DEADLINE}s", "--claim-horizon", f"{HORIZON}s"]
 # idle_session_timeout the backend sets for these settings (max(lease, deadline+horizon+.5)).
 IDLE_SESSION_TIMEOUT = max(LEASE, DEADLINE + HORIZON + 0.5)
 
 
-def settings(dsn: str, identity: str) -> Settings:
-    return Settings(store=Store(backend="postgres", dsn=dsn), identity=identity, names=("jobs",),
-                    timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
-                                  renew_deadline=DEADLINE, claim_horizon=HORIZON,
-                                  holds_by="session"))
-
-
 def lock_holder_pid(pg: PgServer, dbname: str, name: str = "jobs") -> int | None:
-    classid, objid = lock_halves(lock_id("lease-sidecar", name))
-    out = pg.psql(f"select pid from pg_locks where locktype = 'advisory' and granted "
-                  f"and classid = {classid} and objid = {objid} and objsubid = 1", dbname=dbname)
-    return int(out) if out else None
+    pids = lock_holders(pg, dbname, name)
+    return pids[0] if pids else None
 
 
 def sessions_of(pg: PgServer, identity: str) -> list[int]:
@@ -60,7 +57,7 @@ async def test_dedicated_connection_holds_the_lock(pg: PgServer, pg_dsn: str,
     # A spy on the pool constructor, on top of the real check (one session per identity).
     monkeypatch.setattr(asyncpg, "create_pool", no_pool)
     dbname = pg_dsn.rsplit("/", 1)[1]
-    a, b = create(settings(pg_dsn, "lib-a")), create(settings(pg_dsn, "lib-b"))
+    a, b = advisory(pg_dsn, "lib-a"), advisory(pg_dsn, "lib-b")
     try:
         la, lb = a.lease("jobs"), b.lease("jobs")
         grant = await la.try_acquire()
@@ -86,7 +83,7 @@ async def test_cancelled_wait_never_loses_a_grant(pg: PgServer, pg_dsn: str) -> 
     """The elector cancels wait_for_change when its sleep ends; a grant racing the cancel
     must still be counted (and released), never left held by an unknowing session."""
     dbname = pg_dsn.rsplit("/", 1)[1]
-    a, b = create(settings(pg_dsn, "w-a")), create(settings(pg_dsn, "w-b"))
+    a, b = advisory(pg_dsn, "w-a"), advisory(pg_dsn, "w-b")
     try:
         la, lb = a.lease("jobs"), b.lease("jobs")
         assert (await la.try_acquire()).held
@@ -113,7 +110,7 @@ async def test_a_grant_that_races_lock_timeout_is_freed(pg: PgServer, pg_dsn: st
     re-entrant grant, and its release left one level held). Now the next lock statement
     sees the session holding the key and drops it. Bounded: at most 600 races tried."""
     dbname = pg_dsn.rsplit("/", 1)[1]
-    a, b = create(settings(pg_dsn, "race-a")), create(settings(pg_dsn, "race-b"))
+    a, b = advisory(pg_dsn, "race-a"), advisory(pg_dsn, "race-b")
     wait = 0.05
     raced = 0
     try:
@@ -124,7 +121,7 @@ async def test_a_grant_that_races_lock_timeout_is_freed(pg: PgServer, pg_dsn: st
             await asyncio.sleep(wait + (attempt % 7 - 3) / 1000)  # around the timeout
             await la.release()
             await waiting
-            if not lb._levels and lock_holder_pid(pg, dbname) == lb.pid is not None:
+            if not lb._link.levels and lock_holder_pid(pg, dbname) == lb.pid is not None:
                 raced += 1  # told no, yet its session holds the lock
                 grant = await lb.try_acquire()
                 assert not grant.held and "raced lock_timeout" in grant.reason
@@ -141,7 +138,7 @@ async def test_a_grant_that_races_lock_timeout_is_freed(pg: PgServer, pg_dsn: st
 
 
 async def test_fencing_token_grows_across_holders_and_a_crash(pg: PgServer, pg_dsn: str) -> None:
-    a, b = create(settings(pg_dsn, "f-a")), create(settings(pg_dsn, "f-b"))
+    a, b = advisory(pg_dsn, "f-a"), advisory(pg_dsn, "f-b")
     try:
         la, lb = a.lease("jobs"), b.lease("jobs")
         first = (await la.try_acquire()).fencing_token
@@ -165,7 +162,7 @@ async def test_unreachable_server_is_one_redacted_backend_error(pg: PgServer) ->
     from sidecar.errors import BackendError
 
     dsn = pg.dsn.replace(f":{pg.port}/", ":1/")
-    backend = create(settings(dsn, "nobody"))
+    backend = advisory(dsn, "nobody")
     try:
         with pytest.raises(BackendError) as err:
             await backend.lease("jobs").try_acquire()
@@ -210,7 +207,7 @@ def test_exactly_one_of_three_leads(trio: list[SidecarProcess], pg: PgServer,
     assert status.returncode == 0, status.stderr
     [row] = json.loads(status.stdout)["leases"]
     assert row["lease"] == "jobs" and row["holder"] == leader.identity
-    assert row["pid"] == holder_pid and row["lock_id"] == lock_id("lease-sidecar", "jobs")
+    assert row["pid"] == holder_pid and row["lock_id"] == lock_id(Store().key("jobs"))
     assert pg.password not in status.stdout + status.stderr
 
 

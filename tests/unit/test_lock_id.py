@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.lease.postgres_advisory import (
-    application_name,
-    key_from_halves,
-    lock_halves,
-    lock_id,
-    session_settings,
-)
-from sidecar.settings import Settings, Store, Timing
+from sidecar.lease.postgres_advisory.session import application_name, session_settings
+from sidecar.lease.postgres_advisory.sql import key_from_halves, lock_halves, lock_id
+from sidecar.settings import Store, Timing
 from testkit.testbed.postgres import PgServer
 
 IN_POSTGRES = ("select ('x' || substr(encode(sha256(convert_to(t, 'UTF8')), 'hex'), 1, 16))"
@@ -25,23 +20,48 @@ NAMES = [("lease-sidecar", "default"), ("svc-a", "sweeper"), ("p", "ünïcode-�
          ("", "x"), ("lease-sidecar", "leader")]
 
 
+def literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def key(prefix: str, name: str) -> str:
+    return Store(key_prefix=prefix).key(name)
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize(("prefix", "name"), NAMES)
 def test_lock_id_matches_postgres(pg: PgServer, prefix: str, name: str) -> None:
-    text = f"{prefix}.{name}".replace("'", "''")
-    expected = int(pg.psql(IN_POSTGRES.format(text=f"'{text}'")))
-    assert lock_id(prefix, name) == expected
+    """The id is computed from the lease's one key, the text PostgreSQL hashes here."""
+    expected = int(pg.psql(IN_POSTGRES.format(text=literal(key(prefix, name)))))
+    assert lock_id(key(prefix, name)) == expected
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(("prefix", "name"), [(p, n) for p, n in NAMES if p])
+def test_lock_id_is_unchanged_for_every_non_empty_prefix(pg: PgServer, prefix: str,
+                                                         name: str) -> None:
+    """Earlier versions hashed their own ``{prefix}.{name}``; with a prefix that is the
+    text of the one key, so sidecars of both versions hold the same lock."""
+    concatenated = f"{literal(prefix)} || '.' || {literal(name)}"
+    assert lock_id(key(prefix, name)) == int(pg.psql(IN_POSTGRES.format(text=concatenated)))
+
+
+def test_an_empty_prefix_hashes_the_name_alone() -> None:
+    """``--key-prefix ""``: the key is the name, as for the row name and the Lease object;
+    earlier versions hashed ``.{name}`` (a changed lock id, noted in the README)."""
+    assert key("", "x") == "x"
+    assert lock_id(key("", "x")) == lock_id("x") != lock_id(".x")
 
 
 def test_lock_id_is_a_signed_bigint_and_prefix_matters() -> None:
-    ids = {lock_id(prefix, name) for prefix, name in NAMES}
+    ids = {lock_id(key(prefix, name)) for prefix, name in NAMES}
     assert len(ids) == len(NAMES)
-    assert all(-(2**63) <= key < 2**63 for key in ids)
-    assert lock_id("a", "b") != lock_id("b", "b")
+    assert all(-(2**63) <= value < 2**63 for value in ids)
+    assert lock_id(key("a", "b")) != lock_id(key("b", "b"))
     # Known value, pinned so a refactor cannot silently change every lock id in the field.
-    assert lock_id("lease-sidecar", "default") == int.from_bytes(
-        bytes.fromhex("8b8b41b32fa65ada"), "big", signed=True)
-    assert lock_id("lease-sidecar", "default") < 0  # the high bit is set: signed, not unsigned
+    default = lock_id(key("lease-sidecar", "default"))
+    assert default == int.from_bytes(bytes.fromhex("8b8b41b32fa65ada"), "big", signed=True)
+    assert default < 0  # the high bit is set: signed, not unsigned
 
 
 @pytest.mark.parametrize("key", [0, 1, -1, 2**63 - 1, -(2**63), 0x1234_5678_9ABC_DEF0])
@@ -63,10 +83,9 @@ def test_application_name_is_cut_to_63_bytes_on_a_character_boundary() -> None:
 def test_server_outlasts_the_client(lease: float, renew: float, deadline: float,
                                     horizon: float) -> None:
     """The server must not end a silent session before the client stopped claiming."""
-    s = Settings(store=Store(backend="postgres"),
-                 timing=Timing(lease_duration=lease, renew_interval=renew, renew_deadline=deadline,
-                               claim_horizon=horizon, holds_by="session"))
-    values = session_settings(s, 150000)
+    timing = Timing(lease_duration=lease, renew_interval=renew, renew_deadline=deadline,
+                    claim_horizon=horizon, holds_by="session")
+    values = session_settings(timing, 150000)
     client_done = deadline + horizon
     keepalive = (int(values["tcp_keepalives_idle"])
                  + int(values["tcp_keepalives_interval"]) * int(values["tcp_keepalives_count"]))
@@ -78,7 +97,7 @@ def test_server_outlasts_the_client(lease: float, renew: float, deadline: float,
 
 
 def test_older_servers_get_only_the_settings_they_know() -> None:
-    s = Settings(store=Store(backend="postgres"), timing=Timing(holds_by="session"))
-    assert "idle_session_timeout" not in session_settings(s, 130000)
-    assert "tcp_user_timeout" in session_settings(s, 130000)
-    assert "tcp_user_timeout" not in session_settings(s, 110000)
+    timing = Timing(holds_by="session")
+    assert "idle_session_timeout" not in session_settings(timing, 130000)
+    assert "tcp_user_timeout" in session_settings(timing, 130000)
+    assert "tcp_user_timeout" not in session_settings(timing, 110000)

@@ -1,0 +1,311 @@
+"""One lease name of the ``postgres`` backend: one dedicated session, one advisory lock."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import asyncpg
+
+from sidecar.errors import BackendError
+from sidecar.lease import Grant, Holder
+from sidecar.lease.postgres_advisory.session import (
+    DB_ERRORS,
+    POOLER,
+    Connector,
+    Link,
+    Session,
+    close,
+    pooler_evidence,
+    version_num,
+)
+from sidecar.lease.postgres_advisory.sql import (
+    HOLDER,
+    HOLDS,
+    UNLOCK,
+    lock_halves,
+    try_lock_sql,
+    wait_lock_sql,
+)
+from sidecar.settings import Timing
+
+log = logging.getLogger("sidecar.lease.postgres")
+
+
+class AdvisoryLease:
+    """One lease name: one dedicated connection, one advisory lock.
+
+    Uncertain lock state never survives: when a lock-changing call fails or times out
+    half-way (did the server grant it or not?), the connection is dropped, which frees any
+    lock it may hold.
+    """
+
+    def __init__(self, name: str, lock_id: int, connector: Connector, timing: Timing,
+                 identity: str, on_pooler: Callable[[str, str], None] | None = None) -> None:
+        self.name = name
+        self._link = Link(connector, name, lock_id)
+        # Set the moment the session holding the lock drops; cleared on a grant.
+        self.lost = self._link.lost
+        self._claims_wait_until = 0.0  # loop time before which no claim (server restart)
+        self.lock_id = lock_id
+        self._halves = lock_halves(lock_id)
+        self._timing = timing
+        self._identity = identity
+        self._db = connector
+        # One operation at a time on the connection; the in-server wait holds it too.
+        self._busy = asyncio.Lock()
+        self._message = f"{identity} acquired {name}"
+        self._waiter: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
+        # Once a transaction pooler was seen: the refusal, for good (it never heals).
+        self.pooler: str | None = None
+        self._on_pooler = on_pooler
+
+    @property
+    def pid(self) -> int | None:
+        """Backend pid of the dedicated session (what pg_locks shows as the holder)."""
+        return self._link.pid
+
+    # -- the Lease protocol ----------------------------------------------------------
+    async def try_acquire(self) -> Grant:
+        await self._settle_waiter()
+        async with self._busy:
+            if self.pooler:
+                return self._refused()
+            if self._link.levels and self._link.alive():
+                return self._held()
+            loop = asyncio.get_running_loop()
+            for attempt in (1, 2):
+                reused = self._link.session is not None
+                previous, started = self._link.session, loop.time()
+                session = await self._link.connect()
+                if (session is not previous
+                        and loop.time() - started > self._timing.renew_deadline / 2):
+                    # The grant's validity counts from the elector's send time, before
+                    # this slow connect (a session pool with fewer servers than
+                    # sidecars queues it): most of it would be spent on arrival and
+                    # the term would end before its first heartbeat. Ask on the next
+                    # try, on the session we now have.
+                    return Grant(held=False, reason="connected slowly; asking for the lock "
+                                                    "on the next try")
+                try:
+                    ours, already, token, uptime, _, _ = await session.conn.fetchrow(
+                        try_lock_sql(version_num(session.conn)), self.lock_id, self._message,
+                        session.marker, *self._halves)
+                except DB_ERRORS as exc:
+                    self._link.drop()  # granted or not, a dropped session holds nothing
+                    if evidence := pooler_evidence(exc):
+                        return self.pooler_seen(evidence)
+                    # An idle session the server ended (idle_session_timeout): reconnect once.
+                    if attempt == 1 and reused and session.conn.is_closed():
+                        continue
+                    raise self._db.error("acquire", exc) from None
+                break
+            refusal = self._check(session, ours, already)
+            if refusal is not None:
+                return refusal
+            if token is None:
+                holder = await self._holder(session.conn)
+                return Grant(held=False, holder=holder,
+                             reason=f"held by {holder}" if holder else "held by another session")
+            self._granted(token, uptime)
+            return self._held()
+
+    async def try_renew(self) -> Grant:
+        async with self._busy:
+            if self.pooler:
+                return self._refused()
+            if not self._link.levels or not self._link.alive():
+                return self._gone()
+            session = self._link.session
+            assert session is not None
+            try:
+                ours, holds, _ = await session.conn.fetchrow(HOLDS, *self._halves,
+                                                          session.marker)
+            except DB_ERRORS as exc:
+                if evidence := pooler_evidence(exc):
+                    return self.pooler_seen(evidence)
+                if session.conn.is_closed():
+                    return self._gone()
+                raise self._db.error("heartbeat", exc) from None
+            if not ours:
+                return self.pooler_seen("the heartbeat ran on a server session without this "
+                                        "connection's marker")
+            if not holds:
+                # Only our own session can unlock, and the statement ran on it.
+                self._link.drop()
+                return Grant(held=False, reason="the session no longer holds the lock")
+            return self._held()
+
+    async def release(self) -> None:
+        await self._settle_waiter()
+        async with self._busy:
+            levels = self._link.forget()
+            session = self._link.session
+            if not levels or session is None or session.conn.is_closed():
+                return
+            try:
+                ours, _ = await session.conn.fetchrow(UNLOCK, self.lock_id, session.marker,
+                                                      levels)
+            except DB_ERRORS as exc:
+                self._link.drop()  # closing the session frees the lock as well
+                raise self._db.error("release", exc) from None
+            if not ours:
+                self.pooler_seen("the release ran on a server session without this "
+                                 "connection's marker")
+
+    async def describe(self) -> Holder:
+        session = await self._db.open()
+        try:
+            return Holder(holder=await self._holder(session.conn))
+        finally:
+            await close(session.conn)
+
+    async def wait_for_change(self, timeout: float) -> None:
+        """Block in the server until the lock is ours or ``timeout`` passes.
+
+        The in-server wait runs as its own task: cancelling this call (the elector does
+        when its sleep ends) leaves that wait to finish by its ``lock_timeout``, so a
+        grant that races the cancel is still counted, never lost.
+        """
+        if self._link.levels or self.pooler:
+            await asyncio.sleep(timeout)
+            return
+        if self._waiter is None or self._waiter.done():
+            self._waiter = asyncio.create_task(self._wait_lock(timeout),
+                                               name=f"pg-advisory-wait-{self.name}")
+        await asyncio.shield(self._waiter)
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(BaseException):
+                await self._probe
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            # Ending the session ends the in-server wait (and frees a lock it may just
+            # have been granted) instead of letting it run out its lock_timeout.
+            self._link.drop()
+            await waiter
+        with contextlib.suppress(BackendError):
+            await self.release()
+        async with self._busy:
+            await self._link.close()
+
+    def pooler_seen(self, evidence: str) -> Grant:
+        """A transaction pooler is in the way: stop claiming at once and for good.
+
+        Dropping the connection ends nothing on the server behind a pooler (the server
+        session may keep the lock until the pooler closes it); every other contender
+        refuses to take a lock from such a session, so nobody claims meanwhile.
+        """
+        first = self.pooler is None
+        self.pooler = f"{POOLER} ({evidence})"
+        self._link.drop()
+        self.lost.set()  # wakes a holder's elector, whose next renew is refused
+        if first and self._on_pooler is not None:
+            self._on_pooler(self.name, self.pooler)
+        return self._refused()
+
+    # -- internals -------------------------------------------------------------------
+    async def _probe_pooler(self, session: Session) -> None:
+        """Behind a pooler, right after a grant: does a fresh connection get a server
+        session of its own, as session pooling promises? Runs beside the term, not before
+        it: the checks in every lock statement, not this probe, keep claims apart."""
+        if await self._db.hands_out_used_sessions(session):
+            self.pooler_seen("a fresh connection was handed a server session that already "
+                             "carried a connection's marker: a transaction pooler, or a "
+                             "session pool without a server reset")
+
+    def _check(self, session: Session, ours: bool, already: bool) -> Grant | None:
+        """The refusal when a lock statement did not run on our own, clean session."""
+        if not ours:
+            return self.pooler_seen("a lock statement ran on a server session without this "
+                                    "connection's marker")
+        if not already:
+            return None
+        if session.proxied and not session.maybe_holds:
+            return self.pooler_seen("the server session already held the lock this client "
+                                    "never took: it is shared with, or was left by, another "
+                                    "client")
+        # Our own session holds a lock we have not counted (a grant that raced
+        # lock_timeout, or, straight to PostgreSQL, a cause unknown): the state is
+        # uncertain, and ending the session frees it (a session pooler resets it).
+        reason = ("this session holds the lock it was refused (a grant that raced "
+                  "lock_timeout); reconnecting to free it" if session.maybe_holds else
+                  "this session held the lock unknown to us; reconnecting to free it")
+        log.warning(reason, extra={"lease": self.name, "lock_id": self.lock_id,
+                                   "pid": session.backend_pid})
+        self._link.drop()
+        return Grant(held=False, reason=reason)
+
+    async def _wait_lock(self, timeout: float) -> None:
+        async with self._busy:
+            if self._link.levels or self.pooler:
+                return
+            try:
+                session = await self._link.connect()
+            except BackendError:
+                return  # the elector's next try_acquire reports it
+            wait_ms = f"{max(1, round(timeout * 1000))}ms"
+            try:
+                # One round trip: lock_timeout ends the wait in the server; the client
+                # timeout only guards against a hung server.
+                ours, already, token, uptime, _, _ = await session.conn.fetchrow(
+                    wait_lock_sql(version_num(session.conn)), self.lock_id, self._message,
+                    session.marker, *self._halves, wait_ms,
+                    timeout=timeout + self._db.timeout)
+            except asyncpg.LockNotAvailableError:
+                # Still held by someone else, or granted in a race with lock_timeout: the
+                # next lock statement's held-key check tells, and frees it.
+                session.maybe_holds = True
+                return
+            except DB_ERRORS as exc:
+                self._link.drop()  # timed out or broken: whether it was granted is unknown
+                if evidence := pooler_evidence(exc):
+                    self.pooler_seen(evidence)
+                return
+            if self._check(session, ours, already) is None:
+                self._granted(token, uptime)
+
+    async def _settle_waiter(self) -> None:
+        """Let a pending in-server wait finish (it ends by its own lock_timeout)."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            await asyncio.shield(waiter)
+
+    def _granted(self, token: int, server_uptime: float) -> None:
+        self._link.granted(token)
+        # A holder from before a server restart may not have heard of it yet (a slow
+        # path delays the reset) and claims until its last heartbeat + renew_deadline,
+        # which was before the restart: our first claim waits until then.
+        self._claims_wait_until = (asyncio.get_running_loop().time()
+                                   + self._timing.renew_deadline - float(server_uptime))
+        session = self._link.session
+        if session is not None and session.proxied and (
+                self._probe is None or self._probe.done()):
+            self._probe = asyncio.create_task(self._probe_pooler(session),
+                                              name=f"pg-advisory-probe-{self.name}")
+        log.debug("advisory lock granted", extra={"lease": self.name, "lock_id": self.lock_id,
+                                                  "pid": self.pid, "fencing_token": token})
+
+    def _held(self) -> Grant:
+        claim_delay = max(0.0, self._claims_wait_until - asyncio.get_running_loop().time())
+        return Grant(held=True, valid_for=self._timing.renew_deadline,
+                     fencing_token=self._link.token, holder=self._identity,
+                     claim_delay=claim_delay)
+
+    def _gone(self) -> Grant:
+        self._link.forget()
+        return Grant(held=False, reason="connection to PostgreSQL lost")
+
+    def _refused(self) -> Grant:
+        return Grant(held=False, reason=self.pooler or POOLER)
+
+    async def _holder(self, conn: asyncpg.Connection) -> str | None:
+        try:
+            return await conn.fetchval(HOLDER, *self._halves)
+        except DB_ERRORS as exc:
+            raise self._db.error("look up the holder", exc) from None
