@@ -108,7 +108,7 @@ def test_all_time_comes_from_the_server(name: str) -> None:
                                   "CURRENT_TIMESTAMP"):
         assert client_or_other_clock not in text
     # The only time-like parameter is a duration, never a client timestamp.
-    assert set(STATEMENTS[name].names) <= {"name", "owner", "metadata", "duration_ms"}
+    assert set(STATEMENTS[name].names) <= {"name", "owner", "duration_ms"}
     if name in ("acquire", "renew", "read"):
         assert any(n for e in tree for n in e.find_all(exp.CurrentTimestampLTZ))
 
