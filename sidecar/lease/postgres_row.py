@@ -1,4 +1,4 @@
-"""``postgres-row``: the TTL row lease (the SQL Server design) in PostgreSQL, over asyncpg.
+"""``postgres-row``: the TTL row lease of ``sqlserver`` in PostgreSQL, over asyncpg.
 
 Guarantees (see sidecar.lease.rowlease): a holder is granted ``lease_duration -
 safety_margin`` from the send time of its acquire/renew; expiry is set and compared by

@@ -207,7 +207,7 @@ class RowBackend:
 
     def __init__(self, store: RowStore, *, key: Callable[[str], str], identity: str,
                  timing: Timing, clock: Clock, replica: ReplicaCheck | None = None) -> None:
-        self.store = store
+        self._store = store
         self._key = key
         self._identity = identity
         self._timing = timing
@@ -222,12 +222,12 @@ class RowBackend:
                    timing=settings.timing, clock=clock, replica=check)
 
     def lease(self, name: str) -> RowLease:
-        return RowLease(self.store, name, self._key(name), self._identity,
+        return RowLease(self._store, name, self._key(name), self._identity,
                         duration=self._timing.lease_duration,
                         safety_margin=self._timing.safety_margin, replica=self._replica,
                         clock=self._clock)
 
     async def close(self) -> None:
-        await self.store.close()
+        await self._store.close()
         if self._replica is not None:
             await self._replica.store.close()

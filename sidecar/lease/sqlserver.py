@@ -1,4 +1,4 @@
-"""``sqlserver``: the TTL row lease of the SQL Server lease design, over pyodbc.
+"""``sqlserver``: the TTL row lease in SQL Server, over pyodbc.
 
 ``[lease].[Leases]`` (docs/design.md); acquire is one batch (sweep ``DELETE`` + ``MERGE …
 WITH (UPDLOCK, HOLDLOCK, ROWLOCK)``), renew and release are single owner-filtered

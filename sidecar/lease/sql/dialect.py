@@ -65,7 +65,8 @@ class Dialect:
     """What a :class:`~sidecar.lease.sql.store.SqlRowStore` needs from a dialect.
 
     ``acquire`` returns the row's columns plus a last ``won`` column: true when this
-    statement inserted, took over or refreshed the row, false when it only read it.
+    statement inserted the row or took an expired one over, false when it only read a
+    live row.
     """
 
     # NOTIFY channel that release and the expiry sweep signal; None where there is none.
@@ -234,8 +235,8 @@ END;"""
         # make MERGE's read-then-write atomic against a competing caller. The winner's
         # row goes to @won; when we lose, the live row is read instead, so one result set
         # names the holder; ``Won`` says which, so the store never mistakes a read row
-        # for a win (see the PostgreSQL acquire). A live row is never refreshed, not even
-        # our own (see the PostgreSQL acquire).
+        # for a win. As in the PostgreSQL acquire, a live row is never refreshed, not
+        # even one naming us.
         self.acquire = Statement(f"""SET NOCOUNT ON;
 DECLARE @won TABLE (OwnerInstanceId NVARCHAR({MAX_IDENTITY}), ExpiresAtUtc DATETIMEOFFSET(7),
                     RowVersion BINARY(8));
