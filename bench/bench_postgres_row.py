@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.failover import failover_trials, pct, summary  # noqa: E402
+from sidecar.clock import SystemClock  # noqa: E402
 from sidecar.config import load  # noqa: E402
 from sidecar.durations import parse_duration  # noqa: E402
 from sidecar.lease import postgres_row  # noqa: E402
@@ -47,8 +48,8 @@ def settings(dsn: str, identity: str = "bench"):
 
 async def throughput(dsn: str, seconds: float, names: int = 1000, callers: int = 64) -> dict:
     s = settings(dsn)
-    await postgres_row.apply_schema(s)
-    backend = postgres_row.create(s)
+    await postgres_row.ENTRY.apply_schema(s)
+    backend = postgres_row.ENTRY.create(s, SystemClock())
     leases = [backend.lease(f"bench-{i}") for i in range(names)]
     try:
         for lease in leases:
@@ -128,7 +129,7 @@ async def round_trips(dsn: str, renews: int = 200) -> dict:
     driver.fetch = counted  # type: ignore[method-assign]
     store = SqlRowStore(PostgresDialect(), driver)
     try:
-        assert await store.acquire("rt", "bench", 30.0, "") is not None
+        assert await store.acquire("rt", "bench", 30.0) is not None
         assert await store.renew("rt", "bench", 30.0) is not None  # warm: statement prepared
         before = (proxy.to_server, proxy.to_client, calls)
         for _ in range(renews):

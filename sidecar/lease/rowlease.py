@@ -24,27 +24,19 @@ margin for clock-rate differences between this host and the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import re
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
+from sidecar.clock import Clock, SystemClock
+from sidecar.errors import BackendError
 from sidecar.lease import Grant, Holder, duplicate_identity
+from sidecar.settings import Settings, Timing
 
 log = logging.getLogger("sidecar.lease")
-
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-
-
-def validate_identifier(kind: str, value: str) -> str:
-    """Schema and table names end up in SQL text, so only plain identifiers pass."""
-    if not _IDENTIFIER.match(value):
-        raise ValueError(
-            f"{kind} {value!r} is not a plain identifier (letters, digits, _; max 63)"
-        )
-    return value
 
 
 @dataclass(frozen=True)
@@ -57,10 +49,16 @@ class Row:
     won: bool = True
 
 
+class Refused(BackendError):
+    """Raised by a store that knows the lease cannot be held now, and that a row of ours
+    is already gone (SQLite: the database file was replaced, or is in its hold-off). The
+    lease answers "not held" with this as the reason, and a release has nothing to do."""
+
+
 class RowStore(Protocol):
     """The statements of the row-lease algorithm for one database."""
 
-    async def acquire(self, name: str, owner: str, duration: float, metadata: str) -> Row | None:
+    async def acquire(self, name: str, owner: str, duration: float) -> Row | None:
         """Run the one-round-trip acquire; return the row as it stands afterwards."""
         ...
 
@@ -76,6 +74,8 @@ class RowStore(Protocol):
         """Sleep up to ``timeout``; return early when some lease was released."""
         ...
 
+    async def close(self) -> None: ...
+
 
 @dataclass
 class ReplicaCheck:
@@ -85,7 +85,8 @@ class ReplicaCheck:
 
 
 class RowLease:
-    """A :class:`~sidecar.lease.Lease` over any :class:`RowStore`."""
+    """A :class:`~sidecar.lease.Lease` over any :class:`RowStore`; ``key`` is the row's
+    name, ``name`` the lease's."""
 
     # A row lease learns of a loss only when a renew is refused.
     lost: asyncio.Event | None = None
@@ -94,22 +95,22 @@ class RowLease:
         self,
         store: RowStore,
         name: str,
-        row_name: str,
+        key: str,
         owner: str,
         duration: float,
         safety_margin: float,
-        metadata: str = "",
         replica: ReplicaCheck | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.name = name
         self._store = store
-        self._row_name = row_name
+        self._key = key
         self._owner = owner
         self._duration = duration
         self._valid_for = duration - safety_margin
         self._margin = safety_margin
-        self._metadata = metadata
         self._replica = replica
+        self._clock = clock or SystemClock()
         self._token: int | None = None
         # Monotonic: until when a row we wrote may still be live (ours, not a duplicate's).
         self._own_row_until = float("-inf")
@@ -118,15 +119,18 @@ class RowLease:
     async def try_acquire(self) -> Grant:
         if self._token is not None:
             return await self.try_renew()  # we hold it: extend, same term, same token
-        sent = time.monotonic()
-        row = await self._store.acquire(self._row_name, self._owner, self._duration, self._metadata)
+        sent = self._clock.monotonic()
+        try:
+            row = await self._store.acquire(self._key, self._owner, self._duration)
+        except Refused as exc:
+            return Grant(held=False, reason=str(exc))
         if row is None or row.owner != self._owner:
             return Grant(held=False, holder=row.owner if row else None,
                          reason=f"held by {row.owner}" if row else "no row")
         if not row.won:
             return self._same_identity(row, sent)
         if self._replica and not await self._replica_confirms(row.version):
-            await self._store.release(self._row_name, self._owner)
+            await self._store.release(self._key, self._owner)
             return Grant(held=False, holder=None, reason="replica did not confirm in time")
         self._token = row.version
         self._own_row_until = sent + self._duration + self._margin
@@ -151,8 +155,11 @@ class RowLease:
                      reason="held by another process with our identity")
 
     async def try_renew(self) -> Grant:
-        sent = time.monotonic()
-        row = await self._store.renew(self._row_name, self._owner, self._duration)
+        sent = self._clock.monotonic()
+        try:
+            row = await self._store.renew(self._key, self._owner, self._duration)
+        except Refused as exc:
+            return Grant(held=False, reason=str(exc))
         if row is None:
             self._token = None
             return Grant(held=False, reason="row expired or taken over")
@@ -162,10 +169,11 @@ class RowLease:
 
     async def release(self) -> None:
         self._token = None
-        await self._store.release(self._row_name, self._owner)
+        with contextlib.suppress(Refused):
+            await self._store.release(self._key, self._owner)
 
     async def describe(self) -> Holder:
-        row = await self._store.read(self._row_name)
+        row = await self._store.read(self._key)
         if row is None:
             return Holder(holder=None)
         return Holder(holder=row.owner, fencing_token=row.version, expires_at=row.expires_at)
@@ -179,7 +187,7 @@ class RowLease:
         deadline = loop.time() + self._replica.timeout
         while True:
             try:
-                row = await self._replica.store.read(self._row_name)
+                row = await self._replica.store.read(self._key)
             except Exception:
                 row = None
             if row is not None and row.owner == self._owner and row.version == version:
@@ -187,3 +195,39 @@ class RowLease:
             if loop.time() >= deadline:
                 return False
             await asyncio.sleep(self._replica.poll_interval)
+
+
+class RowBackend:
+    """Hands out one :class:`RowLease` per name over one shared store (and, where
+    acquisitions need a replica's confirmation, a replica store)."""
+
+    # Nothing found once connected can make a row backend unsafe.
+    misconfigured: asyncio.Event | None = None
+    misconfiguration: str | None = None
+
+    def __init__(self, store: RowStore, *, key: Callable[[str], str], identity: str,
+                 timing: Timing, clock: Clock, replica: ReplicaCheck | None = None) -> None:
+        self._store = store
+        self._key = key
+        self._identity = identity
+        self._timing = timing
+        self._clock = clock
+        self._replica = replica
+
+    @classmethod
+    def from_settings(cls, settings: Settings, clock: Clock, store: RowStore,
+                      replica: RowStore | None = None) -> RowBackend:
+        check = ReplicaCheck(replica, settings.store.replica_timeout) if replica else None
+        return cls(store, key=settings.store.key, identity=settings.identity,
+                   timing=settings.timing, clock=clock, replica=check)
+
+    def lease(self, name: str) -> RowLease:
+        return RowLease(self._store, name, self._key(name), self._identity,
+                        duration=self._timing.lease_duration,
+                        safety_margin=self._timing.safety_margin, replica=self._replica,
+                        clock=self._clock)
+
+    async def close(self) -> None:
+        await self._store.close()
+        if self._replica is not None:
+            await self._replica.store.close()

@@ -57,9 +57,9 @@ class RowStoreContract:
     async def test_first_acquire_wins_and_a_rival_learns_the_holder(
             self, store: SqlRowStore) -> None:
         name = fresh()
-        mine = await store.acquire(name, "a", LONG, "meta")
+        mine = await store.acquire(name, "a", LONG)
         assert mine is not None and mine.owner == "a" and mine.version > 0
-        theirs = await store.acquire(name, "b", LONG, "")
+        theirs = await store.acquire(name, "b", LONG)
         assert theirs is not None and theirs.owner == "a"
         assert theirs.version == mine.version  # the loser changed nothing
         assert (await store.read(name)).owner == "a"
@@ -68,13 +68,13 @@ class RowStoreContract:
             self, store: SqlRowStore) -> None:
         """A second process with our identity must not extend (and share) our term."""
         name = fresh()
-        first = await store.acquire(name, "a", SHORT, "")
+        first = await store.acquire(name, "a", SHORT)
         assert first is not None and first.won
-        again = await store.acquire(name, "a", LONG, "")
+        again = await store.acquire(name, "a", LONG)
         assert again is not None and again.owner == "a" and not again.won
         assert again.version == first.version and again.expires_at == first.expires_at
         await asyncio.sleep(SHORT + 0.4)
-        taken = await store.acquire(name, "a", LONG, "")  # expired: a new term
+        taken = await store.acquire(name, "a", LONG)  # expired: a new term
         assert taken is not None and taken.won and taken.version > first.version
 
     async def test_row_lease_refuses_a_live_row_under_its_own_identity(
@@ -93,7 +93,7 @@ class RowStoreContract:
 
     async def test_renew_only_by_the_owner_and_only_while_live(self, store: SqlRowStore) -> None:
         name = fresh()
-        first = await store.acquire(name, "a", SHORT, "")
+        first = await store.acquire(name, "a", SHORT)
         assert await store.renew(name, "b", LONG) is None
         renewed = await store.renew(name, "a", SHORT)
         assert renewed is not None and renewed.owner == "a"
@@ -103,21 +103,21 @@ class RowStoreContract:
 
     async def test_release_only_by_the_owner(self, store: SqlRowStore) -> None:
         name = fresh()
-        await store.acquire(name, "a", LONG, "")
+        await store.acquire(name, "a", LONG)
         await store.release(name, "b")
         assert (await store.read(name)).owner == "a"
         await store.release(name, "a")
         assert await store.read(name) is None
-        assert (await store.acquire(name, "b", LONG, "")).owner == "b"
+        assert (await store.acquire(name, "b", LONG)).owner == "b"
 
     async def test_an_expired_row_is_taken_over_with_a_larger_version(
             self, store: SqlRowStore) -> None:
         name = fresh()
-        old = await store.acquire(name, "a", SHORT, "")
-        assert (await store.acquire(name, "b", LONG, "")).owner == "a"
+        old = await store.acquire(name, "a", SHORT)
+        assert (await store.acquire(name, "b", LONG)).owner == "a"
         await asyncio.sleep(SHORT + 0.4)
         assert await store.read(name) is None  # expired rows do not count as held
-        new = await store.acquire(name, "b", LONG, "")
+        new = await store.acquire(name, "b", LONG)
         assert new is not None and new.owner == "b" and new.version > old.version
         assert await store.renew(name, "a", LONG) is None
 
@@ -126,7 +126,7 @@ class RowStoreContract:
         name = fresh()
         versions = []
         for owner in ("a", "b", "a", "c"):
-            row = await store.acquire(name, owner, LONG, "")
+            row = await store.acquire(name, owner, LONG)
             assert row is not None and row.owner == owner
             versions.append(row.version)
             await store.release(name, owner)
@@ -135,18 +135,18 @@ class RowStoreContract:
     async def test_acquire_sweeps_other_expired_rows(self, make_store: MakeStore) -> None:
         store, replica_view = make_store(), make_store(replica=True)
         abandoned, other = fresh(), fresh()
-        await store.acquire(abandoned, "crashed", SHORT, "")
+        await store.acquire(abandoned, "crashed", SHORT)
         await asyncio.sleep(SHORT + 0.4)
         assert await replica_view.read(abandoned) is not None  # still there, just expired
-        await store.acquire(other, "b", LONG, "")
+        await store.acquire(other, "b", LONG)
         assert await replica_view.read(abandoned) is None
 
     async def test_list_all_shows_expired_rows_as_not_live(self, store: SqlRowStore) -> None:
         """``status`` lists without sweeping: an expired row is there, flagged not live by
         the server's clock. (Acquire sweeps other expired rows, so the live one first.)"""
         live, expired = fresh(), fresh()
-        await store.acquire(live, "a", LONG, "")
-        await store.acquire(expired, "gone", SHORT, "")
+        await store.acquire(live, "a", LONG)
+        await store.acquire(expired, "gone", SHORT)
         await asyncio.sleep(SHORT + 0.4)
         rows = {name: (row, flag) for name, row, flag in await store.list_all()}
         assert rows[live][0].owner == "a" and rows[live][1] is True
@@ -158,7 +158,7 @@ class RowStoreContract:
             self, make_store: MakeStore) -> None:
         name = fresh()
         stores = [make_store() for _ in range(8)]
-        rows = await asyncio.gather(*(s.acquire(name, f"c{i}", LONG, "")
+        rows = await asyncio.gather(*(s.acquire(name, f"c{i}", LONG)
                                       for i, s in enumerate(stores)))
         owners = {row.owner for row in rows if row is not None}
         winners = [i for i, row in enumerate(rows)
@@ -169,9 +169,9 @@ class RowStoreContract:
             self, make_store: MakeStore) -> None:
         name = fresh()
         stores = [make_store() for _ in range(8)]
-        await stores[0].acquire(name, "old", SHORT, "")
+        await stores[0].acquire(name, "old", SHORT)
         await asyncio.sleep(SHORT + 0.4)
-        rows = await asyncio.gather(*(s.acquire(name, f"c{i}", LONG, "")
+        rows = await asyncio.gather(*(s.acquire(name, f"c{i}", LONG)
                                       for i, s in enumerate(stores)))
         winners = [i for i, row in enumerate(rows)
                    if row is not None and row.won and row.owner == f"c{i}"]

@@ -518,7 +518,7 @@ async def test_row_driver_finds_the_pooler_and_keeps_listen_off(
     try:
         await direct.apply_schema()
         assert direct.driver.pooled is False
-        await pooled.acquire("n", "a", 5.0, "")
+        await pooled.acquire("n", "a", 5.0)
         assert pooled.driver.pooled is True
         started = time.monotonic()
         await pooled.wait_for_release(0.3)  # polls: sleeps the whole time
@@ -550,10 +550,10 @@ async def test_row_driver_switches_to_unnamed_statements_on_a_prepared_statement
     other = await asyncpg.connect(dsn)
     try:
         await store.apply_schema()
-        assert (await store.acquire("n", "a", 5.0, "")).owner == "a"
+        assert (await store.acquire("n", "a", 5.0)).owner == "a"
         await other.execute("deallocate all")  # same server session (pool size 1)
         # The acquire's cached name is gone from the session: retried, unnamed.
-        assert (await store.acquire("n", "a", 5.0, "")).owner == "a"
+        assert (await store.acquire("n", "a", 5.0)).owner == "a"
         assert store.driver.pooled is True
         await other.execute("deallocate all")
         assert (await store.renew("n", "a", 5.0)) is not None

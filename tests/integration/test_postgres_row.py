@@ -15,6 +15,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from sidecar.clock import SystemClock
 from sidecar.config import load
 from sidecar.errors import BackendError, NotFound
 from sidecar.lease import postgres_row
@@ -52,7 +53,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 async def takeover_in_open_transaction(pg_dsn: str, name: str) -> tuple:
     """Rival ``b`` takes ``name`` over inside a transaction left open (the row stays locked)."""
     text, names = PostgresDialect().acquire.numeric()
-    params = {"name": name, "owner": "b", "duration": LONG, "metadata": ""}
+    params = {"name": name, "owner": "b", "duration": LONG}
     conn = await asyncpg.connect(pg_dsn)
     transaction = conn.transaction()
     await transaction.start()
@@ -70,14 +71,14 @@ async def test_a_takeover_committed_during_our_acquire_is_never_read_as_ours(
     row is neither taken for ours nor for a second live holder with our identity."""
     store = make_store()
     name = fresh()
-    await store.acquire(name, "a", 0.3, "")
+    await store.acquire(name, "a", 0.3)
     await asyncio.sleep(0.6)
     conn, transaction = await takeover_in_open_transaction(pg_dsn, name)
     try:
-        params = {"name": name, "owner": "a", "duration": LONG, "metadata": ""}
+        params = {"name": name, "owner": "a", "duration": LONG}
         pending = asyncio.ensure_future(
             store.driver.fetch(store.dialect.acquire, params) if raw
-            else store.acquire(name, "a", LONG, ""))
+            else store.acquire(name, "a", LONG))
         await asyncio.sleep(0.5)
         assert not pending.done()  # blocked on b's row lock, snapshot taken
         await transaction.commit()
@@ -123,7 +124,7 @@ async def test_schema_cli_applies_idempotently_and_prints_ddl(pg, pg_dsn: str) -
 
 async def test_concurrent_schema_apply_does_not_race(pg_dsn: str) -> None:
     settings = settings_for(pg_dsn, schema="racy", table="t")
-    await asyncio.gather(*(postgres_row.apply_schema(settings) for _ in range(4)))
+    await asyncio.gather(*(postgres_row.ENTRY.apply_schema(settings) for _ in range(4)))
 
 
 def test_bad_table_name_is_a_setting_error() -> None:
@@ -134,12 +135,12 @@ def test_bad_table_name_is_a_setting_error() -> None:
 
 async def test_custom_schema_and_table_through_the_backend(pg_dsn: str) -> None:
     settings = settings_for(pg_dsn, schema="ops", table="job_leases")
-    await postgres_row.apply_schema(settings)
-    backend = postgres_row.create(settings)
+    await postgres_row.ENTRY.apply_schema(settings)
+    backend = postgres_row.ENTRY.create(settings, SystemClock())
     try:
         grant = await backend.lease("jobs").try_acquire()
         assert grant.held
-        holders = await postgres_row.list_leases(settings, None)
+        holders = await postgres_row.ENTRY.list_leases(settings, None)
         assert holders[0].lease == "jobs" and holders[0].holder == "a"
     finally:
         await backend.close()
@@ -161,7 +162,7 @@ async def test_errors_are_one_clear_line_without_the_password(pg, pg_dsn: str) -
              (closed, "network unreachable")]
     for store, expected in cases:
         with pytest.raises(BackendError) as caught:
-            await store.acquire(fresh(), "a", LONG, "")
+            await store.acquire(fresh(), "a", LONG)
         # Only the missing table is "not found" (status exits 3, not 1).
         assert isinstance(caught.value, NotFound) == (store is missing)
         message = str(caught.value)
@@ -183,8 +184,8 @@ async def until_listening(store: SqlRowStore) -> None:
 async def test_release_and_sweep_wake_a_listening_standby(make_store) -> None:
     holder, standby = make_store(), make_store()
     name = fresh()
-    await holder.acquire(name, "a", LONG, "")
-    await standby.acquire(name, "b", LONG, "")
+    await holder.acquire(name, "a", LONG)
+    await standby.acquire(name, "b", LONG)
     await until_listening(standby)
 
     waiting = asyncio.ensure_future(standby.wait_for_release(30.0))
@@ -195,21 +196,21 @@ async def test_release_and_sweep_wake_a_listening_standby(make_store) -> None:
 
     # An expired row swept by someone's acquire also wakes standbys.
     abandoned = fresh()
-    await holder.acquire(abandoned, "crashed", 0.3, "")
+    await holder.acquire(abandoned, "crashed", 0.3)
     await asyncio.sleep(0.6)
-    await standby.acquire(fresh(), "b", LONG, "")
+    await standby.acquire(fresh(), "b", LONG)
     waiting = asyncio.ensure_future(standby.wait_for_release(30.0))
     await asyncio.sleep(0.1)
-    await holder.acquire(fresh(), "a", LONG, "")  # sweeps `abandoned`, notifies
+    await holder.acquire(fresh(), "a", LONG)  # sweeps `abandoned`, notifies
     await asyncio.wait_for(waiting, 5.0)
 
 
 async def test_a_notify_between_acquire_and_wait_is_not_lost(make_store) -> None:
     holder, standby = make_store(), make_store()
     name = fresh()
-    await holder.acquire(name, "a", LONG, "")
+    await holder.acquire(name, "a", LONG)
     await until_listening(standby)
-    await standby.acquire(name, "b", LONG, "")
+    await standby.acquire(name, "b", LONG)
     await holder.release(name, "a")
     await asyncio.sleep(0.2)  # the NOTIFY arrives before the standby starts waiting
     await asyncio.wait_for(standby.wait_for_release(30.0), 5.0)
@@ -226,8 +227,8 @@ async def test_the_listener_reconnects_quietly(pg, pg_dsn: str, make_store) -> N
     await asyncio.sleep(0.3)
     assert not standby.driver.is_listening(standby.dialect.channel)
     await until_listening(standby)  # reconnects quietly
-    await holder.acquire(name, "a", LONG, "")
-    await standby.acquire(name, "b", LONG, "")
+    await holder.acquire(name, "a", LONG)
+    await standby.acquire(name, "b", LONG)
     waiting = asyncio.ensure_future(standby.wait_for_release(30.0))
     await asyncio.sleep(0.2)
     await holder.release(name, "a")
@@ -238,9 +239,9 @@ async def test_the_listener_reconnects_quietly(pg, pg_dsn: str, make_store) -> N
 async def test_replica_confirmation_against_a_real_standby(
         pg_standby, pg_dsn: str, pg_standby_dsn: str) -> None:
     settings = settings_for(pg_dsn, replica_dsn=pg_standby_dsn, replica_timeout="1s")
-    await postgres_row.apply_schema(settings)
+    await postgres_row.ENTRY.apply_schema(settings)
     pg_standby.wait_replayed()
-    backend = postgres_row.create(settings)
+    backend = postgres_row.ENTRY.create(settings, SystemClock())
     lease = backend.lease("replicated")
     primary = SqlRowStore(PostgresDialect(), AsyncpgDriver(pg_dsn, timeout=5.0))
     row_name = settings.store.key("replicated")
@@ -373,7 +374,7 @@ async def contend(lease: RowLease, owner: str, name: str, recorder: Recorder,
 async def test_stress_no_two_holders_ever_overlap(pg_dsn: str) -> None:
     """20 contenders x 5 names for 60 s; a 1 s TTL makes expiry takeovers frequent."""
     settings = settings_for(pg_dsn)
-    await postgres_row.apply_schema(settings)
+    await postgres_row.ENTRY.apply_schema(settings)
     names = [fresh() for _ in range(5)]
     stores = [SqlRowStore(PostgresDialect(), AsyncpgDriver(pg_dsn, timeout=5.0, max_size=2))
               for _ in range(20)]

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import pyodbc
 import pytest
 
+from sidecar.clock import SystemClock
 from sidecar.config import load
 from sidecar.errors import BackendError, NotFound
 from sidecar.lease import sqlserver
@@ -152,7 +153,7 @@ async def test_sqlserver_backend_names_the_missing_default_driver() -> None:
     """The real sqlserver backend module: no DRIVER= in the DSN → FreeTDS, not installed."""
     settings = load({"backend": "sqlserver", "dsn": "SERVER=127.0.0.1,1433;UID=sa;PWD=s3cret",
                      "identity": "a"}, env={})
-    backend = sqlserver.create(settings)
+    backend = sqlserver.ENTRY.create(settings, SystemClock())
     try:
         with pytest.raises(BackendError) as caught:
             await backend.lease("x").try_acquire()

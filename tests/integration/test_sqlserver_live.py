@@ -67,8 +67,8 @@ def settings(identity: str = "a", **extra: str):
 
 
 async def test_provisioning_is_idempotent_and_matches_the_design() -> None:
-    await sqlserver.apply_schema(settings())
-    await sqlserver.apply_schema(settings())
+    await sqlserver.ENTRY.apply_schema(settings())
+    await sqlserver.ENTRY.apply_schema(settings())
     odbc = driver()
     try:
         columns = await odbc.fetch(Statement(

@@ -7,12 +7,13 @@ import pytest
 
 from sidecar.errors import BackendError
 from sidecar.lease.rowlease import RowLease
-from sidecar.lease.sqlite import SqliteStore, schema_sql, sqlite_path
+from sidecar.lease.sqlite import schema_sql, sqlite_path
+from sidecar.lease.sqlite.store import SqliteStore
 from sidecar.settings import Settings
 
 
 def lease(store: SqliteStore, owner: str, duration: float = 5.0) -> RowLease:
-    return RowLease(store, name="job", row_name="p.job", owner=owner, duration=duration,
+    return RowLease(store, name="job", key="p.job", owner=owner, duration=duration,
                     safety_margin=0.5)
 
 
@@ -59,7 +60,7 @@ async def test_expired_row_is_taken_over_with_a_larger_token(tmp_path):
 async def test_many_names_share_one_table(tmp_path):
     store = SqliteStore(str(tmp_path / "l.db"), "leases")
     try:
-        grants = [await RowLease(store, name=f"n{i}", row_name=f"p.n{i}", owner="a",
+        grants = [await RowLease(store, name=f"n{i}", key=f"p.n{i}", owner="a",
                                  duration=5, safety_margin=0.5).try_acquire()
                   for i in range(5)]
         assert all(g.held for g in grants)
@@ -110,9 +111,9 @@ async def test_a_second_process_with_our_identity_is_refused_and_counted(tmp_pat
     first = SqliteStore(str(tmp_path / "l.db"), "leases")
     second = SqliteStore(str(tmp_path / "l.db"), "leases")  # the twin "process"
     try:
-        holder = RowLease(first, name="twins", row_name="p.twins", owner="same",
+        holder = RowLease(first, name="twins", key="p.twins", owner="same",
                           duration=0.6, safety_margin=0.1)
-        twin = RowLease(second, name="twins", row_name="p.twins", owner="same",
+        twin = RowLease(second, name="twins", key="p.twins", owner="same",
                         duration=0.6, safety_margin=0.1)
         before = duplicate_identity[("same", "twins")]
         held = await holder.try_acquire()
@@ -134,7 +135,7 @@ async def test_our_own_unreleased_row_is_not_a_duplicate(tmp_path):
 
     store = SqliteStore(str(tmp_path / "l.db"), "leases")
     try:
-        mine = RowLease(store, name="solo", row_name="p.solo", owner="me", duration=0.6,
+        mine = RowLease(store, name="solo", key="p.solo", owner="me", duration=0.6,
                         safety_margin=0.1)
         assert (await mine.try_acquire()).held
         mine._token = None  # as after a step-down whose release failed
@@ -150,12 +151,10 @@ async def test_a_deleted_database_makes_the_holder_step_down_and_holds_off(tmp_p
     a_store = SqliteStore(str(path), "leases", holdoff=0.5)
     b_store = SqliteStore(str(path), "leases", holdoff=0.5)
     try:
-        from sidecar.lease.sqlite import SqliteLease
-
-        a = SqliteLease(a_store, name="job", row_name="p.job", owner="a", duration=5,
-                        safety_margin=0.5)
-        b = SqliteLease(b_store, name="job", row_name="p.job", owner="b", duration=5,
-                        safety_margin=0.5)
+        a = RowLease(a_store, name="job", key="p.job", owner="a", duration=5,
+                     safety_margin=0.5)
+        b = RowLease(b_store, name="job", key="p.job", owner="b", duration=5,
+                     safety_margin=0.5)
         first = await a.try_acquire()
         assert first.held and not (await b.try_acquire()).held
         path.unlink()

@@ -9,6 +9,7 @@ are present in the parsed tree, not just somewhere in the text.
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def test_all_time_comes_from_the_server(name: str) -> None:
                                   "CURRENT_TIMESTAMP"):
         assert client_or_other_clock not in text
     # The only time-like parameter is a duration, never a client timestamp.
-    assert set(STATEMENTS[name].names) <= {"name", "owner", "metadata", "duration_ms"}
+    assert set(STATEMENTS[name].names) <= {"name", "owner", "duration_ms"}
     if name in ("acquire", "renew", "read"):
         assert any(n for e in tree for n in e.find_all(exp.CurrentTimestampLTZ))
 
@@ -204,3 +205,16 @@ def test_cli_prints_the_tsql_script_without_connecting() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == TsqlDialect("lease", "JobLeases").schema_script()
     assert "secret" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("backend", "own", "other"), [
+    ("sqlserver", "pyodbc", "asyncpg"), ("postgres-row", "asyncpg", "pyodbc")])
+def test_each_sql_backend_imports_its_own_driver_only(backend: str, own: str,
+                                                      other: str) -> None:
+    """The two share one entry builder; loading one must not load the other's library."""
+    probe = ("import json, sys; from sidecar.lease import backend_entry; "
+             f"backend_entry({backend!r}); print(json.dumps(sorted(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=30, check=True)
+    loaded = {name.split(".")[0] for name in json.loads(result.stdout)}
+    assert own in loaded and other not in loaded

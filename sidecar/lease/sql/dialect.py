@@ -15,10 +15,25 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
 
-from sidecar.lease.rowlease import Row, validate_identifier
+from sidecar.lease.rowlease import Row
+from sidecar.settings import MAX_IDENTITY
 
 # ``:name`` but not the ``::`` of a PostgreSQL cast.
 _PLACEHOLDER = re.compile(r"(?<![:\w]):([a-z_]+)\b")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+# The lease-name column's size: a longer key (prefix included) cannot be stored. The
+# owner column is MAX_IDENTITY wide.
+MAX_ROW_NAME = 200
+
+
+def validate_identifier(kind: str, value: str) -> str:
+    """Schema and table names end up in SQL text, so only plain identifiers pass."""
+    if not _IDENTIFIER.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not a plain identifier (letters, digits, _; max 63)"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,8 @@ class Dialect:
     """What a :class:`~sidecar.lease.sql.store.SqlRowStore` needs from a dialect.
 
     ``acquire`` returns the row's columns plus a last ``won`` column: true when this
-    statement inserted, took over or refreshed the row, false when it only read it.
+    statement inserted the row or took an expired one over, false when it only read a
+    live row.
     """
 
     # NOTIFY channel that release and the expiry sweep signal; None where there is none.
@@ -64,7 +80,12 @@ class Dialect:
     list_all: Statement
 
     def schema_script(self) -> str:
+        """The DDL, idempotent, as ``lease-sidecar schema --print`` shows it."""
         raise NotImplementedError
+
+    def provision_script(self) -> str:
+        """What ``schema --apply`` runs: the DDL, guarded where the server needs it."""
+        return self.schema_script()
 
     def decode(self, row: tuple) -> Row:
         raise NotImplementedError
@@ -84,11 +105,12 @@ class PostgresDialect(Dialect):
         raw = "owner_instance_id, version, expires_at"
         row = "owner_instance_id, version, extract(epoch FROM expires_at)::float8"
         duration = "make_interval(secs => CAST(:duration AS float8))"
+        # ``metadata`` belongs to the design's table; the sidecar leaves it NULL.
         self._ddl = f"""CREATE SCHEMA IF NOT EXISTS "{schema}";
 CREATE SEQUENCE IF NOT EXISTS {seq};
 CREATE TABLE IF NOT EXISTS {t} (
-    lease_name        varchar(200)  PRIMARY KEY,
-    owner_instance_id varchar(128)  NOT NULL,
+    lease_name        varchar({MAX_ROW_NAME})  PRIMARY KEY,
+    owner_instance_id varchar({MAX_IDENTITY})  NOT NULL,
     acquired_at       timestamptz   NOT NULL,
     renewed_at        timestamptz   NOT NULL,
     expires_at        timestamptz   NOT NULL,
@@ -112,15 +134,14 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
     RETURNING lease_name
 ), won AS (
     INSERT INTO {t} AS l (lease_name, owner_instance_id, acquired_at, renewed_at,
-                          expires_at, metadata, version)
+                          expires_at, version)
     VALUES (CAST(:name AS varchar), CAST(:owner AS varchar), now(), now(),
-            now() + {duration}, CAST(:metadata AS varchar), nextval('{seq}'))
+            now() + {duration}, nextval('{seq}'))
     ON CONFLICT (lease_name) DO UPDATE SET
         owner_instance_id = excluded.owner_instance_id,
         acquired_at = excluded.acquired_at,
         renewed_at = excluded.renewed_at,
         expires_at = excluded.expires_at,
-        metadata = excluded.metadata,
         version = excluded.version
     WHERE l.expires_at <= now()
     RETURNING {raw}
@@ -162,6 +183,12 @@ SELECT pg_notify('{self.channel}', lease_name) FROM gone""")
     def schema_script(self) -> str:
         return self._ddl
 
+    def provision_script(self) -> str:
+        # Several sidecars may start at once; CREATE … IF NOT EXISTS alone can still race
+        # on the catalog, so provisioning holds a transaction-scoped advisory lock.
+        lock = f"lease-sidecar schema {self.channel}"
+        return f"SELECT pg_advisory_xact_lock(hashtext('{lock}'));\n" + self._ddl
+
     def decode(self, row: tuple) -> Row:
         owner, version, expires = row
         return Row(owner=owner, version=int(version),
@@ -179,7 +206,8 @@ class TsqlDialect(Dialect):
         t = f"[{schema}].[{table}]"
         out = "inserted.OwnerInstanceId, inserted.ExpiresAtUtc, inserted.RowVersion"
         expiry = "DATEADD(millisecond, :duration_ms, SYSDATETIMEOFFSET())"
-        # CREATE SCHEMA must be alone in its batch, hence sp_executesql.
+        # CREATE SCHEMA must be alone in its batch, hence sp_executesql. ``Metadata``
+        # belongs to the design's table; the sidecar leaves it NULL.
         self._ddl = f"""IF SCHEMA_ID(N'{schema}') IS NULL
 BEGIN
     EXEC sp_executesql N'CREATE SCHEMA [{schema}]';
@@ -187,8 +215,8 @@ END;
 IF OBJECT_ID(N'{t}', N'U') IS NULL
 BEGIN
     CREATE TABLE {t} (
-        LeaseName       NVARCHAR(200)     NOT NULL CONSTRAINT [PK_{table}] PRIMARY KEY,
-        OwnerInstanceId NVARCHAR(128)     NOT NULL,
+        LeaseName       NVARCHAR({MAX_ROW_NAME})     NOT NULL CONSTRAINT [PK_{table}] PRIMARY KEY,
+        OwnerInstanceId NVARCHAR({MAX_IDENTITY})     NOT NULL,
         AcquiredAtUtc   DATETIMEOFFSET(7) NOT NULL,
         RenewedAtUtc    DATETIMEOFFSET(7) NOT NULL,
         ExpiresAtUtc    DATETIMEOFFSET(7) NOT NULL,
@@ -207,25 +235,24 @@ END;"""
         # make MERGE's read-then-write atomic against a competing caller. The winner's
         # row goes to @won; when we lose, the live row is read instead, so one result set
         # names the holder; ``Won`` says which, so the store never mistakes a read row
-        # for a win (see the PostgreSQL acquire). A live row is never refreshed, not even
-        # our own (see the PostgreSQL acquire).
+        # for a win. As in the PostgreSQL acquire, a live row is never refreshed, not
+        # even one naming us.
         self.acquire = Statement(f"""SET NOCOUNT ON;
-DECLARE @won TABLE (OwnerInstanceId NVARCHAR(128), ExpiresAtUtc DATETIMEOFFSET(7),
+DECLARE @won TABLE (OwnerInstanceId NVARCHAR({MAX_IDENTITY}), ExpiresAtUtc DATETIMEOFFSET(7),
                     RowVersion BINARY(8));
 DELETE FROM {t} WHERE ExpiresAtUtc <= SYSDATETIMEOFFSET();
 MERGE {t} WITH (UPDLOCK, HOLDLOCK, ROWLOCK) AS target
-USING (SELECT :name AS LeaseName, :owner AS OwnerInstanceId, :metadata AS Metadata) AS source
+USING (SELECT :name AS LeaseName, :owner AS OwnerInstanceId) AS source
 ON target.LeaseName = source.LeaseName
 WHEN MATCHED AND target.ExpiresAtUtc <= SYSDATETIMEOFFSET() THEN
     UPDATE SET OwnerInstanceId = source.OwnerInstanceId,
                AcquiredAtUtc = SYSDATETIMEOFFSET(),
                RenewedAtUtc = SYSDATETIMEOFFSET(),
-               ExpiresAtUtc = {expiry},
-               Metadata = source.Metadata
+               ExpiresAtUtc = {expiry}
 WHEN NOT MATCHED THEN
-    INSERT (LeaseName, OwnerInstanceId, AcquiredAtUtc, RenewedAtUtc, ExpiresAtUtc, Metadata)
+    INSERT (LeaseName, OwnerInstanceId, AcquiredAtUtc, RenewedAtUtc, ExpiresAtUtc)
     VALUES (source.LeaseName, source.OwnerInstanceId, SYSDATETIMEOFFSET(),
-            SYSDATETIMEOFFSET(), {expiry}, source.Metadata)
+            SYSDATETIMEOFFSET(), {expiry})
 OUTPUT {out} INTO @won;
 IF EXISTS (SELECT 1 FROM @won)
     SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion, CAST(1 AS BIT) AS Won FROM @won;

@@ -1,4 +1,4 @@
-"""A RowStore over any (dialect, driver) pair, and the backend that hands out leases."""
+"""A RowStore over any (dialect, driver) pair."""
 
 from __future__ import annotations
 
@@ -7,15 +7,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Protocol
 
-from sidecar.errors import ConfigError
-from sidecar.lease import LeaseInfo
-from sidecar.lease.rowlease import ReplicaCheck, Row, RowLease
+from sidecar.lease.rowlease import Row
 from sidecar.lease.sql.dialect import Dialect, Statement
-from sidecar.settings import Settings
-
-# Column sizes of the table (docs/design.md): longer names and owners cannot be stored.
-MAX_ROW_NAME = 200
-MAX_OWNER = 128
 
 
 class Driver(Protocol):
@@ -59,11 +52,11 @@ class SqlRowStore:
         rows = await self.driver.fetch(statement, params)
         return self.dialect.decode(rows[0]) if rows else None
 
-    async def acquire(self, name: str, owner: str, duration: float, metadata: str) -> Row | None:
+    async def acquire(self, name: str, owner: str, duration: float) -> Row | None:
         self._last_acquire = asyncio.get_running_loop().time()
         rows = await self.driver.fetch(self.dialect.acquire, {
             "name": name, "owner": owner, "duration": duration,
-            "duration_ms": round(duration * 1000), "metadata": metadata})
+            "duration_ms": round(duration * 1000)})
         if not rows:
             return None
         *columns, won = rows[0]
@@ -95,66 +88,7 @@ class SqlRowStore:
         await self.driver.wait_for_notify(self.dialect.channel, timeout, self._last_acquire)
 
     async def apply_schema(self) -> None:
-        await self.driver.script(self.dialect.schema_script())
+        await self.driver.script(self.dialect.provision_script())
 
     async def close(self) -> None:
         await self.driver.close()
-
-
-def request_timeout(settings: Settings) -> float:
-    """Login and query timeout: a stuck call must end well within one lease duration."""
-    timing = settings.timing
-    return max(2.0, min(timing.renew_interval * 2, timing.lease_duration / 3, 10.0))
-
-
-def check_names(settings: Settings) -> None:
-    """Names that would not fit the table columns are a configuration error, not a crash."""
-    for name in settings.names:
-        if len(settings.store.key(name)) > MAX_ROW_NAME:
-            raise ConfigError(f"LEASE_NAME / --name: {settings.store.key(name)!r} (with the key "
-                              f"prefix) is longer than {MAX_ROW_NAME} characters")
-    if len(settings.identity) > MAX_OWNER:
-        raise ConfigError(f"LEASE_IDENTITY / --identity: longer than {MAX_OWNER} characters")
-
-
-class SqlRowBackend:
-    """Hands out one :class:`RowLease` per name over a shared store (and replica store)."""
-
-    # Nothing found once connected can make this backend unsafe.
-    misconfigured: asyncio.Event | None = None
-    misconfiguration: str | None = None
-
-    def __init__(self, settings: Settings, store: SqlRowStore,
-                 replica: SqlRowStore | None = None) -> None:
-        check_names(settings)
-        self._settings = settings
-        self.store = store
-        self.replica = replica
-
-    def lease(self, name: str) -> RowLease:
-        s = self._settings
-        check = ReplicaCheck(self.replica, s.store.replica_timeout) if self.replica else None
-        return RowLease(self.store, name=name, row_name=s.store.key(name), owner=s.identity,
-                        duration=s.timing.lease_duration, safety_margin=s.timing.safety_margin,
-                        replica=check)
-
-    async def close(self) -> None:
-        await self.store.close()
-        if self.replica is not None:
-            await self.replica.close()
-
-
-async def list_leases(settings: Settings, store: SqlRowStore) -> list[LeaseInfo]:
-    """Every row under this key prefix, for ``lease-sidecar status``; only reads.
-
-    The row's version is not the holder's fencing token here: it grows with every renew
-    (for replica confirmation), while the holder keeps the version of its acquire.
-    """
-    prefix = settings.store.key("")
-    try:
-        rows = await store.list_all()
-    finally:
-        await store.close()
-    return [LeaseInfo(lease=name[len(prefix):], holder=row.owner if live else None,
-                      expires_at=row.expires_at, details={"row_version": row.version})
-            for name, row, live in rows if name.startswith(prefix)]

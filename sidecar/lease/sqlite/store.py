@@ -1,0 +1,202 @@
+"""The row-lease statements in SQLite, on one connection in one worker thread.
+
+Rollback journal, not WAL: closing the last connection to a WAL database deletes
+``{path}-wal`` and ``{path}-shm`` *by name*; after a replacement those names belong to
+the new database, and the holder that just stepped down would pull them from under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from sidecar.errors import BackendError
+from sidecar.lease.rowlease import Row
+from sidecar.lease.sqlite.guard import FileGuard, Replaced
+from sidecar.lease.sqlite.watch import CommitWatch
+
+T = TypeVar("T")
+
+# Seconds since the epoch by SQLite's clock, to the millisecond.
+NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS {table} (
+    name        TEXT PRIMARY KEY,
+    owner       TEXT NOT NULL,
+    acquired_at REAL NOT NULL,
+    renewed_at  REAL NOT NULL,
+    expires_at  REAL NOT NULL,
+    metadata    TEXT,
+    version     INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS {table}_expires ON {table} (expires_at);
+CREATE TABLE IF NOT EXISTS {table}_version (id INTEGER PRIMARY KEY CHECK (id = 1),
+                                            value INTEGER NOT NULL);
+INSERT OR IGNORE INTO {table}_version (id, value) VALUES (1, 0);
+"""
+
+# The acquire transaction: sweep, draw a version, insert. A live row survived the sweep
+# and stays untouched — ours too: an acquire comes only from a contender that does not
+# hold the lease, so a live row under our identity belongs to another process (or to
+# our previous term) and must run out first. The row is ours iff it carries the version
+# drawn by this transaction. (``metadata`` is left NULL.)
+_ACQUIRE = (
+    "DELETE FROM {table} WHERE expires_at <= {now}",
+    "UPDATE {table}_version SET value = value + 1 WHERE id = 1",
+    """INSERT INTO {table} (name, owner, acquired_at, renewed_at, expires_at, version)
+       SELECT :name, :owner, {now}, {now}, {now} + :duration, value
+       FROM {table}_version WHERE id = 1
+       ON CONFLICT (name) DO NOTHING""",
+)
+_DRAWN = "SELECT value FROM {table}_version WHERE id = 1"
+_FLOOR = "UPDATE {table}_version SET value = :floor WHERE id = 1 AND value < :floor"
+_RENEW = """UPDATE {table} SET renewed_at = {now}, expires_at = {now} + :duration
+            WHERE name = :name AND owner = :owner AND expires_at > {now}
+            RETURNING owner, version, expires_at"""
+_RELEASE = "DELETE FROM {table} WHERE name = :name AND owner = :owner"
+_READ = "SELECT owner, version, expires_at FROM {table} WHERE name = :name AND expires_at > {now}"
+
+
+def _row(found: tuple | None, won: bool = True) -> Row | None:
+    if found is None:
+        return None
+    owner, version, expires = found
+    return Row(owner=owner, version=int(version),
+               expires_at=datetime.fromtimestamp(float(expires), tz=UTC), won=won)
+
+
+class SqliteStore:
+    """A :class:`~sidecar.lease.rowlease.RowStore` on one SQLite file, guarded against
+    the file being deleted or replaced (:mod:`sidecar.lease.sqlite.guard`)."""
+
+    def __init__(self, path: str, table: str, holdoff: float = 0.0) -> None:
+        self._path = path
+        self._table = table
+        self._guard = FileGuard(path, holdoff)
+        self._watch = CommitWatch(path)
+        # One thread owns the connection: sqlite3 objects must stay on one thread, and
+        # a busy file must never block the event loop.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-lease")
+        self._conn: sqlite3.Connection | None = None
+
+    def _sql(self, text: str) -> str:
+        return text.format(table=self._table, now=NOW)
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is not None:
+            try:
+                self._guard.check()
+            except Replaced:
+                # Closing is safe in rollback-journal mode: nothing is removed by name.
+                self._conn.close()
+                self._conn = None
+                raise
+            return self._conn
+        directory = os.path.dirname(self._path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        with self._guard.opening() as opening:
+            conn = sqlite3.connect(self._path, timeout=2.0, isolation_level=None)
+            try:
+                self._leave_wal(conn)
+                conn.executescript(self._sql(SCHEMA))
+                identity = opening.identity()
+                (counter,) = conn.execute(self._sql(_DRAWN)).fetchone()
+                floor = opening.token_floor(counter)
+                if counter < floor:
+                    conn.execute(self._sql(_FLOOR), {"floor": floor})
+                opening.admit(identity)
+            except BaseException:
+                conn.close()
+                raise
+        self._conn = conn
+        return conn
+
+    @staticmethod
+    def _leave_wal(conn: sqlite3.Connection) -> None:
+        """A database made by an older version may be in WAL mode (see the module
+        docstring)."""
+        (mode,) = conn.execute("PRAGMA journal_mode").fetchone()
+        if str(mode).lower() == "wal":
+            try:
+                conn.execute("PRAGMA journal_mode=DELETE")
+            except sqlite3.OperationalError as exc:
+                raise sqlite3.OperationalError(
+                    f"cannot leave WAL mode ({exc}): is a sidecar of an older version "
+                    "still using this file?") from None
+
+    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        def call() -> T:
+            try:
+                return work(self._connect())
+            except BackendError:
+                raise
+            except (sqlite3.Error, OSError) as exc:
+                # A broken handle is reopened next time instead of failing forever.
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+                raise BackendError(f"sqlite {self._path}: {exc}") from None
+
+        result = await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        self._watch.seen()  # our own commits are not news to our standbys
+        return result
+
+    async def acquire(self, name: str, owner: str, duration: float) -> Row | None:
+        params = {"name": name, "owner": owner, "duration": duration}
+
+        def work(conn: sqlite3.Connection) -> Row | None:
+            self._guard.check_holdoff()
+            # IMMEDIATE takes the write lock up front, so the sweep and the insert see
+            # one consistent state; it is the "one round trip" of a server backend.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _ACQUIRE:
+                    conn.execute(self._sql(statement), params)
+                (drawn,) = conn.execute(self._sql(_DRAWN)).fetchone()
+                found = conn.execute(self._sql(_READ), params).fetchone()
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            row = _row(found, won=found is not None and int(found[1]) == drawn)
+            self._guard.saw(drawn)
+            if row is not None and row.won:
+                self._guard.record_token(row.version)
+            return row
+
+        return await self._run(work)
+
+    async def renew(self, name: str, owner: str, duration: float) -> Row | None:
+        params = {"name": name, "owner": owner, "duration": duration}
+        return await self._run(
+            lambda conn: _row(conn.execute(self._sql(_RENEW), params).fetchone()))
+
+    async def release(self, name: str, owner: str) -> None:
+        await self._run(lambda conn: conn.execute(self._sql(_RELEASE),
+                                                  {"name": name, "owner": owner}))
+
+    async def read(self, name: str) -> Row | None:
+        return await self._run(
+            lambda conn: _row(conn.execute(self._sql(_READ), {"name": name}).fetchone()))
+
+    async def wait_for_release(self, timeout: float) -> None:
+        """Sleep until another process commits (a release, an expiry sweep), or timeout."""
+        await self._watch.wait(timeout)
+
+    async def close(self) -> None:
+        self._watch.close()
+
+        def shut() -> None:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, shut)
+        self._pool.shutdown(wait=False)
