@@ -37,6 +37,7 @@ from collections.abc import Mapping
 import asyncpg
 
 from sidecar.errors import BackendError, NotFound
+from sidecar.lease.pg_errors import PREPARED_STATEMENT_ERRORS, error_line, first_line
 from sidecar.lease.sql.dialect import Statement
 from sidecar.redact import redact
 
@@ -68,7 +69,7 @@ class AsyncpgDriver:
             pool = await self._get_pool()
             try:
                 records = await pool.fetch(text, *args, timeout=self._timeout)
-            except _PREPARED_STATEMENT_ERRORS as exc:
+            except PREPARED_STATEMENT_ERRORS as exc:
                 # Bind or Parse failed: the statement did not run, so once more is safe.
                 if attempt == 2 or self.pooled:
                     raise self._error(exc) from None
@@ -217,12 +218,6 @@ class AsyncpgDriver:
         return kind(f"{self._label} {redact(self._dsn)}: {describe_error(exc)}")
 
 
-# asyncpg's errors for a named prepared statement missing on, or already defined in, the
-# server session.
-_PREPARED_STATEMENT_ERRORS = (asyncpg.exceptions.InvalidSQLStatementNameError,
-                              asyncpg.exceptions.DuplicatePreparedStatementError)
-
-
 async def _keep_session(conn: asyncpg.Connection) -> None:
     """Skip asyncpg's reset query on pool release (``RESET ALL; UNLISTEN *; …``): our
     statements leave no session state, and the reset would double the round trips."""
@@ -239,9 +234,5 @@ def describe_error(exc: BaseException) -> str:
         return "timed out"
     if isinstance(exc, OSError | asyncpg.ConnectionDoesNotExistError
                   | asyncpg.CannotConnectNowError):
-        return f"network unreachable ({first_line(str(exc)) or type(exc).__name__})"
-    return first_line(str(exc)) or type(exc).__name__
-
-
-def first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
+        return f"network unreachable ({error_line(exc)})"
+    return error_line(exc)
