@@ -113,3 +113,21 @@ def request(api: client.ApiClient, method: str, path: str, body: Any = None,
                                          body=response.data.decode(errors="replace"),
                                          data=None)
     return json.loads(response.data)
+
+
+def kopf_connection(configuration: client.Configuration,
+                    default_namespace: str | None) -> Any:
+    """kopf's login from a client configuration made by :func:`load_credentials`, so kopf
+    talks to the cluster as the rest of the process does (kopf's own ``login_via_client``
+    would try the pod's ServiceAccount before ``KUBECONFIG``). kopf is imported here, not
+    at the top: only the label publisher and the injector use it."""
+    import kopf
+
+    header = (configuration.get_api_key_with_prefix("BearerToken")
+              or configuration.get_api_key_with_prefix("authorization"))
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=configuration.host, ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl, scheme=scheme or ("Bearer" if token else None),
+        token=token or None, certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file, default_namespace=default_namespace)

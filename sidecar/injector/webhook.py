@@ -26,7 +26,9 @@ from typing import Any
 import kopf
 from aiohttp import web
 
+from sidecar.injector import tls
 from sidecar.injector.inject import OPT_IN_LABEL, InjectionError, InjectionSpec, inject
+from sidecar.kube import kopf_connection
 
 HANDLER_ID = "lease-sidecar-inject"
 PATH = f"/{HANDLER_ID}"
@@ -112,9 +114,9 @@ def build_registry(spec: InjectionSpec) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # The kubernetes client's rules: in-cluster ServiceAccount, else $KUBECONFIG.
-        return kopf.login_via_client(**kwargs)
+    def login(**_: Any) -> kopf.ConnectionInfo | None:
+        # The one credentials rule of sidecar.kube: KUBECONFIG, else the ServiceAccount.
+        return kopf_connection(tls.api_client().configuration, None)
 
     @kopf.on.mutate("pods", id=HANDLER_ID, operations=["CREATE"],
                     labels={OPT_IN_LABEL: "true"}, side_effects=False, registry=registry)

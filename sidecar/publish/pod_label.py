@@ -50,7 +50,7 @@ from urllib.parse import quote
 
 from kubernetes.client.exceptions import ApiException
 
-from sidecar.kube import KubeAccess, connect, one_line, request
+from sidecar.kube import KubeAccess, connect, kopf_connection, one_line, request
 from sidecar.publish.own_pod import MERGE_PATCH, OwnPod
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
@@ -202,18 +202,8 @@ class PodLabelPublisher:
 
     def _login(self, **_: Any) -> Any:
         """kopf credentials from the same configuration the rest of the sidecar uses."""
-        import kopf
-
         assert self._access is not None
-        config = self._access.api.configuration
-        header = (config.get_api_key_with_prefix("BearerToken")
-                  or config.get_api_key_with_prefix("authorization"))
-        scheme, _, token = (header or "").rpartition(" ")
-        return kopf.ConnectionInfo(
-            server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
-            scheme=scheme or ("Bearer" if token else None), token=token or None,
-            certificate_path=config.cert_file, private_key_path=config.key_file,
-            default_namespace=self._own.namespace)
+        return kopf_connection(self._access.api.configuration, self._own.namespace)
 
     def _on_pod(self, name: str, body: Any, type: str | None, **_: Any) -> None:
         """Reconcile one group pod; kopf runs sync handlers in its executor threads."""
