@@ -238,7 +238,7 @@ def test_opted_in_pod_is_stored_with_the_sidecar(env: Env) -> None:
     # ServiceAccount admission re-ran after the webhook and gave the injected sidecar the
     # API token that the kubernetes backend and the lease-role label need.
     assert "/var/run/secrets/kubernetes.io/serviceaccount" in mounts
-    assert sidecar["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert sidecar["startupProbe"]["httpGet"]["path"] == "/livez"
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["lease-state"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}
     assert "lease-sidecar-tmp" in volumes
