@@ -24,7 +24,8 @@ log = logging.getLogger("sidecar.lease.postgres")
 
 # Server setting -> what it does to the sidecar.
 TIMEOUTS = {
-    "statement_timeout": "cancels the sidecar's statements (and the advisory lock's in-server waits)",
+    "statement_timeout": ("cancels the sidecar's statements (and the advisory lock's "
+                          "in-server waits)"),
     "lock_timeout": "cancels the sidecar's statements that wait for a row lock",
     "idle_in_transaction_session_timeout": "ends the sidecar's sessions",
     "idle_session_timeout": "ends the sidecar's idle sessions (and with them its locks)",
