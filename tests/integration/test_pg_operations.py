@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.support import SidecarProcess, wait_until
+from testkit.support import SidecarProcess, get_json, wait_until
 from testkit.testbed.postgres import HOST, PgError, PgServer
 
 BACKENDS = ("postgres", "postgres-row")
@@ -93,6 +93,9 @@ def test_an_outage_logs_one_line_down_and_one_back_and_no_traceback(
         assert leaders(procs) == [], "a sidecar claimed leadership with the server down"
         server.start()
         assert wait_until(lambda: len(leaders(procs)) == 1, 20), "no leader after the outage"
+        # The standby's next try (backed off up to one lease duration) finds it back too.
+        assert wait_until(lambda: all(get_json(proc.url + "/readyz")[0] == 200
+                                      for proc in procs), 10), "a sidecar still unready"
     finally:
         if server.pid is None:
             server.start()
