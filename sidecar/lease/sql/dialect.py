@@ -70,6 +70,8 @@ class Dialect:
     live row.
     """
 
+    schema: str
+    table: str
     # NOTIFY channel that release and the expiry sweep signal; None where there is none.
     channel: str | None
     acquire: Statement
