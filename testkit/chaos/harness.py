@@ -272,6 +272,7 @@ class Harness:
         by_name = {m.identity: m for m in self.members}
         bound = 2 * self.config.timing.lease_duration + 3.0
         for _ in range(times):
+            await self._wait_leader(recorder, bound)
             leader = recorder.leader_now()
             if leader is None or by_name[leader].status != "up":
                 break
