@@ -111,6 +111,9 @@ def test_an_outage_logs_one_line_down_and_one_back_and_no_traceback(
         assert len(back) == 1, f"{proc.identity}: {len(back)} 'reachable again' lines:\n{text}"
         # The cause is named: the connection failed (refused, or ended by the shutdown).
         assert down[0]["error"], down[0]
+        # ... and the line saying it is back names it again, with how long it lasted.
+        assert back[0]["cause"] == down[0]["error"], back[0]
+        assert back[0]["unreachable_for_s"] >= 4.0, back[0]
         assert not [line for line in lines if line["logger"].startswith("asyncpg")], text
 
 
