@@ -82,14 +82,17 @@ def stop_all(procs: list[SidecarProcess]) -> None:
         proc.stop()
 
 
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_outage_logs_one_line_down_and_one_back_and_no_traceback(
-        server: PgServer, tmp_path: Path, backend: str) -> None:
+        server: PgServer, tmp_path: Path, backend: str, mode: str) -> None:
+    """The server stopped for 5 s (``fast``: sessions told; ``immediate``: a crash) and
+    started again."""
     dsn = fresh_role(server)
     procs = sidecars(tmp_path, backend, dsn, 2)
     try:
         assert wait_until(lambda: len(leaders(procs)) == 1, 15), "no leader before the outage"
-        server.stop("fast")
+        server.stop(mode)
         time.sleep(5.0)
         assert leaders(procs) == [], "a sidecar claimed leadership with the server down"
         server.start()
