@@ -77,8 +77,11 @@ def test_kubectl_shows_one_leader_the_standbys_and_the_api_pod(
     meta = pod(control_plane, kube_namespace, leader.identity)["metadata"]
     note = json.loads(meta["annotations"]["lease-sidecar/lease"])
     spec = lease_spec(control_plane, kube_namespace)
+    until = note.pop("valid_until")  # the term's first claim, for the operator
+    assert until > spec["acquireTime"]
     assert note == {"lease": "jobs", "identity": leader.identity, "role": "leader",
-                    "fencing_token": spec["leaseTransitions"]}
+                    "fencing_token": spec["leaseTransitions"], "backend": "kubernetes",
+                    "object": "lease-sidecar.jobs"}
     assert meta["labels"]["lease-sidecar/group"] == "lease-sidecar.jobs"
     api = pod(control_plane, kube_namespace, API_POD)["metadata"]
     assert json.loads(api["annotations"]["lease-sidecar/lease"])["role"] == "api"
