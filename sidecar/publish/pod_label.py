@@ -138,7 +138,7 @@ class PodLabelPublisher:
         # ``object`` and ``backend`` let the operator find the group's truth (the Lease
         # object, or the tokens across the group) even when the group label was edited.
         fields: dict[str, Any] = {"lease": state.lease, "identity": state.identity,
-                                  "object": self._object, "backend": self._settings.backend}
+                                  "object": self._object, "backend": self._settings.store.backend}
         if self._settings.role == "api":
             fields.update(role="api", fencing_token=None)
         else:
