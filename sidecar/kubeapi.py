@@ -28,7 +28,7 @@ import os
 import ssl
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,13 +303,14 @@ class KubeClient:
         return await self.request("GET", path, params=params or None)
 
     async def watch(self, path: str, resource_version: str | None = None,
-                    timeout_seconds: int = 60, **params: str
-                    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+                    timeout_seconds: int = 60, opened: Callable[[], None] | None = None,
+                    **params: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """Yield ``(type, object)`` for each event of one watch request on collection
         ``path``, from ``resource_version`` (None: the current state, replayed as ADDED)
-        until the apiserver ends the request after ``timeout_seconds``. ``BOOKMARK`` events
-        are not yielded; 410 Gone, in the answer or as an ERROR event, raises
-        :class:`Gone`; other failures :class:`KubeError`.
+        until the apiserver ends the request after ``timeout_seconds``. ``opened`` is
+        called once the apiserver accepted the request (events may take long to come).
+        ``BOOKMARK`` events are not yielded; 410 Gone, in the answer or as an ERROR
+        event, raises :class:`Gone`; other failures :class:`KubeError`.
         """
         query = {**params, "watch": "true", "timeoutSeconds": str(timeout_seconds),
                  "allowWatchBookmarks": "true"}
@@ -326,6 +327,8 @@ class KubeClient:
                 if response.status != 200:
                     raise error_for(response.status, await response.read(), "GET", path,
                                     watch=True)
+                if opened is not None:
+                    opened()
                 async for line in response.content:
                     if not line.strip():
                         continue

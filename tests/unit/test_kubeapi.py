@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.kubeapi import CredentialsError, describe, error_for, load_credentials
+from sidecar.kubeapi import CredentialsError, Gone, describe, error_for, load_credentials
 
 
 @pytest.mark.parametrize(("method", "path", "watch", "text"), [
@@ -34,6 +34,11 @@ def test_errors_are_one_line() -> None:
         409, "update leases t/l: HTTP 409: the object has been modified")
     assert str(error_for(502, b"<html>\n</html>", "GET", "/api/v1/namespaces/t/pods/a")) == (
         "get pods t/a: HTTP 502")
+    # A watch's 410 (its version is too old), as an answer or as an ERROR event's Status.
+    gone = error_for(410, b'{"message": "too old resource version: 1 (30)"}', "GET",
+                     "/api/v1/namespaces/t/pods", watch=True)
+    assert isinstance(gone, Gone) and str(gone) == (
+        "watch pods t: HTTP 410: too old resource version: 1 (30)")
 
 
 @pytest.mark.parametrize("plugin", ["exec", "auth-provider"])
