@@ -80,6 +80,9 @@ class Elector:
         self._release_reason = "released on request"
         self._last_tick = self._clock.monotonic()
         self._failures = 0
+        # The outage being reported: when it began (monotonic) and its first error.
+        self._down_since = 0.0
+        self._down_cause = ""
         self._stopping = False
 
     # -- control from outside ----------------------------------------------------------
@@ -250,17 +253,21 @@ class Elector:
             self.state.observe_call(what, self._clock.monotonic() - started, "error")
             self._failures += 1
             if self.state.facts.backend_ok or self._failures == 1:
+                self._down_since = self._clock.monotonic()
+                self._down_cause = str(exc) or type(exc).__name__
                 log.warning("backend unreachable", extra={
                     "lease": self.state.lease, "identity": self.identity,
-                    "operation": what, "error": str(exc) or type(exc).__name__})
+                    "operation": what, "error": self._down_cause})
                 self.state.update(backend_ok=False, reason=f"backend unreachable: {exc}")
             return None
         self.state.observe_call(what, self._clock.monotonic() - started,
                                 "held" if result.held else "refused")
         if not self.state.facts.backend_ok:
             if self._failures:
-                log.info("backend reachable again", extra={"lease": self.state.lease,
-                                                           "identity": self.identity})
+                log.info("backend reachable again", extra={
+                    "lease": self.state.lease, "identity": self.identity,
+                    "unreachable_for_s": round(self._clock.monotonic() - self._down_since, 1),
+                    "cause": self._down_cause})
             self.state.update(backend_ok=True)
         self._failures = 0
         return result

@@ -31,10 +31,11 @@ TIMEOUTS = {
     "idle_session_timeout": "ends the sidecar's idle sessions (and with them its locks)",
 }
 
-# Each setting's value as the session started (role, database, server or startup
-# packet): ``reset_val`` keeps it after our own SET. Settings the server lacks
-# (idle_session_timeout before PostgreSQL 14) are simply absent.
-ROLE_VALUES = ("select current_user::text, name, reset_val, coalesce(unit, '') from pg_settings "
+# Each setting's value as the session started, and where it came from (asked before our
+# own SET). Settings the server lacks (idle_session_timeout before PostgreSQL 14) are
+# simply absent.
+ROLE_VALUES = ("select current_user::text, current_database()::text, name, reset_val, "
+               "coalesce(unit, ''), source from pg_settings "
                "where name = any($1::text[]) and reset_val <> '0'")
 # Session settings ($1 names, $2 values) in one statement.
 SET_SESSION = ("select count(set_config(name, value, false)) "
@@ -61,7 +62,8 @@ async def apply(conn: asyncpg.Connection, values: dict[str, str]) -> None:
 
 
 async def report(conn: asyncpg.Connection, *, backend: str, overridden: bool) -> None:
-    """Name once each timeout the role, database or server sets for this session.
+    """Name once each timeout the role, database or server sets for this session; call it
+    before :func:`apply`, so the setting's source is still the original one.
 
     Best effort: the lease statements report real trouble, so a failure here is quiet.
     """
@@ -69,24 +71,42 @@ async def report(conn: asyncpg.Connection, *, backend: str, overridden: bool) ->
         rows = await conn.fetch(ROLE_VALUES, list(TIMEOUTS))
     except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError):
         return
-    for role, name, value, unit in rows:
+    for role, database, name, value, unit, source in rows:
         shown = f"{value}{unit}"
         if (name, shown) in _named:
             continue
         _named.add((name, shown))
-        fields = {"backend": backend, "setting": name, "value": shown, "role": role}
+        fields = {"backend": backend, "setting": name, "value": shown, "source": source}
+        where = SOURCES.get(source, "by the server").format(role=role, database=database)
         if overridden:
-            log.info(f"{name} = {shown} is set for role {role} (or its database or server) and "
-                     f"{TIMEOUTS[name]}; the sidecar's own sessions set it to 0", extra=fields)
+            log.info(f"{name} = {shown} is set {where} and {TIMEOUTS[name]}; the sidecar's "
+                     "own sessions set it to 0", extra=fields)
         else:
-            log.warning(f"{name} = {shown} is set for role {role} (or its database or server) "
-                        f"and {TIMEOUTS[name]}; through a transaction pooler the sidecar "
-                        f"cannot override it: {fix(name, role)}", extra=fields)
+            log.warning(f"{name} = {shown} is set {where} and {TIMEOUTS[name]}; through a "
+                        "transaction pooler the sidecar cannot override it: "
+                        f"{fix(name, source, role, database)}", extra=fields)
 
 
-def fix(name: str, role: str = "<role>") -> str:
-    return (f"ALTER ROLE {role} RESET {name} (or SET it to 0 for the sidecar's own role), "
-            "or connect the sidecar directly")
+# pg_settings.source -> where the value was set (for the log line).
+SOURCES = {
+    "user": "for role {role}",
+    "database": "for database {database}",
+    "database user": "for role {role} in database {database}",
+    "configuration file": "in the server's configuration",
+    "client": "by the connection (PGOPTIONS or the DSN's options)",
+}
+
+
+def fix(name: str, source: str = "user", role: str = "<role>",
+        database: str = "<database>") -> str:
+    """The statement (or step) that removes the setting for the sidecar."""
+    undo = {
+        "user": f"ALTER ROLE {role} RESET {name}",
+        "database": f"ALTER DATABASE {database} RESET {name}",
+        "database user": f"ALTER ROLE {role} IN DATABASE {database} RESET {name}",
+        "client": f"remove {name} from the connection's options",
+    }.get(source, f"set {name} = 0 for the sidecar's role (ALTER ROLE {role} SET {name} = 0)")
+    return f"{undo}, or connect the sidecar directly"
 
 
 def setting_of(exc: BaseException) -> str | None:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from testkit.support import SidecarProcess, get_json, wait_until
-from testkit.testbed.postgres import HOST, PgError, PgServer
+from testkit.testbed.pgbouncer import PgBouncer
+from testkit.testbed.postgres import HOST, TEST_ROLE, PgError, PgServer
 
 BACKENDS = ("postgres", "postgres-row")
 
@@ -81,14 +82,17 @@ def stop_all(procs: list[SidecarProcess]) -> None:
         proc.stop()
 
 
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_outage_logs_one_line_down_and_one_back_and_no_traceback(
-        server: PgServer, tmp_path: Path, backend: str) -> None:
+        server: PgServer, tmp_path: Path, backend: str, mode: str) -> None:
+    """The server stopped for 5 s (``fast``: sessions told; ``immediate``: a crash) and
+    started again."""
     dsn = fresh_role(server)
     procs = sidecars(tmp_path, backend, dsn, 2)
     try:
         assert wait_until(lambda: len(leaders(procs)) == 1, 15), "no leader before the outage"
-        server.stop("fast")
+        server.stop(mode)
         time.sleep(5.0)
         assert leaders(procs) == [], "a sidecar claimed leadership with the server down"
         server.start()
@@ -110,6 +114,9 @@ def test_an_outage_logs_one_line_down_and_one_back_and_no_traceback(
         assert len(back) == 1, f"{proc.identity}: {len(back)} 'reachable again' lines:\n{text}"
         # The cause is named: the connection failed (refused, or ended by the shutdown).
         assert down[0]["error"], down[0]
+        # ... and the line saying it is back names it again, with how long it lasted.
+        assert back[0]["cause"] == down[0]["error"], back[0]
+        assert back[0]["unreachable_for_s"] >= 4.0, back[0]
         assert not [line for line in lines if line["logger"].startswith("asyncpg")], text
 
 
@@ -190,3 +197,24 @@ def test_ensure_schema_without_the_right_to_create_says_so_and_stays_standby(
     finally:
         stop_all(procs)
     assert "Traceback" not in procs[0].logs()
+
+
+def test_through_a_transaction_pooler_the_setting_is_named_with_its_fix(
+        server: PgServer, tmp_path: Path) -> None:
+    """Behind PgBouncer (pool_mode=transaction) the row lease may not set session settings
+    (the server sessions are shared): it names the role's setting once, as a warning with
+    the statement that removes it, and leads as before."""
+    database = f"t_{uuid.uuid4().hex[:12]}"
+    server.create_database(database)
+    server.psql(f"alter role {TEST_ROLE} in database {database} set statement_timeout = '5s'")
+    with PgBouncer(server, pool_mode="transaction", pool_size=2) as bouncer:
+        procs = sidecars(tmp_path, "postgres-row", bouncer.dsn_for(database), 1)
+        try:
+            assert wait_until(lambda: len(leaders(procs)) == 1, 15), procs[0].logs()
+        finally:
+            stop_all(procs)
+    named = [line for line in log_lines(procs[0]) if line.get("setting") == "statement_timeout"]
+    assert len(named) == 1, procs[0].logs()
+    assert named[0]["level"] == "warning" and named[0]["value"] == "5000ms", named[0]
+    assert (f"ALTER ROLE {TEST_ROLE} IN DATABASE {database} RESET statement_timeout"
+            in named[0]["msg"]), named[0]

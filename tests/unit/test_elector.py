@@ -213,6 +213,10 @@ async def test_unreachable_backend_logs_once_per_change(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert messages.count("backend unreachable") == 1
     assert messages.count("backend reachable again") == 1
+    (down,) = [r for r in caplog.records if r.getMessage() == "backend unreachable"]
+    (back,) = [r for r in caplog.records if r.getMessage() == "backend reachable again"]
+    assert back.cause == down.error  # the line saying it is back names what it was
+    assert back.unreachable_for_s >= 0
 
 
 async def test_standby_reports_the_holder():

@@ -136,15 +136,15 @@ class Connector:
         except (*DB_ERRORS, ValueError) as exc:
             raise self.error("cannot connect", exc) from None
         marker = uuid.uuid4().hex
+        if not self._reported:
+            self._reported = True
+            await pg_timeouts.report(conn, backend="postgres", overridden=True)
         try:
             values = session_settings(self._timing, version_num(conn))
             pid, _, _ = await conn.fetchrow(APPLY, list(values), list(values.values()), marker)
         except DB_ERRORS as exc:
             conn.terminate()
             raise self.error("cannot apply session settings", exc) from None
-        if not self._reported:
-            self._reported = True
-            await pg_timeouts.report(conn, backend="postgres", overridden=True)
         return Session(conn, marker, int(pid), proxied=conn.get_server_pid() != pid)
 
     async def hands_out_used_sessions(self, session: Session) -> bool:

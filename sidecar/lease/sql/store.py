@@ -84,7 +84,12 @@ class SqlRowStore:
         self._schema_ready = True
         if not rows:
             return None
-        *columns, won = rows[0]
+        columns = rows[0]
+        if self.dialect.acquire_reports_timeline:
+            # Won or lost, the server's timeline is one this process has now seen.
+            *columns, timeline = columns
+            self._timelines.saw(int(timeline), asyncio.get_running_loop().time())
+        *columns, won = columns
         # Only ``won`` says we hold it: a row we only read may name us (a second process
         # with our identity); RowLease tells those apart.
         row = replace(self.dialect.decode(tuple(columns)), won=_flag(won))
