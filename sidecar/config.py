@@ -78,6 +78,15 @@ def _text(text: str) -> str:
     return text
 
 
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
+
+
 @dataclass(frozen=True)
 class Option:
     field: str
@@ -150,6 +159,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("odbc_driver", "LEASE_ODBC_DRIVER", "--odbc-driver", _text, None,
            "ODBC driver name when the DSN names none (default FreeTDS)",
            commands=_EVERY),
+    Option("ensure_schema", "LEASE_ENSURE_SCHEMA", "--ensure-schema", _bool, "false",
+           "postgres-row, sqlserver: create the lease table at start if missing "
+           "(idempotent; needs a role that may create it)"),
     Option("pod_label", "LEASE_POD_LABEL", "--pod-label", _choice(POD_LABEL_MODES), "auto",
            "keep the lease-role pod label (auto: when POD_NAME/POD_NAMESPACE are set)"),
     Option("exec_grace", "LEASE_EXEC_GRACE", "--grace", parse_duration, "10s",
@@ -239,7 +251,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
 _TIMING_FIELDS = ("lease_duration", "renew_interval", "renew_deadline", "safety_margin",
                   "claim_horizon")
 _STORE_FIELDS = ("backend", "dsn", "replica_dsn", "replica_timeout", "key_prefix", "schema",
-                 "table", "odbc_driver")
+                 "table", "odbc_driver", "ensure_schema")
 
 
 def _check_bounds(option: Option, value: Any) -> None:
@@ -263,6 +275,8 @@ def _validate(s: Settings, entry: BackendEntry, blame: _Blame, *, dsn_required: 
     if store.replica_dsn and not entry.takes_replica:
         raise _error("replica_dsn", "replica confirmation needs a row backend on a server, "
                      f"not {store.backend}")
+    if store.ensure_schema and entry.apply_schema is None:
+        raise _error("ensure_schema", f"the {store.backend} backend has no table to create")
     if len(s.identity) > MAX_IDENTITY:
         raise _error("identity", f"longer than {MAX_IDENTITY} characters")
     if entry.min_safety_margin is not None:

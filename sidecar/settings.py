@@ -135,6 +135,8 @@ class Store:
     """Row-lease table; ``None`` means the backend's default (:attr:`table_name`)."""
     odbc_driver: str | None = None
     """ODBC driver name when the DSN names none."""
+    ensure_schema: bool = False
+    """Row backends on a server: create the lease table at start if it is missing."""
 
     @property
     def table_name(self) -> str:

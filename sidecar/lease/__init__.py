@@ -43,7 +43,8 @@ class Grant:
     # Why the attempt did not hold, for logs and /status ("held by pod-b", ...).
     reason: str = ""
     # Seconds from the reply before the first claim, when the backend knows the previous
-    # holder may claim longer than one claim horizon (a server that just restarted).
+    # holder may claim longer than one claim horizon (a server that just restarted or
+    # was just promoted: sidecar.lease.pg_timeline).
     claim_delay: float = 0.0
 
 

@@ -16,7 +16,9 @@ from typing import Any
 PROCESS_FAULTS = ("sigkill", "sigstop", "sigterm")
 # Faults on the path between one sidecar and its backend (through the harness's proxy).
 NETWORK_FAULTS = ("cut", "latency", "partition")
-BACKEND_FAULTS = ("backend-restart",)
+# ``failover``: the standby stops receiving WAL, the lease changes hands during the lag,
+# then the primary dies and the standby is promoted (PostgreSQL with a harness-owned server).
+BACKEND_FAULTS = ("backend-restart", "failover")
 ALL_FAULTS = PROCESS_FAULTS + NETWORK_FAULTS + BACKEND_FAULTS
 
 
@@ -81,6 +83,9 @@ class Schedule:
             return {"for": round(rng.uniform(0.2, 1.5 * lease), 3)}
         if kind == "backend-restart":
             return {"down_for": round(rng.uniform(0.0, 1.0), 3)}
+        if kind == "failover":
+            return {"handovers": rng.choice((1, 2)),
+                    "promote_after": round(rng.uniform(0.1, 0.5), 3)}
         raise ValueError(f"unknown fault {kind!r}")
 
     def pause(self) -> float:

@@ -58,7 +58,8 @@ class SqlRowEntry:
     def store(self, settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
         label = f"{self.backend} replica" if replica else self.backend
         driver = self.driver(settings.store, dsn, request_timeout(settings.timing), label)
-        return SqlRowStore(self._dialect(settings), driver, replica=replica)
+        return SqlRowStore(self._dialect(settings), driver, replica=replica,
+                           ensure_schema=settings.store.ensure_schema and not replica)
 
     def _dialect(self, settings: Settings) -> Dialect:
         return self.dialect(settings.store.schema, settings.store.table_name)
