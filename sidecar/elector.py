@@ -15,7 +15,9 @@ What it guarantees
 - Acquire, wait one claim horizon, then publish. The first claim of a new term waits
   ``max(claim_horizon, grant.claim_delay)`` counted from the acquire's *reply* (an
   acquire can wait inside the server for the release). The releasing side's wait above
-  does not make this one redundant; it still protects against previous holders that
+  does not make this one redundant (and a long ``claim_delay`` is slept in renew
+  intervals with renews between, so the term never outlasts its validity waiting); it
+  still protects against previous holders that
   could not or did not wait out their claims:
   * an advisory-lock holder that crashed: the server ends its session and frees the
     lock at once, while claims it handed out just before may run one more horizon;
@@ -156,9 +158,25 @@ class Elector:
             "acquired", holding=True, released=False, claim_from=replied + delay,
             valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
             holder=self.identity, reason="holding")
-        log.info("acquired lease", extra=self._fields(grant.fencing_token))
-        # The previous holder's last claims may still run for up to one horizon.
-        await self._sleep_or_wake(delay, watch_lease=False)
+        log.info("acquired lease", extra={**self._fields(grant.fencing_token),
+                                          "claim_delay_ms": round(delay * 1000, 1)})
+        # The previous holder's last claims may still run for up to one horizon (longer
+        # after a server restart or promotion). The timing rules fit one horizon and a
+        # renew interval into the validity; a longer backend delay is slept in renew
+        # intervals with a renew after each, so the term does not run out of validity
+        # before its first claim.
+        first_claim = replied + delay
+        while (left := first_claim - self._clock.monotonic()) > 0:
+            if left <= max(self.timing.renew_interval, self.timing.claim_horizon):
+                await self._sleep_or_wake(left, watch_lease=False, watch_loss=True)
+                break
+            await self._sleep_or_wake(jittered(self.timing.renew_interval, RENEW_JITTER),
+                                      watch_lease=False, watch_loss=True)
+            if self._stopping or self._release_requested:
+                return  # the loop steps down; the publishers were never told of the term
+            await self._renew_now()
+            if not self.state.facts.holding:
+                return
         await self._notify()
 
     async def _renew_once(self) -> None:
@@ -172,6 +190,10 @@ class Elector:
             await self._step_down(self._release_reason, release=True)
             await self._sleep_or_wake(self.timing.lease_duration, watch_lease=False)
             return
+        await self._renew_now()
+
+    async def _renew_now(self) -> None:
+        """One renew round trip; steps down when refused or when validity ran out."""
         facts = self.state.facts
         remaining = facts.valid_until - self._clock.monotonic()
         if remaining <= 0:
