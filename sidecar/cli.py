@@ -1,4 +1,4 @@
-"""``lease-sidecar run | exec | schema | status``.
+"""``lease-sidecar run | exec | schema | status | operator``.
 
 Exit codes: 0 clean stop, 1 the backend failed, 2 bad settings (one line naming the
 setting, before anything connects; or, once connected, the ``postgres`` backend
@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
                       "show who holds which lease (read-only; exit 3: no such lease)")
     status.add_argument("--json", action="store_true",
                         help="one JSON document instead of the table")
+
+    # Its own flags (sidecar.operator.__main__); listed here for --help only.
+    commands.add_parser("operator", add_help=False,
+                        help="the admission webhook and the lease-role label reconciler "
+                             "(one Deployment; needs the operator image)")
     return parser
 
 
@@ -80,7 +85,13 @@ def _fail(message: str, code: int = EXIT_BAD_SETTINGS) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["operator"]:
+        # Imported only here: kopf and the kubernetes client never load in the sidecar.
+        from sidecar.operator.__main__ import main as operator
+
+        return operator(given[1:])
+    args = _parser().parse_args(given)
     flags = vars(args)
     try:
         printing = args.command == "schema" and args.print_ddl

@@ -51,7 +51,7 @@ START_TIMEOUT = 60.0
 
 @dataclass
 class Injector:
-    """``python -m sidecar.injector`` with the chart's args, as the chart's ServiceAccount."""
+    """``lease-sidecar operator`` with the chart's args, as the chart's ServiceAccount."""
 
     args: list[str]
     kubeconfig: Path
@@ -65,7 +65,7 @@ class Injector:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         env.pop("KUBERNETES_SERVICE_HOST", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar.injector", *self.args,
+            [sys.executable, "-m", "sidecar", "operator", *self.args,
              f"--listen=127.0.0.1:{self.port}", f"--health=127.0.0.1:{self.health_port}",
              f"--cert-dir={self.workdir / 'tls'}", "--host=127.0.0.1"],
             stdout=log, stderr=log, env=env, cwd=REPO)
@@ -165,7 +165,7 @@ def start_release(cp: ControlPlane, workdir: Path, release: str, namespace: str,
                                                       "items": rest}))
     deployment = find(docs, "Deployment", "-injector")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["python", "-m", "sidecar.injector"]
+    assert container["command"] == ["lease-sidecar", "operator"]
     spec_text = find(docs, "ConfigMap", "-injector")["data"]["sidecar.json"]
     (workdir / "sidecar.json").write_text(spec_text)
     args = [*_arg_list(container, ("--spec", "--listen", "--health", "--cert-dir")),

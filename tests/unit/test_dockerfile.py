@@ -186,7 +186,7 @@ def test_image_installs_every_extra_the_chart_needs() -> None:
     assert backends <= set(BACKEND_EXTRA), f"map {backends - set(BACKEND_EXTRA)} to extras"
     needed = {BACKEND_EXTRA[b] for b in backends}
     needed.add("kubernetes")  # the lease-role pod label (lease.podLabel)
-    needed.add("injector")  # the injector Deployment runs python -m sidecar.injector
+    needed.add("injector")  # the injector Deployment runs lease-sidecar operator
     installed = _installed_extras()
     assert needed <= installed, f"the image lacks extras {needed - installed}"
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
