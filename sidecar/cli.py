@@ -1,4 +1,4 @@
-"""``lease-sidecar run | exec | schema | status | handover``.
+"""``lease-sidecar run | exec | schema | status | handover | operator``.
 
 Exit codes: 0 clean stop, 1 the backend failed, 2 bad settings (one line naming the
 setting, before anything connects; or, once connected, the ``postgres`` backend
@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     handover.add_argument("--to", default=None, metavar="IDENTITY",
                           help="the standby that should lead next (default: the first to "
                                "ask)")
+
+    # Its own flags (sidecar.operator.__main__); listed here for --help only.
+    commands.add_parser("operator", add_help=False,
+                        help="the admission webhook and the lease-role label reconciler "
+                             "(one Deployment; needs the operator image)")
     return parser
 
 
@@ -87,7 +92,13 @@ def _fail(message: str, code: int = EXIT_BAD_SETTINGS) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["operator"]:
+        # Imported only here: kopf and the kubernetes client never load in the sidecar.
+        from sidecar.operator.__main__ import main as operator
+
+        return operator(given[1:])
+    args = _parser().parse_args(given)
     flags = vars(args)
     try:
         # schema --print and handover connect to no backend.

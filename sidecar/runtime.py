@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import os
 from typing import Any
@@ -44,8 +43,7 @@ def pod_label_wanted(settings: Settings) -> bool:
         return True
     if settings.pod_label == "off":
         return False
-    in_pod = bool(settings.pod_name and settings.pod_namespace)
-    return in_pod and importlib.util.find_spec("kubernetes") is not None
+    return bool(settings.pod_name and settings.pod_namespace)  # "auto": in a pod
 
 
 class Sidecar:

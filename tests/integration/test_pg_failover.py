@@ -23,7 +23,10 @@ from sidecar.lease.pg_timeline import timeline_of
 from testkit.chaos.backends import Timing, make_env
 from testkit.chaos.failover import gaps, token_problems
 from testkit.chaos.harness import Config, Harness
-from testkit.chaos.recorder import Recorder
+from testkit.chaos.recorder import Recorder, Target
+from testkit.support import SidecarProcess
+from testkit.testbed.postgres import PgServer
+from tests.integration.advisory_support import DEADLINE, FAST
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -48,6 +51,45 @@ async def test_failover_during_lag_never_gives_two_leaders_or_an_old_token(
     assert {timeline_of(int(s.token)) for s in spans if s.token} == {1, 2, 3}
     assert len(gaps(result)) == 2
     assert own_tracebacks("".join(m.process.logs() for m in result.members)) == []
+
+
+async def test_server_restarts_cost_one_token_each_and_no_term(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Advisory lock, fast and immediate restarts: the first holder after a restart waits
+    out ``renew_deadline - uptime`` heartbeating, so its term survives: one new token per
+    restart at most, and no term ends because its validity ran out."""
+    server = await asyncio.to_thread(lambda: PgServer().init())
+    procs = []
+    try:
+        procs = [SidecarProcess(tmp_path, f"restart-{i}", args=["--name", "jobs", *FAST],
+                                env={"LEASE_BACKEND": "postgres",
+                                     "LEASE_DSN": server.dsn}).start() for i in range(3)]
+        for proc in procs:
+            await asyncio.to_thread(proc.wait_http)
+        recorder = Recorder([Target(p.identity, p.url, p.state_dir / "leader")
+                             for p in procs], claim_horizon=0.25)
+        await recorder.start()
+        try:
+            await until_leader(recorder)
+            new_tokens = []
+            for mode in ("fast", "immediate", "fast", "immediate"):
+                before = {s.token for s in recorder.spans}
+                await asyncio.to_thread(server.stop, mode)
+                await asyncio.to_thread(server.start)
+                await until_leader(recorder)
+                await asyncio.sleep(DEADLINE + 1.5)  # a wasted term would show by now
+                new_tokens.append({s.token for s in recorder.spans} - before)
+        finally:
+            await recorder.stop()
+        assert all(len(tokens) <= 1 for tokens in new_tokens), new_tokens
+        assert token_problems(recorder.spans) == []
+        logs = "".join(p.logs() for p in procs)
+        assert "validity ran out" not in logs
+        assert own_tracebacks(logs) == []
+    finally:
+        for proc in procs:
+            proc.stop()
+        await asyncio.to_thread(server.destroy)
 
 
 def own_tracebacks(logs: str) -> list[str]:

@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # What a sidecar is told, as data.
     ("sidecar.settings",),
     # The Kubernetes API client, and what a contender may claim.
-    ("sidecar.kube", "sidecar.state"),
+    ("sidecar.kube", "sidecar.kubeapi", "sidecar.state"),
     # The lease contract, the registry and every backend.
     ("sidecar.lease",),
     # The election loop and everything that reads the state.
@@ -32,8 +32,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sidecar.config", "sidecar.statedir", "sidecar.runtime"),
     # Entry points.
     ("sidecar.cli", "sidecar.cli_exec", "sidecar.cli_handover", "sidecar.cli_status",
-     "sidecar.__main__",
-     "sidecar.supervise", "sidecar.guard", "sidecar.injector"),
+     "sidecar.__main__", "sidecar.supervise", "sidecar.guard", "sidecar.injector",
+     "sidecar.operator"),
 )
 
 # Within the lease layer: the contract never imports a backend (the registry loads them

@@ -61,6 +61,7 @@ class AdvisoryLease:
         self.lost = self._link.lost
         # Loop time before which no claim (a server restart or a promotion).
         self._claims_wait_until = 0.0
+        self._out_of_range_logged = False
         self.lock_id = lock_id
         self._halves = lock_halves(lock_id)
         self._timing = timing
@@ -318,8 +319,10 @@ class AdvisoryLease:
         fencing_token = token(int(timeline), int(counter))
         if fencing_token is None:
             self._link.drop()  # ending the session gives the lock back
-            log.error(OUT_OF_RANGE, extra={"lease": self.name, "timeline": timeline,
-                                           "counter": counter})
+            if not self._out_of_range_logged:  # it never heals: once is enough
+                self._out_of_range_logged = True
+                log.error(OUT_OF_RANGE, extra={"lease": self.name, "timeline": timeline,
+                                               "counter": counter})
             return Grant(held=False, reason=OUT_OF_RANGE)
         age = self._timelines.age(timeline, replied)
         if age < self._timing.renew_deadline:
