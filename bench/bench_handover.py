@@ -10,8 +10,9 @@ horizon); per trial, with both standbys in the race (the previous leader's sit-o
 waited out), the leader is asked to hand over to one of them picked at random, and the
 time from the request to the named standby's first ``200`` on ``GET /leader`` is taken
 (:mod:`testkit.handover`). A poller on every sidecar (~10 ms) counts overlapping claims
-(must be 0). Target: the named standby leads within two claim horizons + one round trip
-(200 ms + RTT here). Prints a table and writes ``bench/results/handover.json``.
+(must be 0) and gives the leaderless gap: from the end of the old leader's last claim to
+the named standby's first. Target: the named standby leads within two claim horizons +
+one round trip (200 ms + RTT here). Prints a table and writes ``bench/results/handover.json``.
 """
 
 from __future__ import annotations
@@ -57,12 +58,18 @@ def main() -> int:
                 assert where is not None
                 run = run_trials(backend, where, here, opts.trials, cli_every=0)
                 times = [t.seconds for t in run.trials]
+                gaps = [t.gap for t in run.trials if t.gap is not None]
                 results[backend] = {
-                    **summary(times), "overlapping_claims": run.overlaps,
+                    **summary(times),
+                    "leaderless_gap": summary(gaps) if gaps else None,
+                    "overlapping_claims": run.overlaps,
                     "claims_seen": run.claims,
                     "named_standby_led": len(run.trials)}
-                print(f"{backend:13} p50 {results[backend]['p50_ms']:7.1f} ms  "  # type: ignore[index]
-                      f"p99 {results[backend]['p99_ms']:7.1f} ms  "  # type: ignore[index]
+                gap = summary(gaps) if gaps else {"p50_ms": float("nan"),
+                                                  "p99_ms": float("nan")}
+                print(f"{backend:13} request->named leads p50 {summary(times)['p50_ms']:6.1f} "
+                      f"p99 {summary(times)['p99_ms']:6.1f} ms; leaderless gap p50 "
+                      f"{gap['p50_ms']:6.1f} p99 {gap['p99_ms']:6.1f} ms; "
                       f"overlaps {run.overlaps}", flush=True)
     finally:
         if server is not None:

@@ -47,6 +47,10 @@ class Trial:
     target: str
     seconds: float  # request sent -> the target answers 200
     via: str  # "http" or "cli"
+    sent_wall: float = 0.0
+    # From the end of the old leader's last claim to the target's first claim seen by
+    # the recorder: the time nobody led (None: the recorder saw too little).
+    gap: float | None = None
 
 
 @dataclass
@@ -84,7 +88,7 @@ def run_trials(backend: str, dsn: str, workdir: Path, trials: int, seed: int = 2
                 time.sleep(LEASE_DURATION + 0.5)
                 target = rng.choice([p for p in procs if p is not leader])
                 via = "cli" if cli_every and number % cli_every == 1 else "http"
-                sent = time.monotonic()
+                sent, sent_wall = time.monotonic(), time.time()
                 if via == "cli":
                     code = handover_cli(leader, target.identity)
                     assert code == 0, f"handover CLI exited {code}:\n{leader.logs()[-3000:]}"
@@ -94,12 +98,25 @@ def run_trials(backend: str, dsn: str, workdir: Path, trials: int, seed: int = 2
                 wait_until(lambda t=target: t.leader(timeout=0.5) == 200, timeout=30,
                            interval=0.002)
                 run.trials.append(Trial(leader.identity, target.identity,
-                                        time.monotonic() - sent, via))
+                                        time.monotonic() - sent, via, sent_wall))
             time.sleep(0.3)
         run.overlaps = len(recorder.overlaps())
         run.claims = len(recorder.claims)
+        for trial in run.trials:
+            trial.gap = leaderless_gap(recorder.claims, trial)
     finally:
         for proc in procs:
             proc.stop()
     return run
 
+
+def leaderless_gap(claims: list[tuple[str, float, float]], trial: Trial) -> float | None:
+    """Seconds between the old leader's last claim running out and the target's first
+    claim, both as the recorder saw them (wall clock of this one host)."""
+    first = min((seen for who, seen, _ in claims
+                 if who == trial.target and seen >= trial.sent_wall), default=None)
+    if first is None:
+        return None
+    last = max((until for who, seen, until in claims
+                if who == trial.leader and seen < first), default=None)
+    return None if last is None else max(0.0, first - last)
