@@ -21,7 +21,7 @@ import os
 import re
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -99,7 +99,7 @@ class Option:
     bounds: tuple[float, float] | None = None
     why_low: str = ""
     # The subcommands that offer this flag (and list it in their --help).
-    commands: frozenset[str] = field(default=frozenset({"run", "exec"}))
+    commands: frozenset[str] = frozenset({"run", "exec"})
 
 
 # ``run`` and ``exec`` hold a lease and take every setting; ``status`` only reads and
