@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import warnings
 
 from sidecar.clock import rfc3339
 from sidecar.redact import redact, redact_tree
@@ -39,5 +40,9 @@ def setup(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # Library warnings (urllib3's InsecureRequestWarning on every request to an apiserver
+    # whose TLS is not verified) become JSON log lines, each text once, not once a call.
+    logging.captureWarnings(True)
+    warnings.filterwarnings("once")
     # aiohttp's access log is off; its error logs stay. kopf is chatty at info.
     logging.getLogger("kopf").setLevel(max(logging.WARNING, root.level))

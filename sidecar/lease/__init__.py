@@ -45,6 +45,10 @@ class Grant:
     # Seconds from the reply before the first claim, when the backend knows the previous
     # holder may claim longer than one claim horizon (a server that just restarted).
     claim_delay: float = 0.0
+    # With ``held`` false: the holder is asked to end its term cooperatively (Kubernetes'
+    # ``preferredHolder``), so it steps down as on SIGTERM — unpublish, wait out its
+    # claims, then ``release`` — instead of just stopping.
+    release: bool = False
 
 
 @dataclass(frozen=True)
