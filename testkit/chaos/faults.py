@@ -16,7 +16,10 @@ from typing import Any
 PROCESS_FAULTS = ("sigkill", "sigstop", "sigterm")
 # Faults on the path between one sidecar and its backend (through the harness's proxy).
 NETWORK_FAULTS = ("cut", "latency", "partition")
-BACKEND_FAULTS = ("backend-restart",)
+# "foreign-write": someone else writes the lease (kubernetes: kubectl edits or deletes the
+# Lease, as an operator's runbook does); params["edit"] says which write.
+BACKEND_FAULTS = ("backend-restart", "foreign-write")
+FOREIGN_EDITS = ("holder-cleared", "holder-to-standby", "duration-1s", "deleted")
 ALL_FAULTS = PROCESS_FAULTS + NETWORK_FAULTS + BACKEND_FAULTS
 
 
@@ -81,6 +84,8 @@ class Schedule:
             return {"for": round(rng.uniform(0.2, 1.5 * lease), 3)}
         if kind == "backend-restart":
             return {"down_for": round(rng.uniform(0.0, 1.0), 3)}
+        if kind == "foreign-write":
+            return {"edit": rng.choice(FOREIGN_EDITS)}
         raise ValueError(f"unknown fault {kind!r}")
 
     def pause(self) -> float:

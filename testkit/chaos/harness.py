@@ -33,7 +33,13 @@ from typing import Any
 
 from testkit.chaos.backends import BackendEnv, Timing
 from testkit.chaos.checker import Verdict, check
-from testkit.chaos.faults import NETWORK_FAULTS, PROCESS_FAULTS, Fault, Schedule
+from testkit.chaos.faults import (
+    BACKEND_FAULTS,
+    NETWORK_FAULTS,
+    PROCESS_FAULTS,
+    Fault,
+    Schedule,
+)
 from testkit.chaos.recorder import Recorder, Target
 from testkit.support import SidecarProcess
 
@@ -198,7 +204,7 @@ class Harness:
 
     async def _inject_next(self, recorder: Recorder) -> Fault | None:
         allowed = tuple(k for k in self.config.faults
-                        if k == "backend-restart" or self._candidates(k))
+                        if k in BACKEND_FAULTS or self._candidates(k))
         if not allowed:
             return None
         kind = self.schedule.kind(allowed)
@@ -207,6 +213,12 @@ class Harness:
         if kind == "backend-restart":
             fault = Fault(len(self.faults), kind, time.time(), "backend", leader, params)
             await self.env.restart(params["down_for"])
+            fault.ended = time.time()
+        elif kind == "foreign-write":
+            others = sorted(m.identity for m in self.members if m.identity != leader)
+            params["standby"] = self.schedule.rng.choice(others) if others else ""
+            fault = Fault(len(self.faults), kind, time.time(), "backend", leader, params)
+            await self.env.foreign_write(params["edit"], params["standby"])
             fault.ended = time.time()
         else:
             by_name = {m.identity: m for m in self._candidates(kind)}

@@ -26,7 +26,7 @@ from testkit.kube_support import (
     sidecar,
     sidecars_in_pods,
 )
-from testkit.support import REPO, SidecarProcess, get_json, wait_until
+from testkit.support import REPO, ClaimRecorder, SidecarProcess, get_json, wait_until
 from testkit.testbed import gobuild
 from testkit.testbed.kube import ControlPlane, ControlPlaneError
 
@@ -289,3 +289,43 @@ def test_fields_we_do_not_own_survive_acquire_renew_and_release(
     assert released["spec"]["leaseTransitions"] == 42
     assert released["spec"]["acquireTime"] == released["spec"]["renewTime"] \
         > renewed["spec"]["renewTime"]
+
+
+def test_preferred_holder_ends_the_term_and_the_preferred_standby_leads(
+    coordinated_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    """client-go's cooperative end of term: the holder stops renewing once
+    ``preferredHolder`` names someone else. Ours also unpublishes, waits out its claims
+    and releases (as on SIGTERM), so the preferred standby leads within 2 s + one horizon
+    with no overlap, while the third defers to it; the field stays as it was written."""
+    cp = coordinated_control_plane
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace)
+    started = sidecars_in_pods(cp, namespace, tmp_path, kubeconfig, PODS)
+    procs = next(started)
+    try:
+        for _ in range(2):  # twice: the second hand-off starts from a preferred holder
+            holder = the_leader(procs)
+            before = get_json(holder.url + "/leader")[1]["fencing_token"]
+            target = next(p for p in procs if p is not holder)
+            with ClaimRecorder(procs) as recorder:
+                time.sleep(0.3)
+                sent = time.time()
+                cp.kubectl("-n", namespace, "patch", "lease", "lease-sidecar.jobs",
+                           "--type", "merge",
+                           "-p", json.dumps({"spec": {"preferredHolder": target.identity}}))
+                wait_until(lambda t=target: t.leader() == 200, timeout=5, interval=0.01)
+                took = time.time() - sent
+                time.sleep(0.5)
+            assert recorder.overlaps() == []
+            assert recorder.token_regressions() == []
+            assert took < 2.25, f"the preferred standby led {took:.2f}s after the patch"
+            assert leaders(procs) == [target]
+            assert get_json(target.url + "/leader")[1]["fencing_token"] > before
+            assert f"end of term: preferredHolder set to {target.identity}" in holder.logs()
+            spec = json.loads(cp.kubectl("-n", namespace, "get", "lease",
+                                         "lease-sidecar.jobs", "-o", "json").stdout)["spec"]
+            assert spec["preferredHolder"] == target.identity
+            assert spec["holderIdentity"] == target.identity
+    finally:
+        started.close()
