@@ -33,6 +33,9 @@ from sidecar.statedir import resolve_state_dir
 from sidecar.watchdog import WorkWatchdog
 
 log = logging.getLogger("sidecar")
+# While a sidecar lacks the credentials it needs, how often to look again (a kubeconfig
+# from an optional Secret can appear later; a pod's missing token never does).
+CREDENTIALS_RECHECK = 5.0
 
 
 def pod_label_wanted(settings: Settings) -> bool:
@@ -63,9 +66,11 @@ class Sidecar:
         self.backend: Backend | None = None
         self.electors: dict[str, Elector] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._no_credentials: str | None = None
+        self._credentials_checked = 0.0
         app = build_app(self.states, registry_for(self.states), status=self.status,
                         alive=self.alive, ready=self.ready, release=self.release,
-                        heartbeat=self.heartbeat)
+                        heartbeat=self.heartbeat, cannot_lead=self.cannot_lead)
         self.http = HttpServer(app, *settings.http_addr)
 
     @property
@@ -92,6 +97,7 @@ class Sidecar:
                      extra={"identity": self.settings.identity})
             return
         self.backend = create_backend(self.settings, self.clock)
+        self._check_credentials()
         for state in self.states:
             elector = Elector(self.backend.lease(state.lease), state, self.settings.timing,
                               self.settings.identity, self.publishers)
@@ -148,6 +154,37 @@ class Sidecar:
 
     def ready(self) -> bool:
         return all(state.facts.backend_ok for state in self.states)
+
+    def cannot_lead(self) -> str | None:
+        """Why this contender can never lead as configured, for ``/healthz`` and
+        ``/readyz`` (``503`` with this reason); None if nothing stands in its way.
+
+        Only missing credentials for the kubernetes backend: the sidecar runs, but no
+        retry can ever reach its Lease. Not a liveness failure (``/livez``): a restart
+        brings no token. Looked at again every few seconds, and logged once each way.
+        """
+        if self._no_credentials and (self.clock.monotonic() - self._credentials_checked
+                                     >= CREDENTIALS_RECHECK):
+            self._check_credentials()
+        return self._no_credentials
+
+    def _check_credentials(self) -> None:
+        if self.settings.store.backend != "kubernetes":
+            return
+        from sidecar.kube import credentials_problem
+
+        self._credentials_checked = self.clock.monotonic()
+        problem = credentials_problem()
+        if problem and not self._no_credentials:
+            hint = (" (the pod mounts no ServiceAccount token: automountServiceAccountToken "
+                    "false?)" if os.environ.get("KUBERNETES_SERVICE_HOST") else "")
+            self._no_credentials = f"cannot lead: {problem}{hint}"
+            log.error("no kubernetes credentials: this sidecar can never lead until it has "
+                      "some; /healthz and /readyz answer 503",
+                      extra={"reason": self._no_credentials})
+        elif not problem and self._no_credentials:
+            self._no_credentials = None
+            log.info("kubernetes credentials found")
 
     def release(self, name: str | None) -> ReleaseOutcome:
         """``POST /release``: only a holder can step down; a standby's refusal is final."""

@@ -7,9 +7,16 @@ that spec into a Pod:
 
 * the sidecar goes first in ``initContainers`` (a native sidecar, ``restartPolicy:
   Always``), so it starts before the app and any other init container, and stops after;
-* the spec's volumes are added unless the Pod already has a volume of that name;
+* the spec's volumes are added;
 * every app container gets the lease directory mounted read-only and the spec's app
   env (``LEASE_LEADER_FILE`` / ``LEASE_LEADER_URL``) unless it sets those names itself.
+
+A Pod the sidecar could not serve is refused, each case with its own message
+(:func:`conflict`), rather than injected with a sidecar that fails closed silently:
+no ServiceAccount token while the sidecar needs the API, an app mount at the state
+directory, a volume named like one of the sidecar's, an app port equal to the sidecar's,
+``hostNetwork``. The names checked come from the chart-rendered spec (the state
+directory from ``appMount``, the volumes, the container's port), never from here.
 
 Per-pod settings come from annotations (``lease-sidecar/name``, ``lease-sidecar/role``)
 and are validated here with the sidecar's own rules (for the kubernetes backend, the
@@ -51,6 +58,10 @@ OVERRIDES = {
 }
 # What the sidecar assumes when the chart-rendered spec does not say (sidecar.config).
 DEFAULT_KEY_PREFIX = "lease-sidecar"
+DEFAULT_POD_LABEL = "auto"
+# Where Kubernetes mounts a ServiceAccount token and where in-cluster clients read it
+# (token and ca.crt): the convention of kubelet and every client library.
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class InjectionError(ValueError):
@@ -73,6 +84,21 @@ class InjectionSpec:
     def container_name(self) -> str:
         return str(self.container["name"])
 
+    @property
+    def state_dir(self) -> str:
+        """Where the lease directory is mounted (in the sidecar and every app container)."""
+        return str(self.app_mount["mountPath"])
+
+    @property
+    def volume_names(self) -> set[str]:
+        return {str(v["name"]) for v in self.volumes}
+
+    @property
+    def ports(self) -> set[int]:
+        """The ports the sidecar listens on (its HTTP port)."""
+        return {int(p["containerPort"]) for p in self.container.get("ports") or []
+                if "containerPort" in p}
+
     def env(self, name: str) -> str | None:
         """The sidecar's literal env value ``name`` (the last one wins, as in a Pod)."""
         found = None
@@ -80,6 +106,10 @@ class InjectionSpec:
             if item.get("name") == name and "value" in item:
                 found = str(item["value"])
         return found
+
+    def sets(self, name: str) -> bool:
+        """The sidecar's env has ``name``, as a value or from a field (POD_NAME)."""
+        return any(item.get("name") == name for item in self.container.get("env") or [])
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InjectionSpec:
@@ -136,7 +166,7 @@ def pod_problem(pod: Any) -> str | None:
             return f"spec.{key} is not a list of maps"
     for key in ("initContainers", "containers"):
         for i, container in enumerate((spec or {}).get(key) or []):
-            for field in ("env", "volumeMounts"):
+            for field in ("env", "volumeMounts", "ports"):
                 if not _list_of_maps(container.get(field)):
                     return f"spec.{key}[{i}].{field} is not a list of maps"
     return None
@@ -179,6 +209,116 @@ def check_names(value: str, spec: InjectionSpec) -> None:
                 f"the release's Role does not grant the Lease {lease!r} (it grants "
                 f"{', '.join(spec.lease_objects) or 'none'}): add {name!r} to the chart "
                 f"value rbac.leaseNames, or set rbac.anyLease=true")
+
+
+def needs_api(spec: InjectionSpec, overrides: dict[str, str]) -> str | None:
+    """What the injected sidecar needs the Kubernetes API for (a few words for messages);
+    None if nothing: then it runs without a ServiceAccount token. The rules of
+    sidecar.runtime (pod_label_wanted) and sidecar.config, read off the spec's env."""
+    reasons = []
+    role = overrides.get("LEASE_ROLE") or spec.env("LEASE_ROLE") or "all"
+    if spec.env("LEASE_BACKEND") == "kubernetes" and role != "api":
+        reasons.append("its Lease (kubernetes backend)")
+    label = spec.env("LEASE_POD_LABEL") or DEFAULT_POD_LABEL
+    if label == "on" or (label == "auto" and spec.sets("POD_NAME")
+                         and spec.sets("POD_NAMESPACE")):
+        reasons.append("the lease-role label and pod Events (lease.podLabel)")
+    return " and ".join(reasons) or None
+
+
+def _token_sources(volume: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sources of a projected volume ([] for any other volume)."""
+    projected = volume.get("projected")
+    sources = projected.get("sources") if isinstance(projected, dict) else None
+    return [s for s in sources or [] if isinstance(s, dict)]
+
+
+def _token_problem(volume: dict[str, Any]) -> str | None:
+    """Why ``volume`` does not give an in-cluster client its ServiceAccount credentials
+    (``token`` and ``ca.crt``, as ServiceAccount admission projects them); None if it does."""
+    sources = _token_sources(volume)
+    if not any((s.get("serviceAccountToken") or {}).get("path") == "token" for s in sources):
+        return "no serviceAccountToken source with path token"
+    for source in sources:
+        config_map = source.get("configMap")
+        items = config_map.get("items") if isinstance(config_map, dict) else None
+        if isinstance(config_map, dict) and (not items or any(
+                isinstance(i, dict) and i.get("path") == "ca.crt" for i in items)):
+            return None
+    return "no configMap source giving ca.crt"
+
+
+def _own_token_volume(pod: dict[str, Any]) -> str | None:
+    """The pod volume holding a ServiceAccount token and CA (the one ServiceAccount
+    admission adds, or one the pod projects itself); None if there is none."""
+    for volume in (pod.get("spec") or {}).get("volumes") or []:
+        if _token_problem(volume) is None:
+            return str(volume.get("name"))
+    return None
+
+
+def _containers(pod: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    spec = pod.get("spec") or {}
+    return [(key, c) for key in ("initContainers", "containers") for c in spec.get(key) or []]
+
+
+def _under(path: str, directory: str) -> bool:
+    path, directory = path.rstrip("/") or "/", directory.rstrip("/") or "/"
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def conflict(pod: dict[str, Any], spec: InjectionSpec, overrides: dict[str, str]) -> str | None:
+    """Why the sidecar could not serve ``pod`` (one line for the admission answer); None
+    if nothing stands in its way. Each case has its own message."""
+    pod_spec = pod.get("spec") or {}
+    if pod_spec.get("hostNetwork") is True:
+        return ("hostNetwork: true: the sidecar would listen on the node's network, so its "
+                "/status, /metrics and the loopback-only POST /release would be open to "
+                "every process on the node, and two such pods on one node would need the "
+                f"same port ({', '.join(map(str, sorted(spec.ports)))}); run the pod "
+                "without hostNetwork, or declare the sidecar in its manifest yourself")
+    volumes = spec.volume_names
+    for volume in pod_spec.get("volumes") or []:
+        if volume.get("name") in volumes:
+            return (f"the pod already has a volume named {volume['name']!r}, the name of "
+                    f"the sidecar's own volume ({', '.join(sorted(volumes))}): rename it")
+    for key, container in _containers(pod):
+        for mount in container.get("volumeMounts") or []:
+            where = f"container {container.get('name')!r} ({key})"
+            if mount.get("name") in volumes:
+                return (f"{where} mounts a volume named {mount['name']!r}, the name of the "
+                        f"sidecar's own volume: rename it")
+            if key == "containers" and _under(str(mount.get("mountPath", "")), spec.state_dir):
+                return (f"{where} already mounts {mount.get('name')!r} at "
+                        f"{mount.get('mountPath')}, inside the sidecar's state directory "
+                        f"{spec.state_dir} where the app reads the leader file: mount it "
+                        f"elsewhere")
+        for port in container.get("ports") or []:
+            if port.get("containerPort") in spec.ports and port.get(
+                    "protocol", "TCP") == "TCP":
+                return (f"container {container.get('name')!r} ({key}) uses port "
+                        f"{port['containerPort']}, the sidecar's HTTP port: one of them "
+                        f"could not listen; move the app, or the sidecar with the chart "
+                        f"value sidecar.port")
+    needs = needs_api(spec, overrides)
+    if needs is None or _own_token_volume(pod) is not None:
+        return None
+    fix = ("mount a projected volume with a serviceAccountToken source (path token) and "
+           "the CA (ca.crt) in the pod")
+    if pod_spec.get("automountServiceAccountToken") is False:
+        return (f"automountServiceAccountToken: false: the sidecar needs the Kubernetes API "
+                f"for {needs} and would get no ServiceAccount token, so it could never "
+                f"work; remove that setting, or {fix}")
+    projected = [v for v in pod_spec.get("volumes") or []
+                 if any("serviceAccountToken" in s for s in _token_sources(v))]
+    if projected:
+        return (f"the pod's projected token volume {projected[0].get('name')!r} has "
+                f"{_token_problem(projected[0])}: the sidecar needs the Kubernetes API for "
+                f"{needs}")
+    account = pod_spec.get("serviceAccountName") or "default"
+    return (f"the pod gets no ServiceAccount token (its ServiceAccount {account!r} sets "
+            f"automountServiceAccountToken: false): the sidecar needs the Kubernetes API "
+            f"for {needs}; set automountServiceAccountToken: true on the pod, or {fix}")
 
 
 def _overrides(pod: dict[str, Any], spec: InjectionSpec) -> dict[str, str]:
@@ -224,11 +364,9 @@ def _sidecar(spec: InjectionSpec, overrides: dict[str, str]) -> dict[str, Any]:
 
 
 def _mount_app(container: dict[str, Any], spec: InjectionSpec) -> None:
-    mounts = container.setdefault("volumeMounts", [])
-    taken = any(m.get("mountPath") == spec.app_mount["mountPath"]
-                or m.get("name") == spec.app_mount["name"] for m in mounts)
-    if not taken:
-        mounts.append(copy.deepcopy(spec.app_mount))
+    # conflict() has refused a container that mounts anything at the state directory or
+    # a volume named like one of the sidecar's, so the mount goes in as it is.
+    container.setdefault("volumeMounts", []).append(copy.deepcopy(spec.app_mount))
     env = container.setdefault("env", [])
     present = {e.get("name") for e in env}
     env.extend(copy.deepcopy(e) for e in spec.app_env if e["name"] not in present)
@@ -246,12 +384,19 @@ def inject(pod: dict[str, Any], spec: InjectionSpec) -> bool:
     if not opted_in(pod) or already_injected(pod, spec):
         return False
     overrides = _overrides(pod, spec)  # validate before touching anything
+    problem = conflict(pod, spec, overrides)
+    if problem:
+        raise InjectionError(problem)
     pod_spec = pod.setdefault("spec", {})
-    pod_spec["initContainers"] = [_sidecar(spec, overrides),
-                                  *(pod_spec.get("initContainers") or [])]
-    volumes = pod_spec.setdefault("volumes", [])
-    present = {v.get("name") for v in volumes}
-    volumes.extend(copy.deepcopy(v) for v in spec.volumes if v["name"] not in present)
+    sidecar = _sidecar(spec, overrides)
+    token_volume = _own_token_volume(pod)
+    if token_volume is not None and pod_spec.get("automountServiceAccountToken") is False:
+        # ServiceAccount admission mounts nothing into our container then: mount the
+        # token the pod brought, where in-cluster clients look for it.
+        sidecar.setdefault("volumeMounts", []).append(
+            {"name": token_volume, "mountPath": SERVICE_ACCOUNT_DIR, "readOnly": True})
+    pod_spec["initContainers"] = [sidecar, *(pod_spec.get("initContainers") or [])]
+    pod_spec.setdefault("volumes", []).extend(copy.deepcopy(v) for v in spec.volumes)
     for container in pod_spec.get("containers") or []:
         _mount_app(container, spec)
     metadata = pod.setdefault("metadata", {})

@@ -79,8 +79,9 @@ def test_sidecar_is_a_native_sidecar_with_shared_dir_and_probes() -> None:
     assert env["LEASE_HTTP_ADDR"] == "0.0.0.0:8099"
     assert env["LEASE_STATE_DIR"] == "/run/lease"
     for probe in ("startupProbe", "livenessProbe"):
-        assert sidecar[probe]["httpGet"] == {"path": "/healthz", "port": "lease-http"}
-    # Readiness of a native sidecar gates the pod: /healthz by default (see values.yaml).
+        assert sidecar[probe]["httpGet"] == {"path": "/livez", "port": "lease-http"}
+    # Readiness of a native sidecar gates the pod: /healthz by default (see values.yaml),
+    # which also fails while the sidecar can never lead; a restart would not help that.
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/healthz"
     security = sidecar["securityContext"]
     assert security["runAsNonRoot"] is True and security["readOnlyRootFilesystem"] is True

@@ -238,7 +238,7 @@ def test_opted_in_pod_is_stored_with_the_sidecar(env: Env) -> None:
     # ServiceAccount admission re-ran after the webhook and gave the injected sidecar the
     # API token that the kubernetes backend and the lease-role label need.
     assert "/var/run/secrets/kubernetes.io/serviceaccount" in mounts
-    assert sidecar["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert sidecar["startupProbe"]["httpGet"]["path"] == "/livez"
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["lease-state"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}
     assert "lease-sidecar-tmp" in volumes
@@ -576,3 +576,79 @@ def test_failure_policy_with_the_injector_stopped(env: Env) -> None:
     assert "initContainers" not in stored["spec"]
     assert "lease-sidecar/injected" not in (stored["metadata"].get("annotations") or {})
 
+
+
+# -- pods the sidecar could not serve: each refused with its own message -----------------
+
+def _unservable(env: Env, case: str) -> dict[str, Any]:
+    pod = env.pod(f"unservable-{case}", labels={LABEL: "true"})
+    spec, app = pod["spec"], pod["spec"]["containers"][0]
+    if case == "automount":
+        spec["automountServiceAccountToken"] = False
+    elif case == "mount":
+        spec["volumes"] = [{"name": "mine", "emptyDir": {}}]
+        app["volumeMounts"] = [{"name": "mine", "mountPath": "/run/lease"}]
+    elif case == "volume":
+        spec["volumes"] = [{"name": "lease-state", "hostPath": {"path": "/srv/lease"}}]
+    elif case == "port":
+        app["ports"] = [{"containerPort": 8099}]
+    elif case == "hostnetwork":
+        spec["hostNetwork"] = True
+    return pod
+
+
+REFUSALS = {
+    "automount": "automountServiceAccountToken: false: the sidecar needs the Kubernetes API "
+                 "for its Lease (kubernetes backend) and the lease-role label and pod Events "
+                 "(lease.podLabel) and would get no ServiceAccount token",
+    "mount": "container 'app' (containers) already mounts 'mine' at /run/lease, inside the "
+             "sidecar's state directory /run/lease where the app reads the leader file",
+    "volume": "the pod already has a volume named 'lease-state', the name of the sidecar's "
+              "own volume (lease-sidecar-tmp, lease-state): rename it",
+    "port": "container 'app' (containers) uses port 8099, the sidecar's HTTP port",
+    "hostnetwork": "hostNetwork: true: the sidecar would listen on the node's network",
+}
+
+
+def test_each_pod_the_sidecar_cannot_serve_is_refused_with_its_own_message(env: Env) -> None:
+    """Before: all five were injected; the sidecar then failed closed (no token: /leader
+    503 forever while /healthz said 200), or the app never saw the leader file, or two
+    pods on a node shared one (a hostPath named lease-state), or a bind failed, or the
+    sidecar's POST /release was open to the node."""
+    for case, message in REFUSALS.items():
+        proc = env.create(_unservable(env, case))
+        assert proc.returncode != 0, case
+        assert message in proc.stderr, (case, proc.stderr)
+        assert [m for c, m in REFUSALS.items() if c != case and m in proc.stderr] == []
+        assert env.cp.kubectl("-n", env.namespace, "get", "pod", f"unservable-{case}",
+                              check=False).returncode != 0
+
+
+def test_a_serviceaccount_without_automount_refuses_the_pod(env: Env) -> None:
+    """The pod does not say, its ServiceAccount does: ServiceAccount admission, which runs
+    before the webhook, then added no token, and that is what the injector sees."""
+    env.cp.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": "tokenless", "namespace": env.namespace},
+        "automountServiceAccountToken": False}))
+    pod = env.pod("tokenless", labels={LABEL: "true"})
+    pod["spec"]["serviceAccountName"] = "tokenless"
+    proc = env.create(pod)
+    assert proc.returncode != 0
+    assert ("the pod gets no ServiceAccount token (its ServiceAccount 'tokenless' sets "
+            "automountServiceAccountToken: false): the sidecar needs the Kubernetes API"
+            ) in proc.stderr
+
+
+def test_a_pod_bringing_its_own_token_gets_it_mounted_in_the_sidecar(env: Env) -> None:
+    pod = env.pod("own-token", labels={LABEL: "true"})
+    pod["spec"]["automountServiceAccountToken"] = False
+    pod["spec"]["volumes"] = [{"name": "my-token", "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
+        {"configMap": {"name": "kube-root-ca.crt",
+                       "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]}}]
+    proc = env.create(pod)
+    assert proc.returncode == 0, proc.stderr
+    sidecar = env.stored("own-token")["spec"]["initContainers"][0]
+    assert {"name": "my-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+            "readOnly": True} in sidecar["volumeMounts"]

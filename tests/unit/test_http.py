@@ -194,6 +194,31 @@ async def test_renews_do_not_end_a_blocking_query():
         await client.close()
 
 
+async def test_a_contender_that_can_never_lead_fails_healthz_and_readyz_not_livez():
+    """/healthz is the chart's readiness: it must not call a sidecar without credentials
+    healthy; /livez (liveness, startup) stays 200, since a restart brings none."""
+    clock = FakeClock()
+    states = [LeaseState(lease="first", identity="me", role="all", claim_horizon=0.25,
+                         clock=clock)]
+    reason: list[str | None] = ["cannot lead: kubernetes: no usable credentials"]
+    app = build_app(states, registry_for(states), status=lambda: {}, alive=lambda: True,
+                    ready=lambda: True, release=lambda name: "not-holding",
+                    cannot_lead=lambda: reason[0])
+    client = await client_for(app)
+    try:
+        livez = await client.get("/livez")
+        assert (livez.status, await livez.json()) == (200, {"ok": True})
+        for path in ("/healthz", "/readyz"):
+            response = await client.get(path)
+            assert response.status == 503
+            assert await response.json() == {"ok": False, "reason": reason[0]}
+        reason[0] = None
+        for path in ("/livez", "/healthz", "/readyz"):
+            assert (await client.get(path)).status == 200
+    finally:
+        await client.close()
+
+
 async def test_other_endpoints_and_errors():
     clock = FakeClock()
     released: list[str | None] = []

@@ -21,6 +21,14 @@ SPEC = InjectionSpec.from_json({
 })
 
 
+# The token volume ServiceAccount admission adds before any webhook sees the pod.
+TOKEN_VOLUME = {"name": "kube-api-access-x7k2p", "projected": {"sources": [
+    {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+    {"downwardAPI": {"items": [{"path": "namespace",
+                                "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
+
+
 def _pod(labels: dict[str, str] | None = None, **annotations: str) -> dict[str, Any]:
     """An opted-in pod naming the lease "web" unless the annotations say otherwise."""
     return {"metadata": {"labels": labels if labels is not None
@@ -29,7 +37,8 @@ def _pod(labels: dict[str, str] | None = None, **annotations: str) -> dict[str, 
             "spec": {"initContainers": [{"name": "migrate"}],
                      "containers": [{"name": "app", "env": [
                          {"name": "LEASE_LEADER_FILE", "value": "/custom"}]},
-                                    {"name": "logs"}]}}
+                                    {"name": "logs"}],
+                     "volumes": [copy.deepcopy(TOKEN_VOLUME)]}}
 
 
 def test_injects_first_native_sidecar_volume_mounts_and_env() -> None:
@@ -37,7 +46,7 @@ def test_injects_first_native_sidecar_volume_mounts_and_env() -> None:
     assert inject(pod, SPEC) is True
     spec = pod["spec"]
     assert [c["name"] for c in spec["initContainers"]] == ["lease-sidecar", "migrate"]
-    assert spec["volumes"] == SPEC.volumes
+    assert spec["volumes"] == [TOKEN_VOLUME, *SPEC.volumes]
     for app in spec["containers"]:
         assert SPEC.app_mount in app["volumeMounts"]
     # An app's own setting wins over the injected hint.
@@ -110,13 +119,6 @@ def test_bad_annotation_is_refused_before_any_change(annotation: str, value: str
     with pytest.raises(InjectionError, match=message):
         inject(pod, SPEC)
     assert pod == before
-
-
-def test_existing_volume_of_that_name_is_kept() -> None:
-    pod = _pod()
-    pod["spec"]["volumes"] = [{"name": "lease-state", "emptyDir": {"medium": "Memory"}}]
-    inject(pod, SPEC)
-    assert pod["spec"]["volumes"] == [{"name": "lease-state", "emptyDir": {"medium": "Memory"}}]
 
 
 def test_spec_must_be_a_native_sidecar(tmp_path: Path) -> None:
@@ -222,3 +224,194 @@ def test_an_override_keeps_the_variables_place() -> None:
     assert env == [{"name": "LEASE_BACKEND", "value": "kubernetes"},
                    {"name": "LEASE_NAME", "value": "web"},
                    {"name": "LEASE_KEY_PREFIX", "value": "lease-sidecar"}]
+
+
+# -- pods the sidecar could not serve: each refused with its own message -----------------
+
+KUBE = InjectionSpec.from_json({
+    "container": {"name": "lease-sidecar", "image": "lease-sidecar:1", "restartPolicy": "Always",
+                  "ports": [{"name": "lease-http", "containerPort": 8099, "protocol": "TCP"}],
+                  "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {
+                              "fieldPath": "metadata.name"}}},
+                          {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {
+                              "fieldPath": "metadata.namespace"}}},
+                          {"name": "LEASE_BACKEND", "value": "kubernetes"},
+                          {"name": "LEASE_NAME", "value": "default"},
+                          {"name": "LEASE_POD_LABEL", "value": "auto"}]},
+    "volumes": [{"name": "lease-state", "emptyDir": {}}, {"name": "lease-sidecar-tmp",
+                                                           "emptyDir": {}}],
+    "appMount": {"name": "lease-state", "mountPath": "/run/lease", "readOnly": True},
+})
+
+
+def _refused(pod: dict[str, Any], spec: InjectionSpec = KUBE) -> str:
+    """The refusal message; the pod is left exactly as it was."""
+    before = copy.deepcopy(pod)
+    with pytest.raises(InjectionError) as caught:
+        inject(pod, spec)
+    assert pod == before
+    return str(caught.value)
+
+
+def test_automount_false_is_refused_when_the_sidecar_needs_the_api() -> None:
+    """Before: injected; the sidecar answered /leader 503 forever, /healthz 200."""
+    pod = _pod()
+    pod["spec"]["automountServiceAccountToken"] = False
+    del pod["spec"]["volumes"]  # ServiceAccount admission added none
+    message = _refused(pod)
+    assert message.startswith(
+        "automountServiceAccountToken: false: the sidecar needs the Kubernetes API for its "
+        "Lease (kubernetes backend) and the lease-role label and pod Events "
+        "(lease.podLabel) and would get no ServiceAccount token")
+    assert "mount a projected volume with a serviceAccountToken source" in message
+
+
+def test_a_serviceaccount_without_automount_is_refused_by_its_missing_token() -> None:
+    """The pod does not say, its ServiceAccount does: admission then added no token
+    volume, which is what the injector sees."""
+    pod = _pod()
+    pod["spec"]["serviceAccountName"] = "builder"
+    del pod["spec"]["volumes"]
+    assert _refused(pod).startswith(
+        "the pod gets no ServiceAccount token (its ServiceAccount 'builder' sets "
+        "automountServiceAccountToken: false): the sidecar needs the Kubernetes API for its "
+        "Lease (kubernetes backend)")
+
+
+def test_automount_false_with_a_projected_token_of_its_own_is_injected() -> None:
+    """The pod brings its token: the sidecar gets it where in-cluster clients look."""
+    pod = _pod()
+    pod["spec"]["automountServiceAccountToken"] = False
+    pod["spec"]["volumes"] = [{**TOKEN_VOLUME, "name": "my-token"}]
+    assert inject(pod, KUBE) is True
+    sidecar = pod["spec"]["initContainers"][0]
+    assert {"name": "my-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+            "readOnly": True} in sidecar["volumeMounts"]
+    # With automount on, ServiceAccount admission mounts it (it runs again after us).
+    pod = _pod()
+    assert inject(pod, KUBE) is True
+    assert "volumeMounts" not in pod["spec"]["initContainers"][0]
+
+
+def test_a_projected_token_without_the_ca_is_refused() -> None:
+    pod = _pod()
+    pod["spec"]["automountServiceAccountToken"] = False
+    pod["spec"]["volumes"] = [{"name": "my-token", "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token"}}]}}]
+    assert _refused(pod).startswith("automountServiceAccountToken: false: ")
+    pod["spec"]["automountServiceAccountToken"] = True
+    assert _refused(pod).startswith("the pod's projected token volume 'my-token' has no "
+                                    "configMap source giving ca.crt")
+
+
+@pytest.mark.parametrize(("env", "needed"), [
+    ({"LEASE_BACKEND": "postgres", "LEASE_POD_LABEL": "off"}, False),
+    ({"LEASE_BACKEND": "postgres", "LEASE_POD_LABEL": "on"}, True),
+    ({"LEASE_BACKEND": "postgres", "LEASE_POD_LABEL": "auto"}, True),  # POD_NAME is set
+    ({"LEASE_BACKEND": "kubernetes", "LEASE_POD_LABEL": "off"}, True),
+    ({"LEASE_BACKEND": "kubernetes", "LEASE_POD_LABEL": "off", "LEASE_ROLE": "api"}, False),
+])
+def test_a_token_is_required_only_when_the_sidecar_needs_the_api(env: dict[str, str],
+                                                                 needed: bool) -> None:
+    given = [{"name": k, "value": v} for k, v in env.items()]
+    spec = InjectionSpec(container={**KUBE.container, "env": [
+        *KUBE.container["env"][:2], *given]}, volumes=KUBE.volumes, app_mount=KUBE.app_mount,
+        app_env=[])
+    pod = _pod()
+    pod["spec"]["automountServiceAccountToken"] = False
+    del pod["spec"]["volumes"]
+    if needed:
+        assert _refused(pod, spec).startswith("automountServiceAccountToken: false")
+    else:
+        assert inject(pod, spec) is True
+
+
+def test_the_role_annotation_counts_for_the_api() -> None:
+    spec = InjectionSpec(container={**KUBE.container, "env": [
+        {"name": "LEASE_BACKEND", "value": "kubernetes"}]}, volumes=KUBE.volumes,
+        app_mount=KUBE.app_mount, app_env=[])
+    pod = _pod(**{"lease-sidecar/role": "api"})
+    pod["spec"]["automountServiceAccountToken"] = False
+    assert inject(pod, spec) is True
+
+
+@pytest.mark.parametrize("path", ["/run/lease", "/run/lease/", "/run/lease/leader"])
+def test_an_app_mount_in_the_state_directory_is_refused(path: str) -> None:
+    """Before: the app kept its own mount and never saw the leader file."""
+    pod = _pod()
+    pod["spec"]["containers"][1]["volumeMounts"] = [{"name": "mine", "mountPath": path}]
+    assert _refused(pod) == (
+        f"container 'logs' (containers) already mounts 'mine' at {path}, inside the "
+        f"sidecar's state directory /run/lease where the app reads the leader file: mount "
+        f"it elsewhere")
+
+
+def test_mounts_beside_the_state_directory_are_fine() -> None:
+    pod = _pod()
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "a", "mountPath": "/run"},
+                                                    {"name": "b", "mountPath": "/run/leases"}]
+    assert inject(pod, KUBE) is True
+    # An init container that ends before the app may use the path (it gets no mount).
+    pod = _pod()
+    pod["spec"]["initContainers"][0]["volumeMounts"] = [{"name": "c", "mountPath": "/run/lease"}]
+    assert inject(pod, KUBE) is True
+
+
+@pytest.mark.parametrize("name", ["lease-state", "lease-sidecar-tmp"])
+def test_a_volume_named_like_the_sidecars_is_refused(name: str) -> None:
+    """Before: the pod's volume was reused whatever its type; with a shared hostPath two
+    pods on a node read one leader file."""
+    pod = _pod()
+    pod["spec"]["volumes"].append({"name": name, "hostPath": {"path": "/srv/lease"}})
+    assert _refused(pod) == (
+        f"the pod already has a volume named {name!r}, the name of the sidecar's own volume "
+        f"(lease-sidecar-tmp, lease-state): rename it")
+
+
+def test_a_mount_of_a_sidecar_volume_name_is_refused() -> None:
+    pod = _pod()
+    pod["spec"]["initContainers"][0]["volumeMounts"] = [{"name": "lease-state",
+                                                         "mountPath": "/data"}]
+    assert _refused(pod) == ("container 'migrate' (initContainers) mounts a volume named "
+                             "'lease-state', the name of the sidecar's own volume: rename it")
+
+
+@pytest.mark.parametrize("key", ["containers", "initContainers"])
+def test_an_app_port_equal_to_the_sidecars_is_refused(key: str) -> None:
+    """Before: injected; one of the two binds then failed at run time."""
+    pod = _pod()
+    pod["spec"][key][0]["ports"] = [{"containerPort": 8099}]
+    name = pod["spec"][key][0]["name"]
+    assert _refused(pod) == (
+        f"container {name!r} ({key}) uses port 8099, the sidecar's HTTP port: one of them "
+        f"could not listen; move the app, or the sidecar with the chart value sidecar.port")
+    pod["spec"][key][0]["ports"] = [{"containerPort": 8099, "protocol": "UDP"},
+                                    {"containerPort": 8080}]
+    assert inject(pod, KUBE) is True
+
+
+def test_host_network_is_refused() -> None:
+    """Before: injected, with /status, /metrics and POST /release open to the node."""
+    pod = _pod()
+    pod["spec"]["hostNetwork"] = True
+    assert _refused(pod).startswith(
+        "hostNetwork: true: the sidecar would listen on the node's network, so its "
+        "/status, /metrics and the loopback-only POST /release would be open to every "
+        "process on the node, and two such pods on one node would need the same port (8099)")
+    pod["spec"]["hostNetwork"] = False
+    assert inject(pod, KUBE) is True
+
+
+def test_the_names_checked_come_from_the_chart_spec() -> None:
+    """Another state directory, volume name and port in the chart: those are checked."""
+    spec = InjectionSpec(
+        container={**KUBE.container, "ports": [{"containerPort": 9000}]},
+        volumes=[{"name": "ls", "emptyDir": {}}], app_env=[],
+        app_mount={"name": "ls", "mountPath": "/var/lease", "readOnly": True})
+    pod = _pod()
+    pod["spec"]["containers"][0]["ports"] = [{"containerPort": 8099}]
+    pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "x", "mountPath": "/run/lease"}]
+    pod["spec"]["volumes"].append({"name": "lease-state", "emptyDir": {}})
+    assert inject(copy.deepcopy(pod), spec) is True
+    pod["spec"]["containers"][1]["ports"] = [{"containerPort": 9000}]
+    assert "uses port 9000" in _refused(pod, spec)

@@ -174,15 +174,18 @@ volumeMounts:
     mountPath: {{ include "lease-sidecar.stateDir" . }}
   - name: lease-sidecar-tmp
     mountPath: /tmp
+{{- /* Startup and liveness: /livez, the loop runs (a restart can help). Readiness:
+/healthz by default, which also fails while the sidecar can never lead (no credentials
+for the kubernetes backend), where a restart cannot help. */}}
 startupProbe:
   httpGet:
-    path: /healthz
+    path: /livez
     port: lease-http
   periodSeconds: 1
   failureThreshold: 30
 livenessProbe:
   httpGet:
-    path: /healthz
+    path: /livez
     port: lease-http
   periodSeconds: 10
   timeoutSeconds: 2

@@ -27,8 +27,14 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
                         content_type="application/json")
 
 
-def _probe(check: Callable[[], bool]) -> Handler:
+def _probe(check: Callable[[], bool],
+           cannot_lead: Callable[[], str | None] | None = None) -> Handler:
+    """``200 {"ok": true}`` or ``503 {"ok": false}``; with ``cannot_lead``, also ``503``
+    with its reason while this contender can never lead as configured."""
     async def handler(request: web.Request) -> web.Response:
+        reason = cannot_lead() if cannot_lead else None
+        if reason:
+            return _json({"ok": False, "reason": reason}, 503)
         ok = check()
         return _json({"ok": ok}, 200 if ok else 503)
     return handler
@@ -56,6 +62,7 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
               ready: Callable[[], bool],
               release: Callable[[str | None], ReleaseOutcome],
               limits: Limits | None = None,
+              cannot_lead: Callable[[], str | None] | None = None,
               heartbeat: Callable[[str | None], HeartbeatAnswer] = _no_heartbeat,
               ) -> web.Application:
     # No middleware: aiohttp already answers 404/405 as short text and an unexpected
@@ -97,10 +104,15 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     # able to do for a stalled application.
     release_handler = _local_post("release", limits, released)
     heartbeat_handler = _local_post("heartbeat", limits, beat)
-    healthz, readyz = _probe(alive), _probe(ready)
+    # /livez: the loop runs (liveness: a restart can help). /healthz: that, and nothing
+    # keeps this contender from ever leading (the chart's readiness). /readyz: that, and
+    # the backend answers now.
+    livez = _probe(alive)
+    healthz, readyz = _probe(alive, cannot_lead), _probe(ready, cannot_lead)
 
     app.router.add_get("/leader", longpoll.leader, allow_head=True)
     app.router.add_get("/leader/{name}", longpoll.leader, allow_head=True)
+    app.router.add_get("/livez", livez)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)
