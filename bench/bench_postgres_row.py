@@ -129,11 +129,14 @@ async def round_trips(dsn: str, renews: int = 200) -> dict:
     driver.fetch = counted  # type: ignore[method-assign]
     store = SqlRowStore(PostgresDialect(), driver)
     try:
-        assert await store.acquire("rt", "bench", 30.0) is not None
-        assert await store.renew("rt", "bench", 30.0) is not None  # warm: statement prepared
+        row = await store.acquire("rt", "bench", 30.0)
+        assert row is not None
+        row = await store.renew("rt", "bench", 30.0, row.version)  # warm: statement prepared
+        assert row is not None
         before = (proxy.to_server, proxy.to_client, calls)
         for _ in range(renews):
-            assert await store.renew("rt", "bench", 30.0) is not None
+            row = await store.renew("rt", "bench", 30.0, row.version)
+            assert row is not None
         sent, received = proxy.to_server - before[0], proxy.to_client - before[1]
         return {"renews": renews, "driver_calls_per_renew": (calls - before[2]) / renews,
                 "client_writes_per_renew": sent / renews,

@@ -10,7 +10,9 @@ statements; this module holds the rules that are the same everywhere:
   a re-entrant acquire would, gives two processes the same lease and the same token; we
   wait for it to expire instead, log a warning once and count it
   (``lease_sidecar_duplicate_identity_total``). An acquire while holding is a renew;
-- renew only touches a row we own that has not expired, by the database's clock;
+- renew only touches a row we own that has not expired, by the database's clock, and
+  (PostgreSQL) still carries the version of our last write: after a promotion a row that
+  is missing or older than our last write means the lease is lost (fail closed);
 - release deletes only a row we own;
 - a server-assigned version that only grows is the fencing token;
 - optionally, an acquisition counts only once a read replica shows the same version.
@@ -47,6 +49,9 @@ class Row:
     # From acquire: this very statement inserted or took over the row. False: it only
     # read a live row (possibly one naming us, written by another process).
     won: bool = True
+    # From a won acquire: seconds from the reply before the first claim (a server that
+    # may have been promoted while an earlier holder still claimed; Grant.claim_delay).
+    claim_delay: float = 0.0
 
 
 class Refused(BackendError):
@@ -62,8 +67,10 @@ class RowStore(Protocol):
         """Run the one-round-trip acquire; return the row as it stands afterwards."""
         ...
 
-    async def renew(self, name: str, owner: str, duration: float) -> Row | None:
-        """Extend our unexpired row; ``None`` when it is not ours any more."""
+    async def renew(self, name: str, owner: str, duration: float,
+                    version: int) -> Row | None:
+        """Extend our unexpired row whose version is ``version`` (our last write, where
+        the store checks it); ``None`` when it is not ours any more."""
         ...
 
     async def release(self, name: str, owner: str) -> None: ...
@@ -112,6 +119,8 @@ class RowLease:
         self._replica = replica
         self._clock = clock or SystemClock()
         self._token: int | None = None
+        # The version of our last write (renews draw new ones on PostgreSQL).
+        self._version: int | None = None
         # Monotonic: until when a row we wrote may still be live (ours, not a duplicate's).
         self._own_row_until = float("-inf")
         self._duplicate_warned = False
@@ -132,11 +141,11 @@ class RowLease:
         if self._replica and not await self._replica_confirms(row.version):
             await self._store.release(self._key, self._owner)
             return Grant(held=False, holder=None, reason="replica did not confirm in time")
-        self._token = row.version
+        self._token = self._version = row.version
         self._own_row_until = sent + self._duration + self._margin
         self._duplicate_warned = False
         return Grant(held=True, valid_for=self._valid_for, fencing_token=self._token,
-                     holder=self._owner)
+                     holder=self._owner, claim_delay=row.claim_delay)
 
     def _same_identity(self, row: Row, sent: float) -> Grant:
         """A live row names us, but we do not hold the lease: wait for it to expire."""
@@ -156,19 +165,24 @@ class RowLease:
 
     async def try_renew(self) -> Grant:
         sent = self._clock.monotonic()
+        if self._version is None:
+            return Grant(held=False, reason="not held")
         try:
-            row = await self._store.renew(self._key, self._owner, self._duration)
+            row = await self._store.renew(self._key, self._owner, self._duration,
+                                          self._version)
         except Refused as exc:
             return Grant(held=False, reason=str(exc))
         if row is None:
-            self._token = None
-            return Grant(held=False, reason="row expired or taken over")
+            self._token = self._version = None
+            return Grant(held=False, reason="row expired, taken over, or missing or older "
+                                            "than our last write (a promotion)")
+        self._version = row.version
         self._own_row_until = sent + self._duration + self._margin
         return Grant(held=True, valid_for=self._valid_for, fencing_token=self._token,
                      holder=self._owner)
 
     async def release(self) -> None:
-        self._token = None
+        self._token = self._version = None
         with contextlib.suppress(Refused):
             await self._store.release(self._key, self._owner)
 

@@ -94,12 +94,13 @@ class RowStoreContract:
     async def test_renew_only_by_the_owner_and_only_while_live(self, store: SqlRowStore) -> None:
         name = fresh()
         first = await store.acquire(name, "a", SHORT)
-        assert await store.renew(name, "b", LONG) is None
-        renewed = await store.renew(name, "a", SHORT)
+        assert await store.renew(name, "b", LONG, first.version) is None
+        renewed = await store.renew(name, "a", SHORT, first.version)
         assert renewed is not None and renewed.owner == "a"
         assert renewed.expires_at >= first.expires_at and renewed.version > first.version
         await asyncio.sleep(SHORT + 0.4)
-        assert await store.renew(name, "a", LONG) is None, "renewed an expired row"
+        assert await store.renew(name, "a", LONG, renewed.version) is None, \
+            "renewed an expired row"
 
     async def test_release_only_by_the_owner(self, store: SqlRowStore) -> None:
         name = fresh()
@@ -119,7 +120,7 @@ class RowStoreContract:
         assert await store.read(name) is None  # expired rows do not count as held
         new = await store.acquire(name, "b", LONG)
         assert new is not None and new.owner == "b" and new.version > old.version
-        assert await store.renew(name, "a", LONG) is None
+        assert await store.renew(name, "a", LONG, old.version) is None
 
     async def test_the_token_grows_across_holders_even_though_release_deletes(
             self, store: SqlRowStore) -> None:

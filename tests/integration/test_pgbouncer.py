@@ -553,10 +553,11 @@ async def test_row_driver_switches_to_unnamed_statements_on_a_prepared_statement
         assert (await store.acquire("n", "a", 5.0)).owner == "a"
         await other.execute("deallocate all")  # same server session (pool size 1)
         # The acquire's cached name is gone from the session: retried, unnamed.
-        assert (await store.acquire("n", "a", 5.0)).owner == "a"
+        row = await store.acquire("n", "a", 5.0)
+        assert row.owner == "a"
         assert store.driver.pooled is True
         await other.execute("deallocate all")
-        assert (await store.renew("n", "a", 5.0)) is not None
+        assert (await store.renew("n", "a", 5.0, row.version)) is not None
     finally:
         await other.close()
         await store.close()

@@ -17,8 +17,11 @@ The lock lives exactly as long as that session, so:
   ``AdvisoryLease.lost`` is set for an elector that wants to wake up;
 - the session's own settings make the *server* wait longer than the client before it
   ends a silent session (:func:`.session.session_settings`);
-- fencing token: a transaction id drawn right after the lock was granted, committed
-  synchronously, so it grows across holders and across a server crash.
+- fencing token: ``timeline * 2^42 + txid``, the transaction id drawn right after the lock
+  was granted and committed synchronously, so it grows across holders, across a server
+  crash and across a promotion (:mod:`sidecar.lease.pg_timeline`); a holder granted on a
+  timeline that may have begun less than ``renew_deadline`` ago waits that long before
+  its first claim, as after a server restart.
 
 Behind a transaction pooler the lock cannot work (:mod:`.session`): each lock statement
 checks that it runs on our own server session, and after a grant through a pooler a fresh
@@ -42,6 +45,7 @@ import asyncpg
 from sidecar.clock import Clock
 from sidecar.dsn import check_postgres_url
 from sidecar.lease import BackendEntry, LeaseInfo
+from sidecar.lease.pg_timeline import Timelines
 from sidecar.lease.postgres_advisory.lease import AdvisoryLease
 from sidecar.lease.postgres_advisory.session import DB_ERRORS, Connector, close
 from sidecar.lease.postgres_advisory.sql import ALL_LOCKS, key_from_halves, lock_id
@@ -56,6 +60,7 @@ class AdvisoryBackend:
         self._settings = settings
         self._connector = connector(settings)
         self._leases: dict[str, AdvisoryLease] = {}
+        self._timelines = Timelines()
         # Set once a transaction pooler was seen on any lease: the runtime exits with the
         # code of a bad setting (the DSN names a pooler the advisory lock cannot use).
         self.misconfigured = asyncio.Event()
@@ -65,7 +70,8 @@ class AdvisoryBackend:
         if name not in self._leases:
             self._leases[name] = AdvisoryLease(
                 name, lock_id(self._settings.store.key(name)), self._connector,
-                self._settings.timing, self._settings.identity, on_pooler=self._pooler_seen)
+                self._settings.timing, self._settings.identity, on_pooler=self._pooler_seen,
+                timelines=self._timelines)
         return self._leases[name]
 
     def _pooler_seen(self, name: str, message: str) -> None:

@@ -11,6 +11,13 @@ import asyncpg
 
 from sidecar.errors import BackendError
 from sidecar.lease import Grant, Holder
+from sidecar.lease.pg_timeline import (
+    CHECKPOINT,
+    OUT_OF_RANGE,
+    Timelines,
+    checkpoint_age,
+    token,
+)
 from sidecar.lease.postgres_advisory.session import (
     DB_ERRORS,
     POOLER,
@@ -43,12 +50,16 @@ class AdvisoryLease:
     """
 
     def __init__(self, name: str, lock_id: int, connector: Connector, timing: Timing,
-                 identity: str, on_pooler: Callable[[str, str], None] | None = None) -> None:
+                 identity: str, on_pooler: Callable[[str, str], None] | None = None,
+                 timelines: Timelines | None = None) -> None:
         self.name = name
+        # The server timelines this process has seen (shared by the backend's leases).
+        self._timelines = timelines or Timelines()
         self._link = Link(connector, name, lock_id)
         # Set the moment the session holding the lock drops; cleared on a grant.
         self.lost = self._link.lost
-        self._claims_wait_until = 0.0  # loop time before which no claim (server restart)
+        # Loop time before which no claim (a server restart or a promotion).
+        self._claims_wait_until = 0.0
         self.lock_id = lock_id
         self._halves = lock_halves(lock_id)
         self._timing = timing
@@ -91,7 +102,7 @@ class AdvisoryLease:
                     return Grant(held=False, reason="connected slowly; asking for the lock "
                                                     "on the next try")
                 try:
-                    ours, already, token, uptime, _, _ = await session.conn.fetchrow(
+                    ours, already, counter, timeline, uptime, _, _ = await session.conn.fetchrow(
                         try_lock_sql(version_num(session.conn)), self.lock_id, self._message,
                         session.marker, *self._halves)
                 except DB_ERRORS as exc:
@@ -103,15 +114,16 @@ class AdvisoryLease:
                         continue
                     raise self._db.error("acquire", exc) from None
                 break
+            replied = loop.time()
+            self._timelines.saw(timeline, replied)
             refusal = self._check(session, ours, already)
             if refusal is not None:
                 return refusal
-            if token is None:
+            if counter is None:
                 holder = await self._holder(session.conn)
                 return Grant(held=False, holder=holder,
                              reason=f"held by {holder}" if holder else "held by another session")
-            self._granted(token, uptime)
-            return self._held()
+            return await self._take(session, counter, timeline, uptime, replied) or self._held()
 
     async def try_renew(self) -> Grant:
         async with self._busy:
@@ -253,7 +265,7 @@ class AdvisoryLease:
             try:
                 # One round trip: lock_timeout ends the wait in the server; the client
                 # timeout only guards against a hung server.
-                ours, already, token, uptime, _, _ = await session.conn.fetchrow(
+                ours, already, counter, timeline, uptime, _, _ = await session.conn.fetchrow(
                     wait_lock_sql(version_num(session.conn)), self.lock_id, self._message,
                     session.marker, *self._halves, wait_ms,
                     timeout=timeout + self._db.timeout)
@@ -267,8 +279,10 @@ class AdvisoryLease:
                 if evidence := pooler_evidence(exc):
                     self.pooler_seen(evidence)
                 return
-            if self._check(session, ours, already) is None:
-                self._granted(token, uptime)
+            replied = asyncio.get_running_loop().time()
+            self._timelines.saw(timeline, replied)
+            if self._check(session, ours, already) is None and counter is not None:
+                await self._take(session, counter, timeline, uptime, replied)
 
     async def _settle_waiter(self) -> None:
         """Let a pending in-server wait finish (it ends by its own lock_timeout)."""
@@ -276,13 +290,34 @@ class AdvisoryLease:
         if waiter is not None and not waiter.done():
             await asyncio.shield(waiter)
 
-    def _granted(self, token: int, server_uptime: float) -> None:
+    async def _take(self, session: Session, counter: int, timeline: int, uptime: float,
+                    replied: float) -> Grant | None:
+        """Count a grant (None), or give it back when its token would not fit (a refusal).
+
+        A holder from before a server restart or a promotion may not have heard of it
+        yet and claims until its last heartbeat + renew_deadline, which was before the
+        restart or the promotion: our first claim waits until then, unless the server
+        (uptime) and the timeline (:mod:`sidecar.lease.pg_timeline`) are known to be
+        older than that.
+        """
+        fencing_token = token(int(timeline), int(counter))
+        if fencing_token is None:
+            self._link.drop()  # ending the session gives the lock back
+            log.error(OUT_OF_RANGE, extra={"lease": self.name, "timeline": timeline,
+                                           "counter": counter})
+            return Grant(held=False, reason=OUT_OF_RANGE)
+        age = self._timelines.age(timeline, replied)
+        if age < self._timing.renew_deadline:
+            age = max(age, await checkpoint_age(lambda: session.conn.fetchrow(CHECKPOINT),
+                                                timeline, self._db.where))
+        self._granted(fencing_token, min(float(uptime), age))
+        return None
+
+    def _granted(self, token: int, known_age: float) -> None:
+        """``known_age``: seconds since the server restarted or was promoted, at least."""
         self._link.granted(token)
-        # A holder from before a server restart may not have heard of it yet (a slow
-        # path delays the reset) and claims until its last heartbeat + renew_deadline,
-        # which was before the restart: our first claim waits until then.
         self._claims_wait_until = (asyncio.get_running_loop().time()
-                                   + self._timing.renew_deadline - float(server_uptime))
+                                   + self._timing.renew_deadline - known_age)
         session = self._link.session
         if session is not None and session.proxied and (
                 self._probe is None or self._probe.done()):

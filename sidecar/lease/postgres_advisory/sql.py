@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 
+from sidecar.lease.pg_timeline import TIMELINE
+
 
 def lock_id(key: str) -> int:
     """First 8 bytes of SHA-256(``key``) as a signed big-endian bigint."""
@@ -93,26 +95,30 @@ def wait_lock_sql(server_version: int) -> str:
 
 
 def _lock_sql(lock_ctes: str, server_version: int) -> str:
-    """A lock statement answering (ours, already, token, server uptime, _, _).
+    """A lock statement answering (ours, already, counter, timeline, server uptime, _, _).
 
     Parameters: $1 key, $2 WAL message, $3 marker, $4 $5 the key's halves. ``me`` runs
     first and once (the lock CTEs read it), so the checks see the session as it was
     before this statement; the lock is only asked for on our own session when that
-    session does not hold it yet, and the fencing token only drawn after a grant.
+    session does not hold it yet, and the token's counter only drawn after a grant.
+    The server's timeline comes back with every attempt, granted or not: the process
+    remembers when it first saw each one (:mod:`sidecar.lease.pg_timeline`).
     """
     return (f"with me as (select {_OURS} as ours, {_MINE} as already), {lock_ctes} "
             f"select me.ours, me.already, "
             f"case when lock.got then {_token_expr(server_version)} end, "
-            f"{_UPTIME}, case when lock.got then {_durable('$2')} end, "
+            f"{TIMELINE}, {_UPTIME}, case when lock.got then {_durable('$2')} end, "
             f"case when not me.ours then {_POISON} end "
             f"from me left join lock on true")
 
 
 def _token_expr(server_version: int) -> str:
-    """The fencing token: a transaction id, drawn after the grant.
+    """The fencing token's counter: a transaction id, drawn after the grant.
 
     Transaction ids are 64-bit (with epoch) and assigned in increasing order per cluster,
-    so the next holder, who can only get the lock after this one let go, draws a larger one.
+    so the next holder, who can only get the lock after this one let go, draws a larger
+    one — on one timeline: a promoted standby may reuse ids it never received, which the
+    timeline in the token's high bits outranks (:mod:`sidecar.lease.pg_timeline`).
     """
     if server_version >= 130000:
         return "pg_current_xact_id()::text::int8"

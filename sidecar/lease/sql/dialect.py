@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
 
+from sidecar.lease import pg_timeline
 from sidecar.lease.rowlease import Row
 from sidecar.settings import MAX_IDENTITY
 
@@ -78,6 +79,12 @@ class Dialect:
     read_replica: Statement
     # Every row with a last ``live`` column (unexpired by the server's clock), for status.
     list_all: Statement
+    # The latest checkpoint's (timeline, age in seconds), where versions carry a timeline.
+    checkpoint: Statement | None = None
+
+    def timeline_of(self, version: int) -> int | None:
+        """The server timeline a version was drawn on; None where versions carry none."""
+        return None
 
     def schema_script(self) -> str:
         """The DDL, idempotent, as ``lease-sidecar schema --print`` shows it."""
@@ -92,8 +99,13 @@ class Dialect:
 
 
 class PostgresDialect(Dialect):
-    """Table ``{schema}.{table}``; the version comes from a sequence, so the fencing token
-    keeps growing across holders even though release deletes the row."""
+    """Table ``{schema}.{table}``; the version is ``timeline * 2^42 + nextval(sequence)``
+    (:mod:`sidecar.lease.pg_timeline`), so the fencing token keeps growing across holders
+    even though release deletes the row, and across a promotion even when the standby
+    missed the last increments of the sequence. A version out of that range is NULL,
+    which the table refuses (NOT NULL): the statement fails, nothing is held."""
+
+    checkpoint = Statement(pg_timeline.CHECKPOINT)
 
     def __init__(self, schema: str = "lease", table: str = "leases") -> None:
         self.schema = validate_identifier("schema", schema)
@@ -105,6 +117,10 @@ class PostgresDialect(Dialect):
         raw = "owner_instance_id, version, expires_at"
         row = "owner_instance_id, version, extract(epoch FROM expires_at)::float8"
         duration = "make_interval(secs => CAST(:duration AS float8))"
+        version = (f"(SELECT CASE WHEN t BETWEEN 1 AND {pg_timeline.TIMELINE_LIMIT - 1} "
+                   f"AND c < {pg_timeline.COUNTER_LIMIT} THEN (t << "
+                   f"{pg_timeline.COUNTER_BITS}) + c END "
+                   f"FROM (SELECT {pg_timeline.TIMELINE} AS t, nextval('{seq}') AS c) v)")
         # ``metadata`` belongs to the design's table; the sidecar leaves it NULL.
         self._ddl = f"""CREATE SCHEMA IF NOT EXISTS "{schema}";
 CREATE SEQUENCE IF NOT EXISTS {seq};
@@ -136,7 +152,7 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
     INSERT INTO {t} AS l (lease_name, owner_instance_id, acquired_at, renewed_at,
                           expires_at, version)
     VALUES (CAST(:name AS varchar), CAST(:owner AS varchar), now(), now(),
-            now() + {duration}, nextval('{seq}'))
+            now() + {duration}, {version})
     ON CONFLICT (lease_name) DO UPDATE SET
         owner_instance_id = excluded.owner_instance_id,
         acquired_at = excluded.acquired_at,
@@ -156,12 +172,15 @@ SELECT {row}, won FROM (
       AND NOT EXISTS (SELECT 1 FROM won)
 ) AS r CROSS JOIN woken""")
         # Like ROWVERSION, every write draws a new version, so a replica showing the
-        # version proves it has this exact write.
+        # version proves it has this exact write. Renew needs the version of our own
+        # last write: after a promotion the row may be missing or an older write of ours
+        # (the standby never got the newer one), and such a row proves nothing — the
+        # holder steps down instead of reviving it.
         self.renew = Statement(f"""UPDATE {t}
 SET renewed_at = now(), expires_at = now() + {duration},
-    version = nextval('{seq}')
+    version = {version}
 WHERE lease_name = CAST(:name AS varchar) AND owner_instance_id = CAST(:owner AS varchar)
-  AND expires_at > now()
+  AND version = CAST(:version AS int8) AND expires_at > now()
 RETURNING {row}""")
         self.release = Statement(f"""WITH gone AS (
     DELETE FROM {t}
@@ -193,6 +212,9 @@ SELECT pg_notify('{self.channel}', lease_name) FROM gone""")
         owner, version, expires = row
         return Row(owner=owner, version=int(version),
                    expires_at=datetime.fromtimestamp(float(expires), tz=UTC))
+
+    def timeline_of(self, version: int) -> int | None:
+        return pg_timeline.timeline_of(version)
 
 
 class TsqlDialect(Dialect):

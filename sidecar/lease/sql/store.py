@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Protocol
 
+from sidecar.lease.pg_timeline import Timelines, checkpoint_age, claim_delay
 from sidecar.lease.rowlease import Row
 from sidecar.lease.sql.dialect import Dialect, Statement
 
@@ -47,6 +48,8 @@ class SqlRowStore:
         # When the last acquire was sent: a release notified after it must wake us even
         # if it arrived before we started waiting.
         self._last_acquire = float("-inf")
+        # Server timelines this process has seen in its versions (PostgreSQL).
+        self._timelines = Timelines()
 
     async def _one(self, statement: Statement, params: Mapping[str, object]) -> Row | None:
         rows = await self.driver.fetch(statement, params)
@@ -62,12 +65,37 @@ class SqlRowStore:
         *columns, won = rows[0]
         # Only ``won`` says we hold it: a row we only read may name us (a second process
         # with our identity); RowLease tells those apart.
-        return replace(self.dialect.decode(tuple(columns)), won=_flag(won))
+        row = replace(self.dialect.decode(tuple(columns)), won=_flag(won))
+        if not row.won:
+            return row
+        return replace(row, claim_delay=await self._claim_delay(row.version, duration))
 
-    async def renew(self, name: str, owner: str, duration: float) -> Row | None:
-        return await self._one(self.dialect.renew, {
-            "name": name, "owner": owner, "duration": duration,
+    async def _claim_delay(self, version: int, duration: float) -> float:
+        """How long a holder of the version's timeline waits before its first claim: a
+        holder on the old primary may claim for up to ``duration`` after a promotion
+        (:mod:`sidecar.lease.pg_timeline`)."""
+        timeline = self.dialect.timeline_of(version)
+        if not timeline:
+            return 0.0
+        now = asyncio.get_running_loop().time()
+        self._timelines.saw(timeline, now)
+        age = self._timelines.age(timeline, now)
+        checkpoint = self.dialect.checkpoint
+        if age < duration and checkpoint is not None:
+            async def ask() -> tuple:
+                return (await self.driver.fetch(checkpoint, {}))[0]
+            age = max(age, await checkpoint_age(ask, timeline, type(self.dialect).__name__))
+        return claim_delay(duration, age)
+
+    async def renew(self, name: str, owner: str, duration: float,
+                    version: int) -> Row | None:
+        row = await self._one(self.dialect.renew, {
+            "name": name, "owner": owner, "duration": duration, "version": version,
             "duration_ms": round(duration * 1000)})
+        timeline = self.dialect.timeline_of(row.version) if row else None
+        if timeline:
+            self._timelines.saw(timeline, asyncio.get_running_loop().time())
+        return row
 
     async def release(self, name: str, owner: str) -> None:
         await self.driver.fetch(self.dialect.release, {"name": name, "owner": owner})

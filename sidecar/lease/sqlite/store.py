@@ -173,7 +173,10 @@ class SqliteStore:
 
         return await self._run(work)
 
-    async def renew(self, name: str, owner: str, duration: float) -> Row | None:
+    async def renew(self, name: str, owner: str, duration: float,
+                    version: int) -> Row | None:
+        # ``version`` is not checked: one file has no promotion to lose a write in, and
+        # renew never changes the version here.
         params = {"name": name, "owner": owner, "duration": duration}
         return await self._run(
             lambda conn: _row(conn.execute(self._sql(_RENEW), params).fetchone()))

@@ -1,0 +1,107 @@
+"""PostgreSQL timelines: fencing tokens that outrank a promotion, and no claim across one.
+
+Every promotion of a standby starts a new *timeline* (1 for a cluster made by initdb).
+A promoted standby may never have received the last commits of its old primary, so
+counters it continues (transaction ids, sequences) can repeat or go back. Both
+PostgreSQL backends therefore put the timeline in the token's high bits::
+
+    token = timeline * 2^42 + counter        (counter: txid, or the row lease's sequence)
+
+A token drawn after a promotion outranks every token of the timelines before it, and
+stays a JSON-safe integer (≤ 2^53 - 1, exact in JavaScript). Tokens from before this
+layout (plain counters) are smaller than every new one, since the timeline is ≥ 1. A
+timeline ≥ 2^11 or a counter ≥ 2^42 would break the order: the lease refuses to hold
+then, with a one-line reason (fail closed). The timeline is read from the name of the
+WAL file of the current position (:data:`TIMELINE`), which a plain role may do.
+
+A promotion also ends the old primary's holder's proof without telling it: it claims
+until its last successful renew + its validity (``renew_deadline`` for the advisory
+lock, ``lease_duration`` for rows), and its lock or row may not exist on the new
+primary. So a holder granted on a timeline that began less than that long ago — as far
+as anybody here can prove — waits before its first claim (``Grant.claim_delay``) until
+then. What proves a timeline old (:class:`Timelines`, :func:`checkpoint_age`): timeline 1
+was never promoted; this process saw the timeline earlier; or the server's latest
+checkpoint was taken on it (``pg_control_checkpoint()``, if the role may run it) that
+long ago. Anything else counts as "just promoted".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger("sidecar.lease")
+
+COUNTER_BITS = 42
+TIMELINE_LIMIT = 1 << 11   # timelines 1 … 2047
+COUNTER_LIMIT = 1 << COUNTER_BITS
+# The server's current timeline: the first 8 hex digits of the WAL file name of the
+# current write position. Fails on a standby (recovery in progress), where no lease may
+# be granted anyway.
+TIMELINE = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8"
+# The latest checkpoint's timeline and age by the server's clock. checkpoint_time is
+# stored in whole seconds (rounded down), hence the extra second in checkpoint_age.
+CHECKPOINT = ("select timeline_id::int8, "
+              "extract(epoch from clock_timestamp() - checkpoint_time)::float8 "
+              "from pg_control_checkpoint()")
+# A token that would not fit tells the user what to read.
+OUT_OF_RANGE = ("fencing token out of range (timeline ≥ 2048 or counter ≥ 2^42, the "
+                "token would pass 2^53 - 1): refusing to hold; see "
+                "docs/high-availability.md")
+
+
+def token(timeline: int, counter: int) -> int | None:
+    """``timeline * 2^42 + counter``, or None when either part is out of range."""
+    if not (1 <= timeline < TIMELINE_LIMIT and 0 <= counter < COUNTER_LIMIT):
+        return None
+    return (timeline << COUNTER_BITS) + counter
+
+
+def timeline_of(token: int) -> int:
+    """The timeline a token was drawn on (0 for a token from before this layout)."""
+    return token >> COUNTER_BITS
+
+
+class Timelines:
+    """What one sidecar process has seen of its server's timelines, on its own clock."""
+
+    def __init__(self) -> None:
+        self._first_seen: dict[int, float] = {}
+
+    def saw(self, timeline: int, at: float) -> None:
+        """A reply at ``at`` (monotonic) reported ``timeline``: it began before ``at``."""
+        self._first_seen.setdefault(timeline, at)
+
+    def age(self, timeline: int, now: float) -> float:
+        """Seconds the timeline is known to have existed: infinite for 1 (never
+        promoted), else since this process first saw it (0 when it never did)."""
+        if timeline <= 1:
+            return math.inf
+        return now - self._first_seen.get(timeline, now)
+
+
+async def checkpoint_age(ask: Callable[[], Awaitable[Any]], timeline: int,
+                         where: str) -> float:
+    """Seconds the timeline is known to have existed from the server's latest checkpoint
+    (taken on ``timeline``, so after its promotion); 0 when it cannot tell: the
+    checkpoint is older than the promotion, or the role may not run
+    ``pg_control_checkpoint()`` (managed services may revoke it). ``ask`` runs
+    :data:`CHECKPOINT` and returns its one row."""
+    try:
+        row = await ask()
+    except Exception as exc:  # any failure only means "cannot tell": wait
+        log.debug("pg_control_checkpoint() unavailable; a new timeline counts as just "
+                  "promoted", extra={"where": where, "error": " ".join(str(exc).split())})
+        return 0.0
+    checkpoint_timeline, age = row
+    if int(checkpoint_timeline) != timeline:
+        return 0.0
+    return max(0.0, float(age) - 1.0)
+
+
+def claim_delay(hold: float, known_age: float) -> float:
+    """Seconds to wait before the first claim: the old primary's holders may claim for
+    ``hold`` after the promotion, which was at least ``known_age`` ago."""
+    return max(0.0, hold - known_age)
