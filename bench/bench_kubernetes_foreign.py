@@ -105,7 +105,9 @@ def preferred_handoffs(cp: ControlPlane, workdir: Path, trials: int) -> tuple[li
             with ClaimRecorder(trio.procs) as recorder:
                 time.sleep(0.3)
                 sent = time.time()
-                patch(cp, trio.namespace, {"preferredHolder": target.identity})
+                # The apiserver takes preferredHolder only with a strategy.
+                patch(cp, trio.namespace, {"strategy": "OldestEmulationVersion",
+                                           "preferredHolder": target.identity})
                 wait_until(lambda t=target.identity, s=sent: any(
                     c[0] == t and c[1] > s for c in recorder.claims), timeout=10)
                 time.sleep(0.3)

@@ -98,7 +98,9 @@ def run_trial(cp: ControlPlane, namespace: str, procs: list[SidecarProcess], edi
     last_own = max((c[1] for c in held_on if first_other is None or c[1] < first_other),
                    default=None)
     kept_leading = bool(held_on) and held_on[-1][1] > time.time() - 1.5 and not others
-    tokens_after = [t for at, who, t in recorder.tokens if at > written]
+    # The next leader's token (the holder's own, if it kept leading).
+    tokens_after = [t for at, who, t in sorted(recorder.tokens) if at > written
+                    and (who != holder.identity or kept_leading)]
     return Trial(
         edit=edit, holder=holder.identity, overlaps=len(recorder.overlaps()),
         token_regressions=len(recorder.token_regressions()), tokens_before=sorted(set(before)),

@@ -313,7 +313,9 @@ def test_preferred_holder_ends_the_term_and_the_preferred_standby_leads(
                 sent = time.time()
                 cp.kubectl("-n", namespace, "patch", "lease", "lease-sidecar.jobs",
                            "--type", "merge",
-                           "-p", json.dumps({"spec": {"preferredHolder": target.identity}}))
+                           "-p", json.dumps({"spec": {  # the apiserver wants both
+                               "strategy": "OldestEmulationVersion",
+                               "preferredHolder": target.identity}}))
                 wait_until(lambda t=target: t.leader() == 200, timeout=5, interval=0.01)
                 took = time.time() - sent
                 time.sleep(0.5)
