@@ -62,6 +62,7 @@ class GoElector:
     identity: str
     namespace: str
     kubeconfig: Path
+    extra_args: tuple[str, ...] = ()  # e.g. ("-coordinated",)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,7 +75,7 @@ class GoElector:
             self.proc = subprocess.Popen(
                 [str(self.binary), "-kubeconfig", str(self.kubeconfig),
                  "-namespace", self.namespace, "-lease", OBJECT, "-identity", self.identity,
-                 *CLIENTGO_ARGS], stdout=out, stderr=err)
+                 *CLIENTGO_ARGS, *self.extra_args], stdout=out, stderr=err)
         return self
 
     def events(self) -> list[dict[str, Any]]:

@@ -12,10 +12,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from testkit.clientgo_support import GoElector
 from testkit.kube_support import (
     Recorder,
     create_pods,
@@ -331,3 +333,107 @@ def test_preferred_holder_ends_the_term_and_the_preferred_standby_leads(
             assert spec["holderIdentity"] == target.identity
     finally:
         started.close()
+
+
+@pytest.fixture(scope="module")
+def clientgo_binary() -> Path:
+    try:
+        return gobuild.ensure_binary("clientgo-elector")
+    except gobuild.BuildError as exc:
+        pytest.fail(f"clientgo-elector could not be built: {exc}", pytrace=False)
+
+
+def preferred(cp: ControlPlane, namespace: str, identity: str) -> float:
+    """Set preferredHolder (with the strategy the apiserver requires); the wall time."""
+    sent = time.time()
+    cp.kubectl("-n", namespace, "patch", "lease", INTEROP_OBJECT, "--type", "merge",
+               "-p", json.dumps({"spec": {"strategy": "OldestEmulationVersion",
+                                          "preferredHolder": identity}}))
+    return sent
+
+
+INTEROP_OBJECT = "lease-sidecar.interop"
+
+
+def test_preferred_holder_hands_over_from_a_sidecar_to_clientgo(
+    coordinated_control_plane: ControlPlane, clientgo_binary: Path, tmp_path: Path
+) -> None:
+    """The sidecar yields to a client-go elector named preferredHolder; the other sidecar
+    defers to it, and client-go (polling every 100 ms) starts leading only after the
+    sidecar's last claim ran out (it releases after waiting its claims out)."""
+    cp = coordinated_control_plane
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace, (INTEROP_OBJECT,))
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
+                     lease="interop") for pod in ("pod-a", "pod-b")]
+    go = GoElector(clientgo_binary, tmp_path, "go-1", namespace, kubeconfig)
+    try:
+        for proc in procs:
+            proc.start()
+        holder = the_leader(procs, timeout=15)
+        go.start()
+        time.sleep(0.5)  # client-go is a standby now
+        with ClaimRecorder(procs) as recorder:
+            sent = preferred(cp, namespace, "go-1")
+            wait_until(go.leading, timeout=5, interval=0.01)
+            time.sleep(0.5)
+        started = go.first("started")
+        assert started is not None
+        assert started["at"] - sent < 2.25, f"client-go led {started['at'] - sent:.2f}s after"
+        last_until = max(until for _, _, until in recorder.claims)
+        assert last_until <= started["at"], "a sidecar claim ran into client-go's term"
+        assert leaders(procs) == []
+        assert "end of term: preferredHolder set to go-1" in holder.logs()
+    finally:
+        go.stop()
+        for proc in procs:
+            proc.stop()
+
+
+def test_preferred_holder_hands_over_from_coordinated_clientgo_to_a_sidecar(
+    coordinated_control_plane: ControlPlane, clientgo_binary: Path, tmp_path: Path
+) -> None:
+    """A client-go elector in coordinated mode stops renewing once preferredHolder is set
+    (client-go v0.37.2's end of term); after its renew deadline it releases and a sidecar
+    leads, never before client-go stopped. The test names client-go holder by hand, as
+    coordinated leader election's controller in the apiserver would."""
+    cp = coordinated_control_plane
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace, (INTEROP_OBJECT,))
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    cp.kubectl("-n", namespace, "create", "-f", "-", input=json.dumps({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": INTEROP_OBJECT},
+        "spec": {"holderIdentity": "go-1", "leaseDurationSeconds": 3, "leaseTransitions": 5,
+                 "acquireTime": now, "renewTime": now,
+                 "strategy": "OldestEmulationVersion"}}))
+    go = GoElector(clientgo_binary, tmp_path, "go-1", namespace, kubeconfig,
+                   extra_args=("-coordinated",)).start()
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
+                     lease="interop") for pod in ("pod-a", "pod-b")]
+    try:
+        wait_until(go.leading, timeout=10)
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.wait_http()
+        time.sleep(1.0)
+        assert leaders(procs) == []
+        with ClaimRecorder(procs) as recorder:
+            sent = preferred(cp, namespace, "pod-a")
+            new = the_leader(procs, timeout=8)
+            took = time.time() - sent
+            time.sleep(0.5)
+        stopped = go.first("stopped")
+        assert stopped is not None, "client-go did not end its term"
+        first_claim = min(seen for _, seen, _ in recorder.claims)
+        assert first_claim >= stopped["at"], "a sidecar claimed while client-go led"
+        # client-go's renew deadline (2 s) + its release + one claim horizon.
+        assert took < 3.5, f"a sidecar led {took:.2f}s after preferredHolder was set"
+        assert get_json(new.url + "/leader")[1]["fencing_token"] % 2**20 > 5
+    finally:
+        go.stop()
+        for proc in procs:
+            proc.stop()
