@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import yaml
 
 from testkit.clientgo_support import GoElector
 from testkit.kube_support import (
@@ -437,3 +438,69 @@ def test_preferred_holder_hands_over_from_coordinated_clientgo_to_a_sidecar(
         go.stop()
         for proc in procs:
             proc.stop()
+
+
+def test_an_insecure_kubeconfig_logs_json_lines_only(
+    control_plane: ControlPlane, kube_namespace: str, sa_kubeconfig: Path, tmp_path: Path
+) -> None:
+    """urllib3 warns on every request to an unverified apiserver; that warning reaches
+    the log once, as a JSON line like every other line."""
+    insecure = tmp_path / "insecure.kubeconfig"
+    doc = yaml.safe_load(sa_kubeconfig.read_text())
+    cluster = doc["clusters"][0]["cluster"]
+    cluster.pop("certificate-authority-data")
+    cluster["insecure-skip-tls-verify"] = True
+    insecure.write_text(yaml.safe_dump(doc))
+    create_pods(control_plane, kube_namespace, "pod-i")
+    proc = sidecar(tmp_path, "pod-i", kube_namespace, insecure, "--pod-label", "off").start()
+    try:
+        proc.wait_http()
+        wait_until(lambda: proc.leader() == 200, timeout=15)
+        time.sleep(1.5)  # a few renews, each one request
+    finally:
+        assert proc.stop() == 0
+    lines = proc.logs().splitlines()
+    parsed = [json.loads(line) for line in lines]  # every line is JSON
+    warned = [p for p in parsed if "Unverified HTTPS request" in p["msg"]]
+    assert len(warned) == 1, warned
+    assert warned[0]["logger"] == "py.warnings"
+
+
+def test_after_an_apiserver_outage_standbys_take_a_release_over_at_once(
+    control_plane: ControlPlane, kube_namespace: str, sa_kubeconfig: Path, tmp_path: Path
+) -> None:
+    """Standbys back off while the apiserver is down (up to the lease duration, 10 s
+    here), but once it is back their watch wakes them when the lease changes: the first
+    SIGTERM handover after an outage is as quick as any, not a backoff later."""
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    control_plane.kubectl("-n", kube_namespace, "create", "-f", "-", input=json.dumps({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "lease-sidecar.jobs"},  # released: no first-install wait
+        "spec": {"holderIdentity": "", "leaseDurationSeconds": 1, "leaseTransitions": 0,
+                 "acquireTime": now, "renewTime": now}}))
+    create_pods(control_plane, kube_namespace, *PODS)
+    procs = [sidecar(tmp_path, pod, kube_namespace, sa_kubeconfig, "--pod-label", "off",
+                     "--lease-duration", "10s") for pod in PODS]
+    try:
+        for proc in procs:
+            proc.start()
+        holder = the_leader(procs, timeout=15)
+        control_plane.kill_apiserver()
+        try:
+            time.sleep(6.0)  # the standbys' retries back off to seconds
+        finally:
+            control_plane.start_apiserver()
+        # The holder is still within its validity (9 s) and renews once it is back.
+        before = lease_spec(control_plane, kube_namespace)["renewTime"]
+        wait_until(lambda: lease_spec(control_plane, kube_namespace)["renewTime"] > before,
+                   timeout=5)
+        assert leaders(procs) == [holder]
+        rest = [p for p in procs if p is not holder]
+        sent = time.monotonic()
+        holder.signal(signal.SIGTERM)
+        the_leader(rest, timeout=12)
+        took = time.monotonic() - sent
+    finally:
+        for proc in procs:
+            proc.stop()
+    assert took < 1.5, f"a standby led {took:.3f}s after SIGTERM, right after the outage"
