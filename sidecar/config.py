@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import socket
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -61,6 +62,19 @@ def parse_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def parse_ready_url(text: str) -> str:
+    """An ``http://host[:port]/path`` the sidecar may GET (no https: it is the app's own
+    plain readiness endpoint in the same pod or host)."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"{text!r} is not an http://host[:port]/path URL")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: {exc}") from None
+    return text
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in options:
@@ -76,6 +90,15 @@ def _identifier(text: str) -> str:
 
 def _text(text: str) -> str:
     return text
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
 
 
 @dataclass(frozen=True)
@@ -97,9 +120,9 @@ class Option:
 # ``schema`` only provisions, so their flags are the few they use. Every command still
 # reads every LEASE_* variable: one environment describes one sidecar, and a status run in
 # its container sees the same settings (and the same refusals) as the sidecar itself.
-COMMANDS = ("run", "exec", "schema", "status")
+COMMANDS = ("run", "exec", "schema", "status", "handover")
 _EVERY = frozenset(COMMANDS)
-_READS = frozenset({"run", "exec", "status"})
+_READS = frozenset({"run", "exec", "status", "handover"})
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -136,7 +159,8 @@ OPTIONS: tuple[Option, ...] = (
            "how far ahead a published claim is valid", (0.01, HOUR),
            "the leader file is rewritten every half horizon"),
     Option("http_addr", "LEASE_HTTP_ADDR", "--http-addr", parse_addr, "127.0.0.1:8099",
-           "host:port of the HTTP endpoint"),
+           "host:port of the HTTP endpoint",
+           commands=frozenset({"run", "exec", "handover"})),
     Option("state_dir", "LEASE_STATE_DIR", "--state-dir", _text, "/run/lease",
            "directory of the leader file"),
     Option("role", "LEASE_ROLE", "--role", _choice(ROLES), "all",
@@ -150,6 +174,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("odbc_driver", "LEASE_ODBC_DRIVER", "--odbc-driver", _text, None,
            "ODBC driver name when the DSN names none (default FreeTDS)",
            commands=_EVERY),
+    Option("ensure_schema", "LEASE_ENSURE_SCHEMA", "--ensure-schema", _bool, "false",
+           "postgres-row, sqlserver: create the lease table at start if missing "
+           "(idempotent; needs a role that may create it)"),
     Option("pod_label", "LEASE_POD_LABEL", "--pod-label", _choice(POD_LABEL_MODES), "auto",
            "keep the lease-role pod label (auto: when POD_NAME/POD_NAMESPACE are set)"),
     Option("exec_grace", "LEASE_EXEC_GRACE", "--grace", parse_duration, "10s",
@@ -159,6 +186,13 @@ OPTIONS: tuple[Option, ...] = (
            None, "step down when the application has not POSTed /heartbeat for this long "
            "while leading (unset: no work watchdog)", (0.1, 24 * HOUR),
            "a shorter period leaves no room for the application's heartbeats"),
+    Option("app_ready_url", "LEASE_APP_READY_URL", "--app-ready-url", parse_ready_url, None,
+           "campaign only while this http:// URL of the application answers 2xx (unset: "
+           "always campaign)"),
+    Option("app_unready_after", "LEASE_APP_UNREADY_AFTER", "--app-unready-after",
+           parse_duration, "10s", "with LEASE_APP_READY_URL: a leader whose application "
+           "has not answered 2xx for this long hands over", (0.1, 24 * HOUR),
+           "a shorter period leaves no room for one slow readiness answer"),
     Option("log_level", "LEASE_LOG_LEVEL", "--log-level",
            _choice(("debug", "info", "warning", "error")), "info", "log level"),
 )
@@ -239,7 +273,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
 _TIMING_FIELDS = ("lease_duration", "renew_interval", "renew_deadline", "safety_margin",
                   "claim_horizon")
 _STORE_FIELDS = ("backend", "dsn", "replica_dsn", "replica_timeout", "key_prefix", "schema",
-                 "table", "odbc_driver")
+                 "table", "odbc_driver", "ensure_schema")
 
 
 def _check_bounds(option: Option, value: Any) -> None:
@@ -263,6 +297,8 @@ def _validate(s: Settings, entry: BackendEntry, blame: _Blame, *, dsn_required: 
     if store.replica_dsn and not entry.takes_replica:
         raise _error("replica_dsn", "replica confirmation needs a row backend on a server, "
                      f"not {store.backend}")
+    if store.ensure_schema and entry.apply_schema is None:
+        raise _error("ensure_schema", f"the {store.backend} backend has no table to create")
     if len(s.identity) > MAX_IDENTITY:
         raise _error("identity", f"longer than {MAX_IDENTITY} characters")
     if entry.min_safety_margin is not None:

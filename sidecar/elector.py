@@ -15,7 +15,9 @@ What it guarantees
 - Acquire, wait one claim horizon, then publish. The first claim of a new term waits
   ``max(claim_horizon, grant.claim_delay)`` counted from the acquire's *reply* (an
   acquire can wait inside the server for the release). The releasing side's wait above
-  does not make this one redundant; it still protects against previous holders that
+  does not make this one redundant (and a long ``claim_delay`` is slept in renew
+  intervals with renews between, so the term never outlasts its validity waiting); it
+  still protects against previous holders that
   could not or did not wait out their claims:
   * an advisory-lock holder that crashed: the server ends its session and frees the
     lock at once, while claims it handed out just before may run one more horizon;
@@ -47,11 +49,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from sidecar.aio import first_of
 from sidecar.errors import Forbidden
-from sidecar.lease import Grant, Lease
+from sidecar.lease import Grant, Lease, successor_of
 from sidecar.publish import Publisher
 from sidecar.settings import RENEW_JITTER, Timing
 from sidecar.state import LeaseState
@@ -61,6 +63,9 @@ log = logging.getLogger("sidecar.elector")
 # Bound on how long a publisher may take to unpublish before we release anyway: a dead
 # API server must not keep a lease that a standby could use (the label is advisory).
 UNPUBLISH_TIMEOUT = 2.0
+# Why a leader hands over on purpose: asked to (POST /handover, ``lease-sidecar
+# handover``), or its application has not been ready for LEASE_APP_UNREADY_AFTER.
+HANDOVER_REASONS = ("request", "app-unready")
 
 
 def jittered(seconds: float, spread: float = 0.2) -> float:
@@ -69,8 +74,11 @@ def jittered(seconds: float, spread: float = 0.2) -> float:
 
 class Elector:
     def __init__(self, lease: Lease, state: LeaseState, timing: Timing, identity: str,
-                 publishers: Sequence[Publisher] = ()) -> None:
+                 publishers: Sequence[Publisher] = (),
+                 sits_out: Callable[[], str | None] | None = None) -> None:
         self.lease = lease
+        # Why this contender must not campaign now (LEASE_APP_READY_URL), None: it may.
+        self._sits_out = sits_out
         self.state = state
         self.timing = timing
         self.identity = identity
@@ -79,8 +87,13 @@ class Elector:
         self._wake = asyncio.Event()
         self._release_requested = False
         self._release_reason = "released on request"
+        # A hand-over asked for with the release: (reason, named successor or None).
+        self._handover: tuple[str, str | None] | None = None
         self._last_tick = self._clock.monotonic()
         self._failures = 0
+        # The outage being reported: when it began (monotonic) and its first error.
+        self._down_since = 0.0
+        self._down_cause = ""
         self._stopping = False
 
     # -- control from outside ----------------------------------------------------------
@@ -97,6 +110,22 @@ class Elector:
         self._release_requested = True
         self._release_reason = reason
         self._wake.set()
+        return True
+
+    def request_handover(self, to: str | None = None, why: str = "request") -> bool:
+        """Hand the lease over on purpose: name ``to`` as the next holder where the
+        backend keeps such a hint (:class:`~sidecar.lease.Successor`), then step down as
+        :meth:`request_release` does. Without ``to`` (or on a backend without hints) the
+        first standby to ask wins. ``why``: one of :data:`HANDOVER_REASONS`.
+        """
+        if to == self.identity:
+            return False
+        reason = f"handed over to {to}" if to else "handed over"
+        if why != "request":
+            reason += f" ({why})"
+        if not self.request_release(reason):
+            return False
+        self._handover = (why, to)
         return True
 
     def stop(self) -> None:
@@ -132,6 +161,18 @@ class Elector:
             await asyncio.shield(self._step_down("shutdown", release=True))
 
     async def _acquire_once(self) -> None:
+        why_not = self._sits_out() if self._sits_out is not None else None
+        if why_not is not None:
+            self.state.update(reason=why_not)
+            await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
+            return
+        other = await self._successor_named()
+        if other is not None:
+            # A leader handed the lease to another standby: stay out of the race while
+            # the hint lives (at most one lease duration), so the named one wins.
+            self.state.update(reason=f"standing aside: the lease is being handed to {other}")
+            await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
+            return
         sent = self._clock.monotonic()
         grant = await self._call("acquire", self.lease.try_acquire())
         if grant is not None and grant.held:
@@ -157,13 +198,30 @@ class Elector:
         delay = max(self.timing.claim_horizon, grant.claim_delay)
         replied = self._clock.monotonic()
         self._release_requested = False  # asked of an earlier term, which has ended
+        self._handover = None
         self.state.update(
             "acquired", holding=True, released=False, claim_from=replied + delay,
             valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
             holder=self.identity, reason="holding")
-        log.info("acquired lease", extra=self._fields(grant.fencing_token))
-        # The previous holder's last claims may still run for up to one horizon.
-        await self._sleep_or_wake(delay, watch_lease=False)
+        log.info("acquired lease", extra={**self._fields(grant.fencing_token),
+                                          "claim_delay_ms": round(delay * 1000, 1)})
+        # The previous holder's last claims may still run for up to one horizon (longer
+        # after a server restart or promotion). The timing rules fit one horizon and a
+        # renew interval into the validity; a longer backend delay is slept in renew
+        # intervals with a renew after each, so the term does not run out of validity
+        # before its first claim.
+        first_claim = replied + delay
+        while (left := first_claim - self._clock.monotonic()) > 0:
+            if left <= max(self.timing.renew_interval, self.timing.claim_horizon):
+                await self._sleep_or_wake(left, watch_lease=False, watch_loss=True)
+                break
+            await self._sleep_or_wake(jittered(self.timing.renew_interval, RENEW_JITTER),
+                                      watch_lease=False, watch_loss=True)
+            if self._stopping or self._release_requested:
+                return  # the loop steps down; the publishers were never told of the term
+            await self._renew_now()
+            if not self.state.facts.holding:
+                return
         await self._notify()
 
     async def _renew_once(self) -> None:
@@ -174,9 +232,14 @@ class Elector:
                                       watch_lease=False, watch_loss=True)
         if self._release_requested:
             self._release_requested = False
+            await self._name_successor()
             await self._step_down(self._release_reason, release=True)
             await self._sleep_or_wake(self.timing.lease_duration, watch_lease=False)
             return
+        await self._renew_now()
+
+    async def _renew_now(self) -> None:
+        """One renew round trip; steps down when refused or when validity ran out."""
         facts = self.state.facts
         remaining = facts.valid_until - self._clock.monotonic()
         if remaining <= 0:
@@ -225,6 +288,37 @@ class Elector:
         log.info("stepped down", extra={**self._fields(token), "reason": reason,
                                         "waited_for_claims_ms": round(waited * 1000, 1)})
 
+    async def _name_successor(self) -> None:
+        """Before a hand-over's step-down: count it, and leave the hint that names the
+        successor (bounded; a failure only costs the preference, never safety)."""
+        handover, self._handover = self._handover, None
+        if handover is None:
+            return
+        why, to = handover
+        self.state.handovers[why] = self.state.handovers.get(why, 0) + 1
+        successor = successor_of(self.lease)
+        if to is None or successor is None:
+            return
+        try:
+            async with asyncio.timeout(max(1.0, self.timing.renew_interval * 2)):
+                await successor.hand_to(to, self.timing.lease_duration)
+        except Exception as exc:
+            log.warning("could not name the next holder; releasing without it", extra={
+                **self._fields(self.state.facts.fencing_token), "successor": to,
+                "error": str(exc) or type(exc).__name__})
+
+    async def _successor_named(self) -> str | None:
+        """The standby another leader handed the lease to, if not us (None: none, or
+        the backend keeps no hints, or it cannot be read now: the acquire then tells)."""
+        successor = successor_of(self.lease)
+        if successor is None:
+            return None
+        try:
+            async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
+                return await successor.handing_to_other()
+        except Exception:
+            return None
+
     async def _claims_expired(self, until: float) -> float:
         """Sleep until monotonic ``until``; returns the seconds slept.
 
@@ -260,20 +354,24 @@ class Elector:
             self.state.observe_call(what, self._clock.monotonic() - started, "error")
             self._failures += 1
             if self.state.facts.backend_ok or self._failures == 1:
+                self._down_since = self._clock.monotonic()
+                self._down_cause = str(exc) or type(exc).__name__
                 # Refused is not unreachable: the fix is a permission, not the network.
                 cause = "backend forbidden" if isinstance(exc, Forbidden) else \
                     "backend unreachable"
                 log.warning(cause, extra={
                     "lease": self.state.lease, "identity": self.identity,
-                    "operation": what, "error": str(exc) or type(exc).__name__})
+                    "operation": what, "error": self._down_cause})
                 self.state.update(backend_ok=False, reason=f"{cause}: {exc}")
             return None
         self.state.observe_call(what, self._clock.monotonic() - started,
                                 "held" if result.held else "refused")
         if not self.state.facts.backend_ok:
             if self._failures:
-                log.info("backend reachable again", extra={"lease": self.state.lease,
-                                                           "identity": self.identity})
+                log.info("backend reachable again", extra={
+                    "lease": self.state.lease, "identity": self.identity,
+                    "unreachable_for_s": round(self._clock.monotonic() - self._down_since, 1),
+                    "cause": self._down_cause})
             self.state.update(backend_ok=True)
         self._failures = 0
         return result

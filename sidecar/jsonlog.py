@@ -31,9 +31,22 @@ class JsonFormatter(logging.Formatter):
         # repr would flood the line.
         line.update({k: redact_tree(v) for k, v in vars(record).items()
                      if k not in _STANDARD and isinstance(v, _PLAIN)})
-        if record.exc_info:
+        if record.exc_info and record.name.split(".")[0] != "sidecar":
+            # A library's (asyncpg, aiohttp, kopf) logged failure is an expected one
+            # (a server gone, a peer hung up) that our own lines already report: its
+            # error in one line, not a traceback.
+            error = record.exc_info[1]
+            if error is not None:
+                line["exception"] = redact(f"{type(error).__name__}: {error_text(error)}")
+        elif record.exc_info:
             line["exception"] = redact(self.formatException(record.exc_info))
         return json.dumps(line, default=str)
+
+
+def error_text(error: BaseException) -> str:
+    """The first line of an error's message (or nothing)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 # kopf's logger for watch streams: at DEBUG it says when a retried request succeeds,

@@ -1,5 +1,7 @@
-"""Access to the Kubernetes API for every part of lease-sidecar that talks to it: the
-``kubernetes`` backend, the pod label, the pod Events and the injector.
+"""Access to the Kubernetes API through the ``kubernetes`` client, for the parts of
+lease-sidecar that carry it: the ``kubernetes`` backend's transport (for now), the
+injector and the operator. The pod label and the pod Events use the sidecar's own small
+client, :mod:`sidecar.kubeapi`, which follows the same rule.
 
 One rule for where credentials come from (:func:`load_credentials`), so every part talks
 to the same cluster as the same ServiceAccount: an explicit ``KUBECONFIG`` wins; else,
@@ -130,7 +132,7 @@ def kopf_connection(configuration: client.Configuration,
     """kopf's login from a client configuration made by :func:`load_credentials`, so kopf
     talks to the cluster as the rest of the process does (kopf's own ``login_via_client``
     would try the pod's ServiceAccount before ``KUBECONFIG``). kopf is imported here, not
-    at the top: only the label publisher and the injector use it."""
+    at the top: only the injector and the operator use it."""
     import kopf
 
     header = (configuration.get_api_key_with_prefix("BearerToken")

@@ -135,6 +135,8 @@ class Store:
     """Row-lease table; ``None`` means the backend's default (:attr:`table_name`)."""
     odbc_driver: str | None = None
     """ODBC driver name when the DSN names none."""
+    ensure_schema: bool = False
+    """Row backends on a server: create the lease table at start if it is missing."""
 
     @property
     def table_name(self) -> str:
@@ -173,6 +175,10 @@ class Settings:
     """``exec``: time between SIGTERM and SIGKILL of the command on lease loss."""
     work_stall_after: float | None = None
     """Step down when the application has not POSTed ``/heartbeat`` for this long."""
+    app_ready_url: str | None = None
+    """Campaign only while this URL answers 2xx (None: always)."""
+    app_unready_after: float = 10.0
+    """A leader whose application has not been ready this long hands over."""
     log_level: str = "info"
     """``debug``, ``info``, ``warning`` or ``error``."""
     explicit: frozenset[str] = frozenset()
@@ -202,4 +208,6 @@ class Settings:
             "state_dir": self.state_dir,
             "role": self.role,
             "work_stall_after": self.work_stall_after,
+            "app_ready_url": self.app_ready_url,
+            "app_unready_after": self.app_unready_after,
         }

@@ -44,6 +44,11 @@ VALUE_SETS: dict[str, list[str]] = {
         "injector.priorityClassName=system-cluster-critical",
         "injector.namespaceSelector.matchLabels.env=prod"],
     "no-pod-patch-policy": ["rbac.podPatchPolicy=false", "example.enabled=true"],
+    "schema-job": ["lease.backend=postgres-row", "lease.dsnSecret.name=lease-dsn",
+                   "schemaJob.enabled=true", "schemaJob.dsnSecret.name=lease-admin-dsn",
+                   "sidecar.extraEnv[0].name=LEASE_TABLE", "sidecar.extraEnv[0].value=locks",
+                   "sidecar.extraEnv[1].name=LEASE_SAFETY_MARGIN",
+                   "sidecar.extraEnv[1].value=2s"],
 }
 
 

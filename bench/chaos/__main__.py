@@ -33,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {','.join(ALL_FAULTS)} "
                         "(default: every fault the backend supports)")
     p.add_argument("--sidecars", type=int, default=5)
+    p.add_argument("--pg-connect", choices=("proxy", "multi-host"), default="proxy",
+                   help="postgres backends: through a proxy per sidecar (network faults; a "
+                        "failover silences the old primary's connections) or a multi-host "
+                        "DSN naming primary and standby")
     p.add_argument("--leader-bias", type=float, default=0.5,
                    help="probability that a fault targets the current leader")
     p.add_argument("--lease-duration", type=parse_duration, default=Timing.lease_duration)
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
               else Timing.default_margin(args.backend))
     timing = Timing(args.lease_duration, args.renew_interval, args.renew_deadline,
                     args.claim_horizon, margin)
-    env = make_env(args.backend, timing)
+    env = make_env(args.backend, timing, style=args.pg_connect)
     faults = tuple(args.faults.split(",")) if args.faults else env.faults
     config = Config(backend=args.backend, seed=args.seed, duration=args.duration,
                     faults=faults, sidecars=args.sidecars, max_faults=args.max_faults,

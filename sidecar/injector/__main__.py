@@ -33,10 +33,11 @@ RENEW_EVERY = 6 * 3600.0  # far below the 30-day renewal margin; cheap when noth
 _background: set[asyncio.Task[None]] = set()
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sidecar.injector",
-                                     description="Inject the lease sidecar into opted-in Pods.")
-    parser.add_argument("--spec", required=True,
+def parser_for(prog: str = "python -m sidecar.injector",
+            text: str = "Inject the lease sidecar into opted-in Pods.",
+            spec_required: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=text)
+    parser.add_argument("--spec", required=spec_required,
                         help="the chart-rendered sidecar spec (JSON)")
     parser.add_argument("--listen", default="0.0.0.0:8443", help="HTTPS host:port")
     parser.add_argument("--health", default="0.0.0.0:8080",
@@ -68,7 +69,7 @@ def _refresh_tls(args: argparse.Namespace, cert_dir: Path) -> Path:
     return tls.write_pem(bundle, cert_dir)
 
 
-def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if bool(args.tls_file) == bool(args.tls_secret):
         parser.error("give exactly one of --tls-file and --tls-secret")
     if args.tls_secret and ("/" not in args.tls_secret or not args.host):
@@ -77,25 +78,22 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--tls-key goes with --tls-file")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    _check(parser, args)
-    jsonlog.setup(args.log_level)
-    # One line per admission call and probe would drown the decisions that matter.
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+def serve(args: argparse.Namespace, registry: kopf.OperatorRegistry
+          ) -> tuple[kopf.OperatorSettings, str] | None:
+    """Add the webhook to ``registry``; kopf's settings and the liveness endpoint, or None
+    (after printing why) if a setting is wrong. Used by :mod:`sidecar.operator` too."""
     try:
         spec = InjectionSpec.load(args.spec)
         host, port = parse_addr(args.listen)
         health_host, health_port = parse_addr(args.health)
     except ValueError as exc:
         print(f"lease-sidecar-injector: error: {exc}", file=sys.stderr)
-        return 2
+        return None
     cert_dir = Path(args.cert_dir or tempfile.mkdtemp(prefix="lease-injector-tls-"))
     pem = Path(args.tls_file) if args.tls_file else _refresh_tls(args, cert_dir)
     key = Path(args.tls_key) if args.tls_key else pem
 
-    registry = webhook.build_registry(spec)
+    webhook.add_handlers(registry, spec)
     if args.tls_secret:
         @kopf.on.startup(registry=registry)
         async def keep_tls_fresh(**_: Any) -> None:
@@ -113,11 +111,25 @@ def main(argv: list[str] | None = None) -> int:
 
     # kopf reloads the PEM when it changes (checked every file_check_interval seconds).
     server = webhook.InjectorServer(addr=host, port=port, certfile=pem, pkeyfile=key,
-                                file_check_interval=60.0)
-    kopf.run(registry=registry, settings=webhook.settings(server), clusterwide=True,
-             standalone=True, liveness_endpoint=f"http://{health_host}:{health_port}/healthz")
-    return 0
+                                    file_check_interval=60.0)
+    return webhook.settings(server), f"http://{health_host}:{health_port}/healthz"
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = parser_for()
+    args = parser.parse_args(argv)
+    check(parser, args)
+    jsonlog.setup(args.log_level)
+    # One line per admission call and probe would drown the decisions that matter.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    registry = webhook.build_registry()
+    served = serve(args, registry)
+    if served is None:
+        return 2
+    settings, liveness = served
+    kopf.run(registry=registry, settings=settings, clusterwide=True, standalone=True,
+             liveness_endpoint=liveness)
+    return 0
 
 if __name__ == "__main__":
     raise SystemExit(main())

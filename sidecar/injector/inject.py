@@ -263,8 +263,9 @@ def _containers(pod: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _under(path: str, directory: str) -> bool:
-    path, directory = path.rstrip("/") or "/", directory.rstrip("/") or "/"
-    return path == directory or path.startswith(directory.rstrip("/") + "/")
+    """``path`` is ``directory`` or inside it (trailing slashes aside)."""
+    path, directory = path.rstrip("/"), directory.rstrip("/")
+    return path == directory or path.startswith(directory + "/")
 
 
 def conflict(pod: dict[str, Any], spec: InjectionSpec, overrides: dict[str, str]) -> str | None:

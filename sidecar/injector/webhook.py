@@ -109,14 +109,21 @@ class InjectorServer(kopf.WebhookServer):
         return web.json_response(response)
 
 
-def build_registry(spec: InjectionSpec) -> kopf.OperatorRegistry:
-    """A registry holding only the injection handler and the login."""
+def build_registry() -> kopf.OperatorRegistry:
+    """A registry holding only the login (handlers: :func:`add_handlers`, and the
+    operator's label reconciler)."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo | None:
         # The one credentials rule of sidecar.kube: KUBECONFIG, else the ServiceAccount.
         return kopf_connection(tls.api_client().configuration, None)
+
+    return registry
+
+
+def add_handlers(registry: kopf.OperatorRegistry, spec: InjectionSpec) -> None:
+    """The injection handler."""
 
     @kopf.on.mutate("pods", id=HANDLER_ID, operations=["CREATE"],
                     labels={OPT_IN_LABEL: "true"}, side_effects=False, registry=registry)
@@ -146,8 +153,6 @@ def build_registry(spec: InjectionSpec) -> kopf.OperatorRegistry:
             raw.update(copy.deepcopy(pod))
 
         patch.fns.append(replace)
-
-    return registry
 
 
 def settings(server: kopf.WebhookServer) -> kopf.OperatorSettings:

@@ -1,5 +1,5 @@
-"""asyncpg errors in words, for both PostgreSQL backends (the advisory lock and the row
-lease's asyncpg driver)."""
+"""asyncpg errors in words, and the server's version, for both PostgreSQL backends (the
+advisory lock and the row lease's asyncpg driver)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,9 @@ def first_line(text: str) -> str:
 def error_line(exc: BaseException) -> str:
     """One line for ``exc``: its message's first line, else its type's name."""
     return first_line(str(exc)) or type(exc).__name__
+
+
+def version_num(conn: asyncpg.Connection) -> int:
+    """``server_version_num`` of the server behind ``conn`` (major * 10000 + minor)."""
+    v = conn.get_server_version()
+    return v.major * 10000 + v.minor

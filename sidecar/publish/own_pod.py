@@ -1,5 +1,6 @@
 """The pod this sidecar runs in, as the pod label and the events publishers address it
-in the API (both need ``POD_NAME`` and ``POD_NAMESPACE``; both talk REST directly)."""
+in the API (both need ``POD_NAME`` and ``POD_NAMESPACE``; both talk to the apiserver
+through :mod:`sidecar.kubeapi`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from typing import Any
 from urllib.parse import quote
 
 from sidecar.settings import Settings
-
-MERGE_PATCH = "application/merge-patch+json"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ derived from the timing settings, so a short-lease run has short bounds:
   (the elector backs off up to one lease duration, ±20 %);
 - advisory locks: plus the renew deadline (a silent holder is detected by deadline and
   by the server's idle-session timeout rather than by a TTL);
+- failover (PostgreSQL): plus the fault's own time (lag, handovers, kill, promote) and
+  the new holder's wait on a new timeline (renew deadline or lease duration);
 - kubernetes: the lease duration is whole seconds on the wire (rounded up), and a
   standby counts it on its own clock from when it last saw the Lease change, so ``base``
   uses the rounded value; an apiserver restart is down time plus the apiserver's own
@@ -40,6 +42,7 @@ from testkit.chaos.proxy import Proxy
 
 if TYPE_CHECKING:
     from testkit.testbed.kube import ControlPlane
+    from testkit.testbed.pg_failover import PgFailover
     from testkit.testbed.postgres import PgServer
 
 SLACK = 1.0
@@ -102,6 +105,13 @@ class BackendEnv:
         ``standby``: an identity for "holder-to-standby")."""
         raise NotImplementedError(f"{self.name} has no foreign-write fault")
 
+    async def lag(self) -> None:
+        raise NotImplementedError(f"{self.name} has no standby")
+
+    async def fail_over(self, promote_after: float) -> int:
+        """Kill the primary, promote the standby; the new timeline."""
+        raise NotImplementedError(f"{self.name} has no standby")
+
     async def teardown(self) -> None:
         """Release everything ``setup`` made."""
 
@@ -119,6 +129,8 @@ class BackendEnv:
         if fault.kind == "foreign-write":
             # The next term waits out the previous holder's possible claims (one lease).
             bound += t.lease_duration
+        if fault.kind == "failover" and fault.ended is not None:
+            bound += (fault.ended - fault.at) + 1.2 * t.lease_duration + t.lease_duration
         return bound
 
 
@@ -143,29 +155,57 @@ class SqliteEnv(BackendEnv):
 class PostgresEnv(BackendEnv):
     """``postgres`` (advisory lock) or ``postgres-row`` against a real PostgreSQL.
 
-    Uses the given test-bed server (the pytest ``pg`` fixture) or starts its own. Every
-    sidecar reaches the server through its own :class:`Proxy`, so network faults hit one
-    contender; ``restart`` is an immediate (crash) stop and a start.
+    Uses the given test-bed server (the pytest ``pg`` fixture) or starts its own: then a
+    primary with an asynchronous streaming standby (:class:`PgFailover`), and the
+    ``failover`` fault too. Sidecars reach the server one of two ways (``style``):
+
+    - ``proxy``: each through its own :class:`Proxy`, so network faults hit one
+      contender; a failover black-holes every open connection (the old primary drops off
+      the network without a word), kills the primary, promotes the standby and points
+      the proxies at it;
+    - ``multi-host``: a DSN naming both servers with
+      ``target_session_attrs=read-write`` (no proxy, no network faults); a failover
+      kills the primary and promotes the standby.
+
+    ``restart`` is an immediate (crash) stop and a start. ``lag`` stops the standby's WAL
+    receiver: what the primary commits from then on is lost at the failover.
     """
 
-    faults = PROCESS_FAULTS + NETWORK_FAULTS + ("backend-restart",)
-
-    def __init__(self, backend: str, timing: Timing, server: PgServer | None = None) -> None:
+    def __init__(self, backend: str, timing: Timing, server: PgServer | None = None,
+                 style: str = "proxy") -> None:
         super().__init__(timing)
+        if style not in ("proxy", "multi-host"):
+            raise ValueError(f"unknown connection style {style!r}")
         self.name = backend
-        self.server = server
+        self.style = style
+        self._server = server
+        self.cluster: PgFailover | None = None
         self._owns_server = server is None
+        network = NETWORK_FAULTS if style == "proxy" else ()
+        self.faults = (PROCESS_FAULTS + network + ("backend-restart",)
+                       + (("failover",) if self._owns_server else ()))
         self.proxies: list[Proxy] = []
         self.database = f"chaos_{uuid.uuid4().hex[:10]}"
 
-    async def setup(self, workdir: Path, sidecars: int) -> None:
-        from testkit.testbed.postgres import HOST, PgServer
+    @property
+    def server(self) -> PgServer | None:
+        """The primary now."""
+        return self.cluster.primary if self.cluster is not None else self._server
 
-        if self.server is None:
-            self.server = await asyncio.to_thread(lambda: PgServer().init())
+    async def setup(self, workdir: Path, sidecars: int) -> None:
+        from testkit.testbed.pg_failover import PgFailover
+        from testkit.testbed.postgres import HOST
+
+        if self._owns_server:
+            self.cluster = await asyncio.to_thread(lambda: PgFailover().start())
+            await asyncio.to_thread(self.cluster.create_database, self.database)
+        else:
+            assert self._server is not None
+            await asyncio.to_thread(self._server.create_database, self.database)
         server = self.server
-        await asyncio.to_thread(server.create_database, self.database)
-        self.proxies = [await Proxy((HOST, server.port)).start() for _ in range(sidecars)]
+        assert server is not None
+        if self.style == "proxy":
+            self.proxies = [await Proxy((HOST, server.port)).start() for _ in range(sidecars)]
         await asyncio.to_thread(self._apply_schema)
 
     def _dsn(self, port: int) -> str:
@@ -188,10 +228,32 @@ class PostgresEnv(BackendEnv):
             raise RuntimeError(f"schema --apply failed: {result.stderr.strip()}")
 
     def sidecar_env(self, index: int) -> dict[str, str]:
-        return {"LEASE_BACKEND": self.name, "LEASE_DSN": self._dsn(self.proxies[index].port)}
+        if self.style == "multi-host":
+            assert self.cluster is not None
+            dsn = self.cluster.multi_host_dsn(self.database)
+        else:
+            dsn = self._dsn(self.proxies[index].port)
+        return {"LEASE_BACKEND": self.name, "LEASE_DSN": dsn}
 
     def proxy(self, index: int) -> Proxy | None:
-        return self.proxies[index]
+        return self.proxies[index] if self.proxies else None
+
+    async def lag(self) -> None:
+        assert self.cluster is not None, "failover needs a server of the harness's own"
+        await asyncio.to_thread(self.cluster.lag)
+
+    async def fail_over(self, promote_after: float) -> int:
+        from testkit.testbed.postgres import HOST
+
+        assert self.cluster is not None, "failover needs a server of the harness's own"
+        for proxy in self.proxies:
+            proxy.blackhole()
+        await asyncio.to_thread(self.cluster.kill_primary)
+        await asyncio.sleep(promote_after)
+        primary = await asyncio.to_thread(self.cluster.promote)
+        for proxy in self.proxies:
+            proxy.retarget((HOST, primary.port))
+        return await asyncio.to_thread(self.cluster.timeline)
 
     async def restart(self, down_for: float) -> None:
         assert self.server is not None
@@ -219,8 +281,8 @@ class PostgresEnv(BackendEnv):
     async def teardown(self) -> None:
         for proxy in self.proxies:
             await proxy.close()
-        if self._owns_server and self.server is not None:
-            await asyncio.to_thread(self.server.destroy)
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.destroy)
 
     def bound(self, fault: Fault) -> float:
         bound = super().bound(fault)
@@ -341,11 +403,12 @@ class KubeEnv(BackendEnv):
 
 
 def make_env(backend: str, timing: Timing, server: PgServer | None = None,
-             control_plane: ControlPlane | None = None) -> BackendEnv:
+             control_plane: ControlPlane | None = None, style: str = "proxy") -> BackendEnv:
+    """``style``: how PostgreSQL sidecars connect (:class:`PostgresEnv`)."""
     if backend == "sqlite":
         return SqliteEnv(timing)
     if backend in ("postgres", "postgres-row"):
-        return PostgresEnv(backend, timing, server)
+        return PostgresEnv(backend, timing, server, style)
     if backend == "kubernetes":
         return KubeEnv(timing, control_plane)
     raise ValueError(f"no chaos environment for backend {backend!r}")

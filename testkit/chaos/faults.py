@@ -16,9 +16,11 @@ from typing import Any
 PROCESS_FAULTS = ("sigkill", "sigstop", "sigterm")
 # Faults on the path between one sidecar and its backend (through the harness's proxy).
 NETWORK_FAULTS = ("cut", "latency", "partition")
-# "foreign-write": someone else writes the lease (kubernetes: kubectl edits or deletes the
-# Lease, as an operator's runbook does); params["edit"] says which write.
-BACKEND_FAULTS = ("backend-restart", "foreign-write")
+# ``failover``: the standby stops receiving WAL, the lease changes hands during the lag,
+# then the primary dies and the standby is promoted (PostgreSQL with a harness-owned server).
+# ``foreign-write``: someone else writes the lease (kubernetes: kubectl edits or deletes
+# the Lease, as an operator's runbook does); params["edit"] says which write.
+BACKEND_FAULTS = ("backend-restart", "failover", "foreign-write")
 FOREIGN_EDITS = ("holder-cleared", "holder-to-standby", "duration-1s", "deleted")
 ALL_FAULTS = PROCESS_FAULTS + NETWORK_FAULTS + BACKEND_FAULTS
 
@@ -86,6 +88,9 @@ class Schedule:
             return {"down_for": round(rng.uniform(0.0, 1.0), 3)}
         if kind == "foreign-write":
             return {"edit": rng.choice(FOREIGN_EDITS)}
+        if kind == "failover":
+            return {"handovers": rng.choice((1, 2)),
+                    "promote_after": round(rng.uniform(0.1, 0.5), 3)}
         raise ValueError(f"unknown fault {kind!r}")
 
     def pause(self) -> float:

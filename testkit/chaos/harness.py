@@ -33,13 +33,7 @@ from typing import Any
 
 from testkit.chaos.backends import BackendEnv, Timing
 from testkit.chaos.checker import Verdict, check
-from testkit.chaos.faults import (
-    BACKEND_FAULTS,
-    NETWORK_FAULTS,
-    PROCESS_FAULTS,
-    Fault,
-    Schedule,
-)
+from testkit.chaos.faults import BACKEND_FAULTS, NETWORK_FAULTS, PROCESS_FAULTS, Fault, Schedule
 from testkit.chaos.recorder import Recorder, Target
 from testkit.support import SidecarProcess
 
@@ -220,6 +214,17 @@ class Harness:
             fault = Fault(len(self.faults), kind, time.time(), "backend", leader, params)
             await self.env.foreign_write(params["edit"], params["standby"])
             fault.ended = time.time()
+        elif kind == "failover":
+            # On the promoted server first: a leader of the old primary that still claims
+            # (its path went silent) is no handover to make during the next lag.
+            await self._settle_after_failover(recorder)
+            leader = recorder.leader_now()
+            fault = Fault(len(self.faults), kind, time.time(), "backend", leader, params)
+            await self.env.lag()
+            params["handed_over"] = await self._hand_over(recorder, params["handovers"])
+            params["killed_at"] = time.time()
+            params["timeline"] = await self.env.fail_over(params["promote_after"])
+            fault.ended = params["promoted_at"] = time.time()
         else:
             by_name = {m.identity: m for m in self._candidates(kind)}
             target = by_name[self.schedule.target(sorted(by_name), leader)]
@@ -256,6 +261,36 @@ class Harness:
             elif fault.kind == "partition":
                 proxy.partition(p["for"])
                 member.disturbed_until = fault.at + p["for"]
+
+    async def _settle_after_failover(self, recorder: Recorder) -> None:
+        """Until every claim of the last failover's old primary has run out and a leader
+        claims (bounded: a leaderless system shows as a gap anyway)."""
+        t = self.config.timing
+        last = max((f.ended or f.at for f in self.faults if f.kind == "failover"),
+                   default=0.0)
+        await asyncio.sleep(max(0.0, last + t.lease_duration + t.renew_deadline - time.time()))
+        await self._wait_leader(recorder, 2 * t.lease_duration + 5.0)
+
+    async def _hand_over(self, recorder: Recorder, times: int) -> int:
+        """``POST /release`` to the leader, then wait for another one; how many handovers
+        happened (each bounded in time)."""
+        done = 0
+        by_name = {m.identity: m for m in self.members}
+        bound = 2 * self.config.timing.lease_duration + 3.0
+        for _ in range(times):
+            await self._wait_leader(recorder, bound)
+            leader = recorder.leader_now()
+            if leader is None or by_name[leader].status != "up":
+                break
+            await asyncio.to_thread(by_name[leader].process.release)
+            deadline = time.monotonic() + bound
+            while time.monotonic() < deadline:
+                now = recorder.leader_now()
+                if now is not None and now != leader:
+                    done += 1
+                    break
+                await asyncio.sleep(0.01)
+        return done
 
     def _recover(self, work: Any) -> None:
         task = asyncio.create_task(work)

@@ -9,7 +9,10 @@ contender. Three faults:
   it, in both directions — a slow or congested path;
 - ``partition(seconds)``: stop forwarding (connections stay open, data is buffered) and
   deliver everything afterwards — a silent black hole that heals, the case where nobody
-  sees a reset and only timeouts can tell.
+  sees a reset and only timeouts can tell;
+- ``blackhole()`` then ``retarget(upstream)``: the connections open now go silent for
+  good (not even the upstream's end reaches the client) while new ones go to another
+  server — a database host that drops off the network, then a failover.
 
 Why our own and not toxiproxy: it is ~100 lines of asyncio, needs no Go build, and the
 harness can drive it directly on its one event loop.
@@ -34,6 +37,8 @@ class Proxy:
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._heal: asyncio.TimerHandle | None = None
+        # One per open connection: cleared for good when it is black-holed.
+        self._alive: set[asyncio.Event] = set()
         self.port = 0
 
     async def start(self) -> Proxy:
@@ -73,6 +78,18 @@ class Proxy:
             self._heal.cancel()
         self._heal = asyncio.get_running_loop().call_later(seconds, self._flowing.set)
 
+    def blackhole(self) -> int:
+        """Silence every open connection for good; returns how many."""
+        count = len(self._alive)
+        for alive in self._alive:
+            alive.clear()
+        self._alive.clear()
+        return count
+
+    def retarget(self, upstream: tuple[str, int]) -> None:
+        """New connections go to ``upstream``."""
+        self._upstream = upstream
+
     @property
     def connections(self) -> int:
         return len(self._writers) // 2
@@ -98,12 +115,16 @@ class Proxy:
             client_w.transport.abort()
             return
         self._writers |= {client_w, up_w}
-        pumps = [asyncio.create_task(self._pump(client_r, up_w)),
-                 asyncio.create_task(self._pump(up_r, client_w))]
+        alive = asyncio.Event()
+        alive.set()
+        self._alive.add(alive)
+        pumps = [asyncio.create_task(self._pump(client_r, up_w, alive)),
+                 asyncio.create_task(self._pump(up_r, client_w, alive))]
         self._tasks.update(pumps)
         try:
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self._alive.discard(alive)
             for task in pumps:
                 task.cancel()
             for writer in (client_w, up_w):
@@ -111,7 +132,8 @@ class Proxy:
                 self._writers.discard(writer)
             self._tasks.difference_update(pumps)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    alive: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
@@ -119,5 +141,9 @@ class Proxy:
                     # Inline sleep keeps order; chunks queued meanwhile wait a bit longer.
                     await asyncio.sleep(self._delay)
                 await self._flowing.wait()
+                await alive.wait()
                 writer.write(data)
                 await writer.drain()
+        if not alive.is_set():
+            # Black-holed: the other side must not hear of this end either (until close).
+            await asyncio.Event().wait()

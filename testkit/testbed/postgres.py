@@ -7,6 +7,10 @@
         pg.dsn                         # postgresql://lease:<password>@127.0.0.1:<port>/lease
         standby = start_standby(pg)    # pg_basebackup -R, hot standby on another port
         standby.wait_replayed()        # until the primary's current LSN is replayed
+        standby.stop_receiving()       # asynchronous replication lags: WAL receiver off
+        standby.promote()              # pg_ctl promote: a new timeline, read-write
+
+:mod:`testkit.testbed.pg_failover` fails a primary over to its standby again and again.
 
 The binaries come from Debian's ``postgresql`` package (``/usr/lib/postgresql/<v>/bin``,
 newest version wins); :func:`ensure_installed` installs it with apt-get when missing
@@ -281,10 +285,15 @@ log_line_prefix = '%m [%p] %u@%d '
 class PgStandby(PgServer):
     """A streaming hot standby of ``primary`` (built with ``pg_basebackup -R``)."""
 
-    def __init__(self, primary: PgServer, name: str = "standby") -> None:
+    def __init__(self, primary: PgServer, name: str = "standby", port: int | None = None) -> None:
+        """``port``: listen there (e.g. a failed primary's, so a multi-host DSN naming
+        both ports stays right) instead of on a new free port."""
         super().__init__(bindir=primary.bindir, root=primary.root, name=name)
         self.primary = primary
         self.password = primary.password  # roles are replicated
+        if port is not None:
+            self.port = port
+        self._primary_conninfo = ""
 
     def init(self) -> PgStandby:
         self._run(["pg_basebackup", "-h", HOST, "-p", str(self.primary.port),
@@ -300,6 +309,29 @@ class PgStandby(PgServer):
 
     def pause_replay(self) -> None:
         self.psql("select pg_wal_replay_pause()")
+
+    def stop_receiving(self) -> None:
+        """Stop the WAL receiver (an empty ``primary_conninfo``, reloaded): the standby
+        falls behind the way an asynchronous one does under load or a network blip,
+        and what the primary commits meanwhile never reaches it."""
+        self._primary_conninfo = self.psql("show primary_conninfo")
+        self.psql("alter system set primary_conninfo = ''")
+        self.psql("select pg_reload_conf()")
+        deadline = time.monotonic() + 30.0
+        while self.psql("select count(*) from pg_stat_wal_receiver") != "0":
+            if time.monotonic() >= deadline:
+                raise PgError("the standby's WAL receiver did not stop within 30s")
+            time.sleep(0.02)
+
+    def resume_receiving(self) -> None:
+        """Start the WAL receiver again with the connection string it had."""
+        value = self._primary_conninfo.replace("'", "''")
+        self.psql(f"alter system set primary_conninfo = '{value}'")
+        self.psql("select pg_reload_conf()")
+
+    def promote(self, timeout: float = 60.0) -> None:
+        """``pg_ctl promote``: end recovery, start a new timeline, accept writes."""
+        self._run(["pg_ctl", "-D", str(self.data), "-w", "-t", str(int(timeout)), "promote"])
 
     def resume_replay(self) -> None:
         self.psql("select pg_wal_replay_resume()")

@@ -279,3 +279,59 @@ def test_injector_restart_refuses_then_injects(app: App) -> None:
     ps.wait_one_leader(c, ns, replicas=4)
     c.kubectl("-n", ns, "scale", f"deployment/{app.deployment}", "--replicas=3")
     ps.wait_rolled_out(c, ns, app.deployment)
+
+
+def test_a_sidecar_without_a_token_is_not_ready_and_not_restarted(app: App) -> None:
+    """automountServiceAccountToken: false with the sidecar declared by hand (the injector
+    would refuse the pod; it leaves a pod that has the sidecar alone). Before, /healthz —
+    the chart's probe path — said 200: the pod was Ready while its sidecar could never
+    lead. Now readiness (/healthz) fails with the reason, and liveness (/livez) does not,
+    since a restart brings no token: the app runs, the pod is not Ready, nothing restarts."""
+    c, ns = app.cluster, app.namespace
+    spec = json.loads(c.kubectl_json("-n", ns, "get", "configmap",
+                                     f"{RELEASE}-lease-sidecar-injector")["data"]["sidecar.json"])
+    sidecar = spec["container"]
+    sidecar["env"] = [e if e["name"] != "LEASE_NAME" else {"name": "LEASE_NAME",
+                                                           "value": LEASE_NAME}
+                      for e in sidecar["env"]]
+    name = "tokenless"
+    c.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {"serviceAccountName": "app", "automountServiceAccountToken": False,
+                 "initContainers": [sidecar], "volumes": spec["volumes"],
+                 "containers": [{"name": "app", "image": app.image, "imagePullPolicy": "Never",
+                                 "command": ["python", "-c", "import time; time.sleep(3600)"],
+                                 "securityContext": sidecar["securityContext"],
+                                 "volumeMounts": [spec["appMount"]]}]}}))
+    try:
+        started = time.monotonic()
+        # Past the startup probe's window (30 x 1 s) and a few liveness periods (10 s).
+        deadline = started + 180
+        while True:
+            pod = c.kubectl_json("-n", ns, "get", "pod", name)
+            app_state = {s["name"]: s for s in pod["status"].get("containerStatuses") or []}
+            if "running" in (app_state.get("app", {}).get("state") or {}):
+                break
+            assert time.monotonic() < deadline, pod["status"]
+            time.sleep(1)
+        time.sleep(max(0.0, started + 60 - time.monotonic()))
+        pod = c.kubectl_json("-n", ns, "get", "pod", name)
+        side = next(s for s in pod["status"]["initContainerStatuses"]
+                    if s["name"] == ps.SIDECAR)
+        assert side["restartCount"] == 0 and side["ready"] is False, side
+        assert "running" in side["state"]
+        ready = next(x for x in pod["status"]["conditions"] if x["type"] == "Ready")
+        assert ready["status"] == "False"
+        events = c.kubectl_json("-n", ns, "get", "events", "--field-selector",
+                                f"involvedObject.name={name}")["items"]
+        probes = [e["message"] for e in events if e["reason"] == "Unhealthy"]
+        assert probes and all(m.startswith("Readiness probe failed") for m in probes), probes
+        logs = c.kubectl("-n", ns, "logs", name, "-c", ps.SIDECAR).stdout
+        lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+        said = [x for x in lines if "credentials" in x["msg"]]
+        assert [x["msg"] for x in said] == [
+            "no kubernetes credentials: this sidecar can never lead until it has some; "
+            "/healthz and /readyz answer 503"]
+        assert "Service token file does not exist" in said[0]["reason"]
+    finally:
+        c.kubectl("-n", ns, "delete", "pod", name, "--wait=false", check=False)

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,7 @@ from testkit.chart_support import (
 )
 from testkit.support import REPO, SidecarProcess, wait_until
 from testkit.testbed.kube import ControlPlane
+from testkit.testbed.postgres import PgServer
 
 pytestmark = pytest.mark.kube
 
@@ -326,6 +331,51 @@ def test_network_policy_admits_the_sidecar_port_only_from_probe_sources() -> Non
                 if d["kind"] == "NetworkPolicy"]
     proc = template("r", "apps", ["networkPolicy.enabled=true"], check=False)
     assert proc.returncode != 0 and "networkPolicy.probeSources: give the CIDR" in proc.stderr
+
+
+def test_schema_job_applies_the_ddl_before_install_and_upgrade_with_its_own_secret() -> None:
+    docs = documents(template("r", "apps", VALUE_SETS["schema-job"]).stdout)
+    job = find(docs, "Job", "-schema")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never" and pod["automountServiceAccountToken"] is False
+    (container,) = pod["containers"]
+    assert container["args"] == ["schema", "--apply"]
+    env = env_map(container)
+    # Its own credentials, not the sidecar's; the table as the sidecar names it; nothing
+    # else of extraEnv (the Job's settings are only where the table is).
+    assert env == {"LEASE_BACKEND": "postgres-row",
+                   "LEASE_DSN": {"secretKeyRef": {"name": "lease-admin-dsn", "key": "dsn"}},
+                   "LEASE_TABLE": "locks"}
+    # Off by default, and only for backends with a table.
+    assert not [d for d in documents(template("r", "apps", VALUE_SETS["postgres-row"]).stdout)
+                if d["kind"] == "Job"]
+    for values, message in (
+            (["schemaJob.enabled=true", "schemaJob.dsnSecret.name=x"],
+             "schemaJob.enabled: the kubernetes backend has no table to create"),
+            (["lease.backend=postgres-row", "lease.dsnSecret.name=lease-dsn",
+              "schemaJob.enabled=true"], "schemaJob.dsnSecret.name: name the Secret")):
+        proc = template("r", "apps", values, check=False)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_schema_job_command_provisions_a_real_database(pg: PgServer, tmp_path: Path) -> None:
+    """The Job's container, run as Kubernetes would run it (its args, its env with the
+    Secret's DSN): a role that may create the schema provisions a real PostgreSQL, and
+    a second run (the next upgrade) changes nothing."""
+    docs = documents(template("r", "apps", VALUE_SETS["schema-job"]).stdout)
+    (container,) = find(docs, "Job", "-schema")["spec"]["template"]["spec"]["containers"]
+    database = f"t_{uuid.uuid4().hex[:12]}"
+    admin_dsn = pg.create_database(database)  # owned by a role that may create in it
+    env = {name: admin_dsn if isinstance(value, dict) else value
+           for name, value in env_map(container).items()}
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-m", "sidecar", *container["args"]],
+                              env={**os.environ, **env}, capture_output=True, text=True,
+                              timeout=60, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        assert "schema applied (postgres-row, lease.locks)" in proc.stdout
+    assert pg.psql("select count(*) from lease.locks", dbname=database) == "0"
 
 
 @pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())

@@ -51,7 +51,7 @@ START_TIMEOUT = 60.0
 
 @dataclass
 class Injector:
-    """``python -m sidecar.injector`` with the chart's args, as the chart's ServiceAccount."""
+    """``lease-sidecar operator`` with the chart's args, as the chart's ServiceAccount."""
 
     args: list[str]
     kubeconfig: Path
@@ -65,7 +65,7 @@ class Injector:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         env.pop("KUBERNETES_SERVICE_HOST", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar.injector", *self.args,
+            [sys.executable, "-m", "sidecar", "operator", *self.args,
              f"--listen=127.0.0.1:{self.port}", f"--health=127.0.0.1:{self.health_port}",
              f"--cert-dir={self.workdir / 'tls'}", "--host=127.0.0.1"],
             stdout=log, stderr=log, env=env, cwd=REPO)
@@ -165,7 +165,7 @@ def start_release(cp: ControlPlane, workdir: Path, release: str, namespace: str,
                                                       "items": rest}))
     deployment = find(docs, "Deployment", "-injector")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["python", "-m", "sidecar.injector"]
+    assert container["command"] == ["lease-sidecar", "operator"]
     spec_text = find(docs, "ConfigMap", "-injector")["data"]["sidecar.json"]
     (workdir / "sidecar.json").write_text(spec_text)
     args = [*_arg_list(container, ("--spec", "--listen", "--health", "--cert-dir")),
@@ -491,8 +491,17 @@ def _post_review(env: Env, body: bytes) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
+# What ServiceAccount admission adds to a pod before any webhook sees it: a review made
+# by hand carries it too, or the injector refuses the pod for want of a token.
+ADMITTED_TOKEN_VOLUME = {"name": "kube-api-access-abcde", "projected": {"sources": [
+    {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+    {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+]}}
+
+
 def _review(env: Env, operation: str, name: str) -> dict[str, Any]:
     pod = env.pod(name, labels={LABEL: "true"})
+    pod["spec"]["volumes"] = [ADMITTED_TOKEN_VOLUME]
     return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
             "request": {"uid": f"uid-{name}", "operation": operation,
                         "kind": {"group": "", "version": "v1", "kind": "Pod"},
@@ -542,42 +551,6 @@ def test_malformed_reviews_get_a_denial_or_400_never_exception_text(env: Env) ->
 
 
 # Last: it leaves the injector stopped and the failure policy at Ignore.
-def test_failure_policy_with_the_injector_stopped(env: Env) -> None:
-    """Fail (the default): opted-in Pods are refused, others created; Ignore: created bare."""
-    ca = _ca(env)
-    env.injector.stop()
-    refused = env.create(env.pod("while-down", labels={LABEL: "true"}))
-    assert refused.returncode != 0
-    assert "failed calling webhook" in refused.stderr
-    assert env.cp.kubectl("-n", env.namespace, "get", "pod", "while-down",
-                          check=False).returncode != 0
-    assert env.create(env.pod("plain-while-down")).returncode == 0
-
-    # Back up: the Secret's CA is reused (no caBundle churn) and injection resumes.
-    env.injector.start()
-    env.wait_until_called()
-    assert _ca(env) == ca
-    assert env.create(env.pod("after-restart", labels={LABEL: "true"})).returncode == 0
-    assert env.stored("after-restart")["spec"]["initContainers"][0]["name"] == "lease-sidecar"
-
-    # failurePolicy Ignore: the opted-in Pod is created, without a sidecar (so it never
-    # leads: no file, nothing answers on :8099).
-    env.injector.stop()
-    env.cp.kubectl("patch", "mutatingwebhookconfiguration", env.webhook_config, "--type=json",
-                   "-p", json.dumps([{"op": "replace", "path": "/webhooks/0/failurePolicy",
-                                      "value": "Ignore"}]))
-    deadline = time.monotonic() + 30
-    while (proc := env.create(env.pod("ignored", labels={LABEL: "true"}))).returncode != 0:
-        # The apiserver picks up the changed configuration within moments.
-        if time.monotonic() > deadline:
-            raise ControlPlaneError(proc.stderr)
-        time.sleep(0.2)
-    stored = env.stored("ignored")
-    assert "initContainers" not in stored["spec"]
-    assert "lease-sidecar/injected" not in (stored["metadata"].get("annotations") or {})
-
-
-
 # -- pods the sidecar could not serve: each refused with its own message -----------------
 
 def _unservable(env: Env, case: str) -> dict[str, Any]:
@@ -652,3 +625,41 @@ def test_a_pod_bringing_its_own_token_gets_it_mounted_in_the_sidecar(env: Env) -
     sidecar = env.stored("own-token")["spec"]["initContainers"][0]
     assert {"name": "my-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
             "readOnly": True} in sidecar["volumeMounts"]
+
+
+# Last: it leaves this module's injector stopped.
+def test_failure_policy_with_the_injector_stopped(env: Env) -> None:
+    """Fail (the default): opted-in Pods are refused, others created; Ignore: created bare."""
+    ca = _ca(env)
+    env.injector.stop()
+    refused = env.create(env.pod("while-down", labels={LABEL: "true"}))
+    assert refused.returncode != 0
+    assert "failed calling webhook" in refused.stderr
+    assert env.cp.kubectl("-n", env.namespace, "get", "pod", "while-down",
+                          check=False).returncode != 0
+    assert env.create(env.pod("plain-while-down")).returncode == 0
+
+    # Back up: the Secret's CA is reused (no caBundle churn) and injection resumes.
+    env.injector.start()
+    env.wait_until_called()
+    assert _ca(env) == ca
+    assert env.create(env.pod("after-restart", labels={LABEL: "true"})).returncode == 0
+    assert env.stored("after-restart")["spec"]["initContainers"][0]["name"] == "lease-sidecar"
+
+    # failurePolicy Ignore: the opted-in Pod is created, without a sidecar (so it never
+    # leads: no file, nothing answers on :8099).
+    env.injector.stop()
+    env.cp.kubectl("patch", "mutatingwebhookconfiguration", env.webhook_config, "--type=json",
+                   "-p", json.dumps([{"op": "replace", "path": "/webhooks/0/failurePolicy",
+                                      "value": "Ignore"}]))
+    deadline = time.monotonic() + 30
+    while (proc := env.create(env.pod("ignored", labels={LABEL: "true"}))).returncode != 0:
+        # The apiserver picks up the changed configuration within moments.
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(proc.stderr)
+        time.sleep(0.2)
+    stored = env.stored("ignored")
+    assert "initContainers" not in stored["spec"]
+    assert "lease-sidecar/injected" not in (stored["metadata"].get("annotations") or {})
+
+

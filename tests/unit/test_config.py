@@ -288,9 +288,19 @@ def test_the_margin_rule_is_only_for_ttl_backends():
     ({"LEASE_BACKEND": "postgres-row", "LEASE_DSN": "postgresql://db/x",
       "LEASE_NAME": "n" * 190}, "LEASE_NAME / --name"),
     ({"LEASE_BACKEND": "kubernetes", "LEASE_NAME": "Nightly_Sweep"}, "LEASE_NAME / --name"),
+    ({"LEASE_ENSURE_SCHEMA": "maybe"}, "LEASE_ENSURE_SCHEMA / --ensure-schema"),
 ])
 def test_each_setting_error_names_its_setting(env, named):
     assert error(**env).startswith(named)
+
+
+def test_ensure_schema_only_where_there_is_a_table_to_create():
+    row = {"LEASE_BACKEND": "postgres-row", "LEASE_DSN": "postgresql://db/x"}
+    assert load(**row, LEASE_ENSURE_SCHEMA="true").store.ensure_schema is True
+    assert load(**row, LEASE_ENSURE_SCHEMA="off").store.ensure_schema is False
+    assert load(**row).store.ensure_schema is False
+    assert error(**PG, LEASE_ENSURE_SCHEMA="yes") == (
+        "LEASE_ENSURE_SCHEMA / --ensure-schema: the postgres backend has no table to create")
 
 
 def test_flags_win_over_environment():

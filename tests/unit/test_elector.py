@@ -6,6 +6,7 @@ checked exactly; the real backends are exercised by the integration tests.
 
 import asyncio
 import contextlib
+import itertools
 import logging
 
 import pytest
@@ -213,6 +214,10 @@ async def test_unreachable_backend_logs_once_per_change(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert messages.count("backend unreachable") == 1
     assert messages.count("backend reachable again") == 1
+    (down,) = [r for r in caplog.records if r.getMessage() == "backend unreachable"]
+    (back,) = [r for r in caplog.records if r.getMessage() == "backend reachable again"]
+    assert back.cause == down.error  # the line saying it is back names what it was
+    assert back.unreachable_for_s >= 0
 
 
 async def test_standby_reports_the_holder():
@@ -362,8 +367,38 @@ async def test_a_backend_claim_delay_longer_than_the_horizon_is_honoured():
 
     lease.try_acquire = restarted  # type: ignore[method-assign]
     elector, state, _ = make(clock, lease)
-    await elector._acquire_once()
-    assert state.facts.claim_from == clock.now + 0.06  # not just the 0.05 s horizon
+    await drive(clock, asyncio.create_task(elector._acquire_once()))
+    replied = lease.calls[0][1]  # the fake acquire takes no time
+    assert state.facts.claim_from == pytest.approx(replied + 0.06)  # not just the horizon
+
+
+async def test_a_claim_delay_longer_than_the_validity_keeps_the_term_alive():
+    """After a server restart the first acquirer waits out the old holder's renew
+    deadline; before, it sent no renew meanwhile and its term ran out of validity
+    ("validity ran out") right before its first claim, costing every restart a second
+    hand-over. Now it renews every renew interval while it waits."""
+    clock = FakeClock()
+    lease = FakeLease(clock, valid_for=0.3, token=8)  # validity < the claim delay
+
+    async def restarted() -> Grant:
+        lease.calls.append(("acquire", clock.now))
+        return Grant(held=True, valid_for=0.3, fencing_token=8, claim_delay=1.0)
+
+    lease.try_acquire = restarted  # type: ignore[method-assign]
+    elector, state, publisher = make(clock, lease)
+    acquired = clock.now
+    task = asyncio.create_task(elector._acquire_once())
+    await drive(clock, task, step=0.002, limit=5.0)
+    assert state.facts.holding, state.facts.reason
+    assert state.facts.fencing_token == 8
+    renews = [at for what, at in lease.calls if what == "renew"]
+    assert renews and renews[0] - acquired < 0.3  # renewed before the validity ran out
+    assert all(b - a < 0.3 for a, b in itertools.pairwise(renews))
+    assert len(renews) >= 3  # the whole delay, not just its start
+    assert publisher.events  # told once the delay was over
+    assert state.facts.claim_from >= acquired + 1.0
+    clock.advance(max(0.0, state.facts.claim_from - clock.now))
+    assert state.claim().leader
 
 
 async def test_a_cooperative_end_of_term_unpublishes_waits_and_releases():
@@ -372,7 +407,7 @@ async def test_a_cooperative_end_of_term_unpublishes_waits_and_releases():
     clock = FakeClock()
     lease = FakeLease(clock)
     elector, state, publisher = make(clock, lease)
-    await elector._acquire_once()
+    await drive(clock, asyncio.create_task(elector._acquire_once()))
     clock.advance(FAST.claim_horizon)
     assert state.claim().leader  # hands out a claim valid one horizon ahead
     handed_out_until = state.issued_until

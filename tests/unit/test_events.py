@@ -7,8 +7,8 @@ its intervals (30 s, 10 min) are too long to wait out in a test.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
 
 import pytest
 
@@ -38,7 +38,7 @@ def occurrence(reason: str = "LeaderElected", note: str = "n", uid: str = "") ->
 
 def queued(publisher: EventPublisher) -> list[Occurrence]:
     found = []
-    with pytest.raises(queue.Empty):
+    with pytest.raises(asyncio.QueueEmpty):
         while True:
             item = publisher._queue.get_nowait()
             assert item is not None
@@ -102,7 +102,7 @@ def test_a_demoted_pod_is_the_regarding_object_and_we_are_related():
     publisher = EventPublisher(SETTINGS, [state])
     publisher.demoted({"metadata": {"name": "web-1", "namespace": "apps", "uid": "u-1",
                                     "labels": {"lease-role": "standby"}}})
-    publisher.demoted({"metadata": {}})  # malformed: never raises into kopf's handler
+    publisher.demoted({"metadata": {}})  # malformed: never raises into the label publisher
     [found] = queued(publisher)
     assert (found.reason, found.type, found.related) == ("StaleLabelDemoted", "Normal", True)
     assert found.regarding == {"apiVersion": "v1", "kind": "Pod", "namespace": "apps",

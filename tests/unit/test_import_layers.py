@@ -22,16 +22,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # What a sidecar is told, as data.
     ("sidecar.settings",),
     # The Kubernetes API client, and what a contender may claim.
-    ("sidecar.kube", "sidecar.state"),
+    ("sidecar.kube", "sidecar.kubeapi", "sidecar.state"),
     # The lease contract, the registry and every backend.
     ("sidecar.lease",),
     # The election loop and everything that reads the state.
-    ("sidecar.elector", "sidecar.publish", "sidecar.watchdog", "sidecar.metrics"),
+    ("sidecar.elector", "sidecar.publish", "sidecar.watchdog", "sidecar.appready",
+     "sidecar.metrics"),
     # Loading settings (asks the backends' entries), wiring one sidecar.
     ("sidecar.config", "sidecar.statedir", "sidecar.runtime"),
     # Entry points.
-    ("sidecar.cli", "sidecar.cli_exec", "sidecar.cli_status", "sidecar.__main__",
-     "sidecar.supervise", "sidecar.guard", "sidecar.injector"),
+    ("sidecar.cli", "sidecar.cli_exec", "sidecar.cli_handover", "sidecar.cli_status",
+     "sidecar.__main__", "sidecar.supervise", "sidecar.guard", "sidecar.injector",
+     "sidecar.operator"),
 )
 
 # Within the lease layer: the contract never imports a backend (the registry loads them

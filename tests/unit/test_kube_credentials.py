@@ -1,4 +1,5 @@
-"""One credentials rule for the sidecar and the injector (sidecar.kube.load_credentials).
+"""One credentials rule for the sidecar (sidecar.kubeapi, its own aiohttp client) and the
+operator/injector (sidecar.kube.load_credentials, the ``kubernetes`` client).
 
 Real kubeconfig files read by the real ``kubernetes`` client in a fresh Python process
 with the environment a pod (or a laptop) would give it: the client reads ``KUBECONFIG``
@@ -19,17 +20,19 @@ PROBE = """
 import json
 from sidecar.errors import BackendError
 from sidecar.injector.tls import api_client
-from sidecar.kube import connect
-from sidecar.settings import Settings
+from sidecar.kubeapi import KubeClient, KubeError
 
 result = {}
 try:
-    access = connect(Settings(pod_namespace=None))
-    result["sidecar"] = [access.api.configuration.host, access.namespace, access.source]
+    client = KubeClient.connect()
+    result["sidecar"] = [client.credentials.server, client.namespace, client.credentials.source]
+except KubeError as exc:
+    result.setdefault("error", []).append(str(exc))
+try:
     injector = api_client()
     result["injector"] = injector.configuration.host
 except BackendError as exc:
-    result["error"] = str(exc)
+    result.setdefault("error", []).append(str(exc))
 print(json.dumps(result))
 """
 
@@ -72,9 +75,10 @@ def test_in_a_pod_without_kubeconfig_only_the_service_account_counts(tmp_path: P
     # A ~/.kube/config in the pod is not used: in-cluster comes before it.
     write_kubeconfig(tmp_path / "home" / ".kube" / "config", "https://127.0.0.1:7443", "x")
     result = probe(tmp_path / "home", POD_ENV)
-    assert result["error"].startswith(
-        "kubernetes: no usable credentials (KUBECONFIG or in-cluster): ")
-    assert "\n" not in result["error"]
+    assert len(result["error"]) == 2  # the sidecar's and the injector's
+    for error in result["error"]:
+        assert error.startswith("kubernetes: no usable credentials (KUBECONFIG or in-cluster): ")
+        assert "\n" not in error
 
 
 def test_outside_a_pod_the_default_kubeconfig_is_used(tmp_path: Path) -> None:

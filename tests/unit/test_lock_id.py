@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from sidecar.lease import pg_timeouts
 from sidecar.lease.postgres_advisory.session import application_name, session_settings
-from sidecar.lease.postgres_advisory.sql import key_from_halves, lock_halves, lock_id
+from sidecar.lease.postgres_advisory.sql import key_from_halves, lock_halves, lock_id, wait_lock_sql
 from sidecar.settings import Store, Timing
 from testkit.testbed.postgres import PgServer
 
@@ -101,3 +102,17 @@ def test_older_servers_get_only_the_settings_they_know() -> None:
     assert "idle_session_timeout" not in session_settings(timing, 130000)
     assert "tcp_user_timeout" in session_settings(timing, 130000)
     assert "tcp_user_timeout" not in session_settings(timing, 110000)
+
+
+def test_sessions_turn_off_the_roles_timeouts_and_keep_their_own() -> None:
+    """A role's statement_timeout would cancel the in-server wait (a reconnect each time);
+    the advisory session turns the four timeouts off but keeps its own idle timeout (the
+    in-server wait's lock_timeout is set per statement)."""
+    values = session_settings(Timing(holds_by="session"), 150000)
+    assert values["statement_timeout"] == "0"
+    assert values["lock_timeout"] == "0"
+    assert values["idle_in_transaction_session_timeout"] == "0"
+    assert values["idle_session_timeout"].endswith("ms")
+    assert int(values["idle_session_timeout"].removesuffix("ms")) > 0
+    assert "idle_session_timeout" not in pg_timeouts.overrides(130000)
+    assert "set_config('lock_timeout', $6, true)" in wait_lock_sql(150000)

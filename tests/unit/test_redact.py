@@ -150,6 +150,32 @@ def test_log_lines_are_redacted_in_message_extras_and_exceptions():
     assert "sslpassword=***" in lines[1]["exception"]
 
 
+def test_library_loggers_log_an_error_in_one_line_without_traceback():
+    """asyncpg's pool logs every failed background reconnect with a traceback; a library's
+    logged failure becomes one line, our own loggers keep theirs (a bug's traceback)."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(jsonlog.JsonFormatter())
+    loggers = [logging.getLogger("asyncpg.pool"), logging.getLogger("sidecar.test")]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        for logger in loggers:
+            try:
+                raise ConnectionRefusedError(111, "Connect call failed\nsecond line")
+            except ConnectionRefusedError:
+                logger.warning("Failed to restore the pool connection floor; retrying",
+                               exc_info=True)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+            logger.propagate = True
+    library, ours = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert library["exception"] == "ConnectionRefusedError: [Errno 111] Connect call failed"
+    assert "Traceback" in ours["exception"]
+
+
 def test_cli_error_line_is_redacted(capsys):
     from sidecar import cli
 

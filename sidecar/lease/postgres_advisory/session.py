@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import asyncpg
 
 from sidecar.errors import BackendError
-from sidecar.lease.pg_errors import PREPARED_STATEMENT_ERRORS, error_line
+from sidecar.lease import pg_timeouts
+from sidecar.lease.pg_errors import PREPARED_STATEMENT_ERRORS, error_line, version_num
 from sidecar.lease.postgres_advisory.sql import APPLY, PROBE
 from sidecar.redact import redact
 from sidecar.settings import Timing
@@ -68,6 +69,10 @@ def session_settings(timing: Timing, server_version: int) -> dict[str, str]:
     """
     silent = math.ceil(timing.renew_deadline + timing.claim_horizon + 1.0)
     values = {
+        # A role's statement_timeout, lock_timeout or idle_in_transaction_session_timeout
+        # would cancel the in-server wait (whose lock_timeout is set per statement) or end
+        # the session: a reconnect each time (:mod:`sidecar.lease.pg_timeouts`).
+        **pg_timeouts.overrides(server_version),
         # Keepalive probes start after this much silence; the session dies after
         # idle + interval * count seconds without an answer.
         "tcp_keepalives_idle": str(max(1, silent - 3)),
@@ -114,9 +119,11 @@ class Connector:
         # Connecting and ordinary statements get the renew deadline (at least 1 s): a
         # heartbeat slower than that could not keep the claim anyway.
         self.timeout = max(1.0, timing.renew_deadline)
+        # The role's timeouts are named once, on the first session.
+        self._reported = False
 
     def error(self, what: str, exc: BaseException) -> BackendError:
-        detail = " ".join((str(exc) or type(exc).__name__).split())
+        detail = pg_timeouts.describe(exc) or " ".join((str(exc) or type(exc).__name__).split())
         return BackendError(f"postgres {self.where}: {what}: {detail}")
 
     async def open(self) -> Session:
@@ -129,6 +136,9 @@ class Connector:
         except (*DB_ERRORS, ValueError) as exc:
             raise self.error("cannot connect", exc) from None
         marker = uuid.uuid4().hex
+        if not self._reported:
+            self._reported = True
+            await pg_timeouts.report(conn, backend="postgres", overridden=True)
         try:
             values = session_settings(self._timing, version_num(conn))
             pid, _, _ = await conn.fetchrow(APPLY, list(values), list(values.values()), marker)
@@ -233,12 +243,6 @@ class Link:
                 "lease": self._name, "lock_id": self._lock_id, "pid": session.backend_pid})
             self.lost.set()
         self.levels, self.token, self.session = 0, None, None
-
-
-def version_num(conn: asyncpg.Connection) -> int:
-    """``server_version_num`` of the server behind ``conn`` (major * 10000 + minor)."""
-    v = conn.get_server_version()
-    return v.major * 10000 + v.minor
 
 
 async def close(conn: asyncpg.Connection) -> None:

@@ -37,7 +37,13 @@ from collections.abc import Mapping
 import asyncpg
 
 from sidecar.errors import BackendError, NotFound
-from sidecar.lease.pg_errors import PREPARED_STATEMENT_ERRORS, error_line, first_line
+from sidecar.lease import pg_timeouts
+from sidecar.lease.pg_errors import (
+    PREPARED_STATEMENT_ERRORS,
+    error_line,
+    first_line,
+    version_num,
+)
 from sidecar.lease.sql.dialect import Statement
 from sidecar.redact import redact
 
@@ -96,10 +102,13 @@ class AsyncpgDriver:
                     if self.pooled is None:
                         await self._probe()
                     extra = {"statement_cache_size": 0} if self.pooled else {}
+                    # min_size=0: no connection floor. asyncpg keeps a floor by
+                    # reconnecting in the background and logs every failed try with a
+                    # traceback; the lease calls' own errors already say the server is gone.
                     self._pool = await asyncpg.create_pool(
-                        self._dsn, min_size=1, max_size=self._max_size,
+                        self._dsn, min_size=0, max_size=self._max_size,
                         timeout=self._timeout, command_timeout=self._timeout,
-                        reset=_keep_session, **extra)
+                        reset=_keep_session, init=self._init_session, **extra)
                 except Exception as exc:
                     raise self._error(exc) from None
             return self._pool
@@ -110,12 +119,19 @@ class AsyncpgDriver:
                                      command_timeout=self._timeout, statement_cache_size=0)
         try:
             pid = await conn.fetchval("SELECT pg_backend_pid()")
+            self.pooled = pid != conn.get_server_pid()
+            await pg_timeouts.report(conn, backend=self._label, overridden=not self.pooled)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 2.0)
-        self.pooled = pid != conn.get_server_pid()
         if self.pooled:
             self._log_pooled("its process id differs from the server session's")
+
+    async def _init_session(self, conn: asyncpg.Connection) -> None:
+        """Every new connection: turn off the role's timeouts (:mod:`..pg_timeouts`) on its
+        own session; not behind a pooler, whose server sessions other clients share."""
+        if not self.pooled:
+            await pg_timeouts.apply(conn, pg_timeouts.overrides(version_num(conn)))
 
     async def _switch_to_unnamed(self, pool: asyncpg.Pool, exc: BaseException) -> None:
         async with self._pool_lock:
@@ -176,6 +192,7 @@ class AsyncpgDriver:
                 self._listening = set()
                 self._listener = await asyncpg.connect(self._dsn, timeout=self._timeout)
                 self._listener.add_termination_listener(self._listener_lost)
+                await self._init_session(self._listener)  # idle by design
             await self._listener.add_listener(channel, self._on_notify)
             self._listening.add(channel)
         except Exception as exc:
@@ -224,7 +241,10 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 
 
 def describe_error(exc: BaseException) -> str:
-    """One line: login failed, network unreachable, missing table, or the server's words."""
+    """One line: login failed, network unreachable, missing table, a timeout setting that
+    ended the statement, or the server's words."""
+    if (line := pg_timeouts.describe(exc)) is not None:
+        return line
     if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
         return f"login failed ({exc.__class__.__name__}: {first_line(str(exc))})"
     if isinstance(exc, asyncpg.UndefinedTableError):

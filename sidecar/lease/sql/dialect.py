@@ -70,6 +70,8 @@ class Dialect:
     live row.
     """
 
+    schema: str
+    table: str
     # NOTIFY channel that release and the expiry sweep signal; None where there is none.
     channel: str | None
     acquire: Statement
@@ -81,6 +83,8 @@ class Dialect:
     list_all: Statement
     # The latest checkpoint's (timeline, age in seconds), where versions carry a timeline.
     checkpoint: Statement | None = None
+    # The acquire's row ends with the server's timeline (after ``won``), won or lost.
+    acquire_reports_timeline = False
 
     def timeline_of(self, version: int) -> int | None:
         """The server timeline a version was drawn on; None where versions carry none."""
@@ -106,6 +110,7 @@ class PostgresDialect(Dialect):
     which the table refuses (NOT NULL): the statement fails, nothing is held."""
 
     checkpoint = Statement(pg_timeline.CHECKPOINT)
+    acquire_reports_timeline = True
 
     def __init__(self, schema: str = "lease", table: str = "leases") -> None:
         self.schema = validate_identifier("schema", schema)
@@ -164,7 +169,7 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
 ), woken AS (
     SELECT count(pg_notify('{self.channel}', lease_name)) AS n FROM sweep
 )
-SELECT {row}, won FROM (
+SELECT {row}, won, {pg_timeline.TIMELINE} FROM (
     SELECT {raw}, true AS won FROM won
     UNION ALL
     SELECT {raw}, false FROM {t}

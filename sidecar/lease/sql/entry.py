@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from sidecar.clock import Clock
 from sidecar.errors import ConfigError
 from sidecar.lease import BackendEntry, LeaseInfo
-from sidecar.lease.rowlease import RowBackend
+from sidecar.lease.rowlease import RowBackend, is_hint
 from sidecar.lease.sql.dialect import MAX_ROW_NAME, Dialect
 from sidecar.lease.sql.store import Driver, SqlRowStore
 from sidecar.settings import Settings, Store, Timing
@@ -58,7 +58,8 @@ class SqlRowEntry:
     def store(self, settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
         label = f"{self.backend} replica" if replica else self.backend
         driver = self.driver(settings.store, dsn, request_timeout(settings.timing), label)
-        return SqlRowStore(self._dialect(settings), driver, replica=replica)
+        return SqlRowStore(self._dialect(settings), driver, replica=replica,
+                           ensure_schema=settings.store.ensure_schema and not replica)
 
     def _dialect(self, settings: Settings) -> Dialect:
         return self.dialect(settings.store.schema, settings.store.table_name)
@@ -98,4 +99,4 @@ class SqlRowEntry:
             await store.close()
         return [LeaseInfo(lease=name[len(prefix):], holder=row.owner if live else None,
                           expires_at=row.expires_at, details={"row_version": row.version})
-                for name, row, live in rows if name.startswith(prefix)]
+                for name, row, live in rows if name.startswith(prefix) and not is_hint(name)]

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Protocol
 
+from sidecar.errors import BackendError, NotFound
 from sidecar.lease.pg_timeline import Timelines, checkpoint_age, claim_delay
 from sidecar.lease.rowlease import Row
 from sidecar.lease.sql.dialect import Dialect, Statement
+
+log = logging.getLogger("sidecar.lease.sql")
 
 
 class Driver(Protocol):
@@ -39,11 +43,21 @@ class SqlRowStore:
 
     ``replica=True`` makes :meth:`read` the replica read (no expiry filter, dirty read on
     SQL Server), for :class:`~sidecar.lease.rowlease.ReplicaCheck`.
+
+    ``ensure_schema=True`` (``LEASE_ENSURE_SCHEMA``) runs the idempotent provisioning
+    script before acquiring, until the table is known to exist. A role that may not
+    create it is no crash: if the table is there anyway, acquiring just works; if not,
+    the acquire's error names both causes (the elector logs it once, and the sidecar
+    stays "not leader"), and the next acquire tries again.
     """
 
-    def __init__(self, dialect: Dialect, driver: Driver, replica: bool = False) -> None:
+    def __init__(self, dialect: Dialect, driver: Driver, replica: bool = False,
+                 ensure_schema: bool = False) -> None:
         self.dialect = dialect
         self.driver = driver
+        # True once the table is known to exist (provisioned, or an acquire ran on it).
+        self._schema_ready = not ensure_schema
+        self._schema_lock = asyncio.Lock()
         self._read = dialect.read_replica if replica else dialect.read
         # When the last acquire was sent: a release notified after it must wake us even
         # if it arrived before we started waiting.
@@ -56,13 +70,26 @@ class SqlRowStore:
         return self.dialect.decode(rows[0]) if rows else None
 
     async def acquire(self, name: str, owner: str, duration: float) -> Row | None:
+        not_created = await self._ensure_schema()
         self._last_acquire = asyncio.get_running_loop().time()
-        rows = await self.driver.fetch(self.dialect.acquire, {
-            "name": name, "owner": owner, "duration": duration,
-            "duration_ms": round(duration * 1000)})
+        try:
+            rows = await self.driver.fetch(self.dialect.acquire, {
+                "name": name, "owner": owner, "duration": duration,
+                "duration_ms": round(duration * 1000)})
+        except NotFound as exc:
+            if not_created is None:
+                raise
+            raise NotFound(f"{exc}; LEASE_ENSURE_SCHEMA could not create it: "
+                           f"{not_created}") from None
+        self._schema_ready = True
         if not rows:
             return None
-        *columns, won = rows[0]
+        columns = rows[0]
+        if self.dialect.acquire_reports_timeline:
+            # Won or lost, the server's timeline is one this process has now seen.
+            *columns, timeline = columns
+            self._timelines.saw(int(timeline), asyncio.get_running_loop().time())
+        *columns, won = columns
         # Only ``won`` says we hold it: a row we only read may name us (a second process
         # with our identity); RowLease tells those apart.
         row = replace(self.dialect.decode(tuple(columns)), won=_flag(won))
@@ -117,6 +144,22 @@ class SqlRowStore:
 
     async def apply_schema(self) -> None:
         await self.driver.script(self.dialect.provision_script())
+
+    async def _ensure_schema(self) -> BackendError | None:
+        """Provision once (``ensure_schema``); the error when that failed this time."""
+        if self._schema_ready:
+            return None
+        async with self._schema_lock:  # leases sharing the store provision once
+            if self._schema_ready:
+                return None
+            try:
+                await self.apply_schema()
+            except BackendError as exc:
+                return exc
+            self._schema_ready = True
+            log.info("lease table ready (created where it was missing)",
+                     extra={"schema": self.dialect.schema, "table": self.dialect.table})
+            return None
 
     async def close(self) -> None:
         await self.driver.close()

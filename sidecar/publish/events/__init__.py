@@ -22,7 +22,7 @@ immutable, so a repeated event could not show the latest fencing token.
 
 Two modules: :mod:`.record` decides what to report and folds repeats into series (pure
 bookkeeping, no I/O); :mod:`.publisher` follows the states and writes the series to
-the apiserver from a worker thread.
+the apiserver from a task on the event loop.
 """
 
 from sidecar.publish.events.publisher import QUEUE_SIZE, EventPublisher, create

@@ -2,9 +2,10 @@
 
 Never in the elector's way: ``changed`` does nothing. Tasks on the event loop follow each
 state's ``transitions`` and hand occurrences to a bounded queue (``put_nowait``: a full
-queue drops, never waits); one worker thread aggregates (:mod:`.record`) and talks to the
-apiserver. Failures are logged once, and once more when posting works again, not per
-event: a Role without ``events create`` costs one warning line and changes nothing else.
+queue drops, never waits); one writer task aggregates (:mod:`.record`) and talks to the
+apiserver (:mod:`sidecar.kubeapi`). Failures are logged once, and once more when posting
+works again, not per event: a Role without ``events create`` costs one warning line and
+changes nothing else.
 
 On ``stop`` the series with unwritten occurrences are written at once (the SIGTERM's
 ``LeaseReleased`` among them), bounded by :data:`STOP_TIMEOUT`. A killed sidecar posts
@@ -16,15 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
-import threading
 import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from kubernetes.client.exceptions import ApiException
-
-from sidecar.kube import KubeAccess, connect, one_line, request
+from sidecar.kubeapi import KubeClient, KubeError, one_line
 from sidecar.publish.events.record import (
     Aggregator,
     Occurrence,
@@ -32,7 +29,7 @@ from sidecar.publish.events.record import (
     from_transition,
     token_note,
 )
-from sidecar.publish.own_pod import MERGE_PATCH, OwnPod
+from sidecar.publish.own_pod import OwnPod
 from sidecar.redact import redact
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
@@ -54,19 +51,15 @@ class Outage:
     def __init__(self, what: str) -> None:
         self.what = what
         self.failures = 0
-        self._lock = threading.Lock()
 
     def failed(self, error: str, **fields: Any) -> None:
-        with self._lock:
-            self.failures += 1
-            first = self.failures == 1
-        if first:
+        self.failures += 1
+        if self.failures == 1:
             log.warning(f"{self.what} failed; further failures are not logged until it works",
                         extra={**fields, "error": error})
 
     def ok(self) -> None:
-        with self._lock:
-            failures, self.failures = self.failures, 0
+        failures, self.failures = self.failures, 0
         if failures:
             log.info(f"{self.what} works again", extra={"failures": failures})
 
@@ -88,15 +81,15 @@ class EventPublisher:
         self._settings = settings
         self._states = states
         self._instance = settings.identity[:128]  # the apiserver's limit
-        self._queue: queue.Queue[Occurrence | None] = queue.Queue(maxsize=QUEUE_SIZE)
+        self._queue: asyncio.Queue[Occurrence | None] = asyncio.Queue(maxsize=QUEUE_SIZE)
         self._aggregator = Aggregator()
         # Transitions already handed on, per state (event_counts only ever grow).
         self._seen = [sum(state.event_counts.values()) for state in states]
         self._tokens: dict[str, int | None] = {}  # lease -> token of the current term
         self._followers: list[asyncio.Task[None]] = []
-        self._worker: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._access: KubeAccess | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._client: KubeClient | None = None
         self._own_ref: dict[str, str] | None = None  # ObjectReference of our pod
         self._posting = Outage("posting pod events")
         self._queueing = Outage("queueing pod events")
@@ -105,8 +98,7 @@ class EventPublisher:
 
     # -- Publisher -----------------------------------------------------------------------
     async def start(self) -> None:
-        self._worker = threading.Thread(target=self._run, daemon=True, name="pod-events")
-        self._worker.start()
+        self._writer = asyncio.create_task(self._run(), name="pod-events")
         if self._settings.role == "api":
             return  # never leads, never demotes: nothing to report
         for index, state in enumerate(self._states):
@@ -126,16 +118,19 @@ class EventPublisher:
         # final notify; pick it up here, the followers may not have run since.
         for index, state in enumerate(self._states):
             self._catch_up(index, state)
-        self._stopping.set()
-        with contextlib.suppress(queue.Full):  # full: the worker is awake anyway
+        self._stopping = True
+        with contextlib.suppress(asyncio.QueueFull):  # full: the writer is awake anyway
             self._queue.put_nowait(None)
-        worker = self._worker
-        if worker is not None:
-            await asyncio.get_running_loop().run_in_executor(None, worker.join, STOP_TIMEOUT)
-        if (worker is None or not worker.is_alive()) and self._access is not None:
-            self._access.api.close()
+        if self._writer is not None:
+            try:
+                async with asyncio.timeout(STOP_TIMEOUT):
+                    await self._writer
+            except TimeoutError:
+                pass  # cancelled by the timeout: what is unwritten is lost
+        if self._client is not None:
+            await self._client.close()
 
-    # -- producers (event loop; ``demoted`` on kopf's threads) ---------------------------
+    # -- producers (event loop) ----------------------------------------------------------
     async def _follow(self, index: int, state: LeaseState) -> None:
         while True:
             version = state.facts.version
@@ -167,31 +162,34 @@ class EventPublisher:
             self._offer(Occurrence(
                 "StaleLabelDemoted", "Normal", "Relabel", state.lease, redact(note),
                 time.time(), regarding=self._pod.reference(meta), related=True))
-        except Exception as exc:  # never disturb kopf's handler
-            self._queueing.failed(one_line(exc))
+        except Exception as exc:  # never disturb the label publisher
+            self._queueing.failed(one_line(str(exc)))
 
     def _offer(self, occurrence: Occurrence) -> None:
         try:
             self._queue.put_nowait(occurrence)
-        except queue.Full:
+        except asyncio.QueueFull:
             self._queueing.failed("queue full", reason=occurrence.reason)
 
-    # -- the worker thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stopping.is_set():
+    # -- the writer task -----------------------------------------------------------------
+    async def _run(self) -> None:
+        while not self._stopping:
             due = self._aggregator.next_due()
-            self._take(None if due is None else max(0.0, due - time.monotonic()))
-            self._flush(force=False)
-        while self._take(0.0):
+            await self._take(None if due is None else max(0.0, due - time.monotonic()))
+            await self._flush(force=False)
+        while await self._take(0.0):
             pass
         # Stopping: no later write would carry what is still unwritten.
-        self._flush(force=True)
+        await self._flush(force=True)
 
-    def _take(self, timeout: float | None) -> bool:
+    async def _take(self, timeout: float | None) -> bool:
         try:
-            item = self._queue.get(timeout=timeout) if timeout != 0.0 else (
-                self._queue.get_nowait())
-        except queue.Empty:
+            if timeout == 0.0:
+                item = self._queue.get_nowait()
+            else:
+                async with asyncio.timeout(timeout):
+                    item = await self._queue.get()
+        except (asyncio.QueueEmpty, TimeoutError):
             return False
         if item is not None:
             if self._aggregator.add(item, time.monotonic()):
@@ -200,36 +198,35 @@ class EventPublisher:
                 self._queueing.failed("too many event series", reason=item.reason)
         return True
 
-    def _flush(self, force: bool) -> None:
+    async def _flush(self, force: bool) -> None:
         now = time.monotonic()
         for series in self._aggregator.due(now, force):
             try:
-                self._write(series)
-            except Exception as exc:
+                await self._write(series)
+            except KubeError as exc:
                 self._aggregator.wrote(series, now, ok=False)
-                self._posting.failed(one_line(exc), reason=series.last.reason,
+                self._posting.failed(str(exc), reason=series.last.reason,
                                      namespace=self._pod.namespace)
             else:
                 self._aggregator.wrote(series, now, ok=True)
                 self._posting.ok()
 
-    def _write(self, series: Series) -> None:
-        if self._access is None:
-            self._access = connect(self._settings)
-        api = self._access.api
+    async def _write(self, series: Series) -> None:
+        if self._client is None:
+            self._client = KubeClient.connect(self._pod.namespace)
+        client = self._client
         last = series.last
         if series.name is not None:
             patch = {"count": series.count, "lastTimestamp": timestamp(last.at),
                      "message": last.note}
             try:
-                request(api, "PATCH", self._pod.events_path(series.name), patch,
-                        content_type=MERGE_PATCH)
+                await client.patch(self._pod.events_path(series.name), patch)
                 return
-            except ApiException as exc:
+            except KubeError as exc:
                 if exc.status != 404:
                     raise
                 # Gone (the apiserver keeps Events an hour by default): a new object.
-        regarding = last.regarding or self._own_reference()
+        regarding = last.regarding or await self._own_reference()
         body: dict[str, Any] = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": event_name(regarding["name"]),
@@ -243,18 +240,17 @@ class EventPublisher:
             "lastTimestamp": timestamp(last.at), "count": series.count,
         }
         if last.related:
-            body["related"] = self._own_reference()
-        created = request(api, "POST", self._pod.events_path(), body)
+            body["related"] = await self._own_reference()
+        created = await client.post(self._pod.events_path(), body)
         series.name = created["metadata"]["name"]
 
-    def _own_reference(self) -> dict[str, str]:
+    async def _own_reference(self) -> dict[str, str]:
         """Our pod with its uid (``kubectl describe`` matches on it); fetched once."""
         if self._own_ref is None:
-            assert self._access is not None
-            pod = request(self._access.api, "GET", self._pod.pods_path(self._pod.name))
+            assert self._client is not None
+            pod = await self._client.get(self._pod.pods_path(self._pod.name))
             self._own_ref = self._pod.reference(pod["metadata"])
         return self._own_ref
-
 
 
 def create(settings: Settings, states: list[LeaseState],
