@@ -8,10 +8,12 @@ one extra session tagged ``lease-next <lock id> <identity>`` and keeps it for th
 hint's bound; it ends then, or with the holder's process — a dead holder leaves no hint.
 
 Standbys queued inside the server (``pg_advisory_lock``) are served in order when the
-lock is freed, whatever any hint says; so the holder, before it lets go, waits until
-every queued session is the named one's (or the wait is over: a standby's in-server
-wait ends after about one renew interval, and a standby that sees the hint queues no
-more). Bounded: at worst the first queued standby wins, as without a hint.
+lock is freed, whatever any hint says; so the holder, before it lets go, cancels the
+waits of the other queued sessions (``pg_cancel_backend``: allowed on sessions of its
+own role) and waits until every queued session is the named one's. Where it may not
+cancel, a standby's in-server wait ends by itself within about one renew interval, and
+a standby that sees the hint queues no more. Bounded: at worst the first queued standby
+wins, as without a hint.
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ PREFIX = "lease-next "
 HINTS = """select application_name from pg_stat_activity
            where application_name like $1 and datname = current_database()"""
 # Sessions queued for the lock ($1 $2 its halves) other than the named one's ($3).
-QUEUED_OTHERS = """select count(*) from pg_locks l join pg_stat_activity a on a.pid = l.pid
+QUEUED_OTHERS = """select l.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
                    where l.locktype = 'advisory' and not l.granted
                    and l.classid = $1::int8::oid and l.objid = $2::int8::oid
                    and l.objsubid = 1 and a.application_name is distinct from $3
                    and l.database = (select oid from pg_database
                                      where datname = current_database())"""
+# Ends their waits at once where the role may (its own sessions; else they end by
+# their lock_timeout): the standby drops that session and, on its next try, reads the hint.
+CANCEL = "select pg_cancel_backend(pid) from unnest($1::int[]) pid"
 QUEUE_POLL = 0.02
 
 
@@ -85,9 +90,17 @@ class Hint:
         # A standby's in-server wait lasts its retry delay: the renew interval, +20 %.
         deadline = loop.time() + self._timing.renew_interval * 1.2 + 0.5
         target = application_name(identity)
+        cancelled: set[int] = set()
         with contextlib.suppress(*DB_ERRORS):
-            while loop.time() < deadline and await session.conn.fetchval(
-                    QUEUED_OTHERS, *self._halves, target):
+            while loop.time() < deadline:
+                queued = {row[0] for row in await session.conn.fetch(
+                    QUEUED_OTHERS, *self._halves, target)}
+                if not queued:
+                    break
+                if queued - cancelled:
+                    cancelled |= queued
+                    with contextlib.suppress(*DB_ERRORS):
+                        await session.conn.fetch(CANCEL, list(queued))
                 await asyncio.sleep(QUEUE_POLL)
 
     async def named_other(self, session: Session) -> str | None:
