@@ -1,9 +1,14 @@
 # syntax=docker/dockerfile:1
-# The lease-sidecar image: `lease-sidecar run` by default, `python -m sidecar.injector`
-# for the injection webhook. Runs as a non-root user on a read-only root filesystem: it
-# writes only to /run/lease (the shared emptyDir) and /tmp (an emptyDir).
+# Two images from one file, each with only what it runs, as a non-root user on a
+# read-only root filesystem (writes go only to /run/lease, the shared emptyDir, and /tmp):
 #
-#   docker build -t lease-sidecar .
+#   docker build --target sidecar -t lease-sidecar .            # the default target
+#   docker build --target operator -t lease-sidecar-operator .
+#
+# - sidecar: `lease-sidecar run` (every backend; no kopf). Injected into every replica,
+#   so it carries no admission or operator code.
+# - operator: `lease-sidecar operator` (the admission webhook and the lease-role label
+#   reconciler; kopf, the kubernetes client, cryptography), no database drivers.
 #
 # SQL Server's ODBC driver is FreeTDS from Debian by default. For Microsoft's
 # ODBC Driver 18 (by building it you accept Microsoft's licence terms), name Microsoft's
@@ -18,7 +23,7 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG ODBC_DRIVER=freetds
 
-# ---- build: a virtualenv with the package and every extra the Helm chart can use
+# ---- build: the sidecar's virtualenv, with every backend the Helm chart can use
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -26,10 +31,35 @@ WORKDIR /src
 RUN python -m venv /opt/lease-sidecar
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
-# Extras: postgres (postgres, postgres-row), sqlserver (pyodbc), kubernetes (backend and
-# the lease-role label), injector (the webhook). pip byte-compiles what it installs, so
-# nothing needs writing at run time.
-RUN /opt/lease-sidecar/bin/pip install ".[postgres,sqlserver,kubernetes,injector]"
+# Extras: postgres (postgres, postgres-row), sqlserver (pyodbc), kubernetes (the backend;
+# the lease-role label and Events need nothing extra). pip byte-compiles what it
+# installs, so nothing needs writing at run time.
+RUN /opt/lease-sidecar/bin/pip install ".[postgres,sqlserver,kubernetes]"
+
+# ---- build-operator: the operator's virtualenv (kopf, kubernetes client, cryptography)
+FROM ${PYTHON_IMAGE} AS build-operator
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+RUN python -m venv /opt/lease-sidecar
+COPY pyproject.toml README.md ./
+COPY sidecar ./sidecar
+RUN /opt/lease-sidecar/bin/pip install ".[injector]"
+
+# ---- operator: lease-sidecar operator (no ODBC, no database driver)
+FROM ${PYTHON_IMAGE} AS operator
+ENV PATH=/opt/lease-sidecar/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp
+RUN groupadd --system --gid 10001 lease \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home \
+      --shell /usr/sbin/nologin lease
+COPY --from=build-operator /opt/lease-sidecar /opt/lease-sidecar
+USER 10001:10001
+EXPOSE 8443 8080
+ENTRYPOINT ["lease-sidecar"]
+CMD ["operator"]
 
 # ---- runtime base: the ODBC driver manager pyodbc links against
 FROM ${PYTHON_IMAGE} AS runtime-base
@@ -69,9 +99,10 @@ RUN if [ -z "$MSODBC_APT_REPO" ] || [ -z "$MSODBC_KEY_URL" ]; then \
  && odbcinst -q -d -n "ODBC Driver 18 for SQL Server"
 ENV LEASE_ODBC_DRIVER="ODBC Driver 18 for SQL Server"
 
-# ---- final image (hadolint cannot see that odbc-* names a stage above, not an image)
+# ---- sidecar: the default target, last (hadolint cannot see that odbc-* names a stage
+# above, not an image)
 # hadolint ignore=DL3006
-FROM odbc-${ODBC_DRIVER}
+FROM odbc-${ODBC_DRIVER} AS sidecar
 ENV PATH=/opt/lease-sidecar/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -107,24 +107,37 @@ poll()
 # --------------------------------------------------------------------------- install
 
 
-def sidecar_image_archive() -> tuple[Path, str]:
-    """The project's image as (docker-archive, ref): built from the Dockerfile by the
-    image test bed (cached on a hash of its inputs), or a prebuilt archive named by
-    ``LEASE_TESTBED_SIDECAR_ARCHIVE=<path>=<ref>``."""
-    prebuilt = os.environ.get("LEASE_TESTBED_SIDECAR_ARCHIVE")
+def sidecar_image_archive(target: str = "sidecar") -> tuple[Path, str]:
+    """One of the project's images (Dockerfile target ``sidecar`` or ``operator``) as
+    (docker-archive, ref): built by the image test bed (cached on a hash of its inputs),
+    or a prebuilt archive named by ``LEASE_TESTBED_SIDECAR_ARCHIVE=<path>=<ref>``
+    (``LEASE_TESTBED_OPERATOR_ARCHIVE`` for the operator)."""
+    prebuilt = os.environ.get(f"LEASE_TESTBED_{target.upper()}_ARCHIVE")
     if prebuilt:
         path, _, ref = prebuilt.partition("=")
         return Path(path), ref
     from testkit.testbed import image  # the Dockerfile build; heavy, so only when needed
 
-    return image.build_image()
+    return image.build_image(target)
 
 
 def load_sidecar_image(cluster: Cluster) -> str:
-    archive, ref = sidecar_image_archive()
-    if ref not in cluster.images():
-        cluster.load_image(archive)
-    return ref
+    """Load both images into the node; the sidecar's ref (the operator's is the same
+    with ``-operator`` after the repository, as :func:`install_release` assumes)."""
+    refs = []
+    for target in ("sidecar", "operator"):
+        archive, ref = sidecar_image_archive(target)
+        if ref not in cluster.images():
+            cluster.load_image(archive)
+        refs.append(ref)
+    sidecar, operator = refs
+    assert operator == operator_ref(sidecar), (sidecar, operator)
+    return sidecar
+
+
+def operator_ref(sidecar: str) -> str:
+    repo, tag = sidecar.rsplit(":", 1)
+    return f"{repo}-operator:{tag}"
 
 
 def install_release(
@@ -147,6 +160,7 @@ def install_release(
     sets = [
         f"image.repository={repo}",
         f"image.tag={tag}",
+        f"image.operatorRepository={repo}-operator",
         "image.pullPolicy=Never",
         "injector.enabled=true",
         f"lease.backend={backend}",

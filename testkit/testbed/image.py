@@ -96,6 +96,9 @@ PIP_WHEELS = "/srv/pip-wheels"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 IMAGE_NAME = "localhost/lease-sidecar"
+# The Dockerfile's targets and their image names; both are tagged with the same digest
+# (of the same inputs), so one ref names the other.
+TARGETS = {"sidecar": IMAGE_NAME, "operator": f"{IMAGE_NAME}-operator"}
 BASE_NAME = "localhost/lease-base"
 KEEP_ARCHIVES = 4  # newest image archives kept (worktrees sharing the cache alternate)
 
@@ -482,12 +485,13 @@ def _pip_settings() -> tuple[str, list[str]]:
     return "\n".join(lines) + "\n", mounts
 
 
-def _archive_path(digest: str) -> Path:
-    return images_dir() / f"lease-sidecar-{digest}.tar"
+def _archive_path(digest: str, target: str = "sidecar") -> Path:
+    return images_dir() / f"{TARGETS[target].removeprefix('localhost/')}-{digest}.tar"
 
 
-def _build_image(base_ref: str, digest: str, workdir: Path, logfile: Path) -> Path:
-    ref = f"{IMAGE_NAME}:{digest}"
+def _build_image(base_ref: str, digest: str, workdir: Path, logfile: Path,
+                 target: str = "sidecar") -> Path:
+    ref = f"{TARGETS[target]}:{digest}"
     pipconf, mounts = _pip_settings()
     pipconf_path = workdir / "pip.conf"
     pipconf_path.write_text(pipconf)
@@ -497,11 +501,11 @@ def _build_image(base_ref: str, digest: str, workdir: Path, logfile: Path) -> Pa
            *(a for k, v in args.items() for a in ("--build-arg", f"{k}={v}")),
            "--volume", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro",
            "--volume", f"{pipconf_path}:{PIP_CONF}:ro", *mounts,
-           "--file", str(DOCKERFILE), "--tag", ref, str(REPO)]
+           "--target", target, "--file", str(DOCKERFILE), "--tag", ref, str(REPO)]
     log(f"image {ref}: buildah bud of the Dockerfile (about 2 min) ...")
     _stream(cmd, logfile, "image", re.compile(r"^\[\d+/\d+\] STEP \d+/\d+: (FROM|RUN|COPY)"
                                               r"|^Successfully tagged"))
-    final = _archive_path(digest)
+    final = _archive_path(digest, target)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
         log(f"image {ref}: exporting the docker archive ...")
@@ -520,20 +524,24 @@ def _prune(keep: Path) -> None:
     layer cache of the apt stages survives. Called under the build lock: no build of
     this store is running.
     """
-    archives = sorted(images_dir().glob("lease-sidecar-*.tar"),
-                      key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in archives[KEEP_ARCHIVES:]:
-        if old == keep:
-            continue
-        digest = old.stem.removeprefix("lease-sidecar-")
-        subprocess.run([*buildah_cmd(), "rmi", f"{IMAGE_NAME}:{digest}"],
-                       capture_output=True, timeout=300)
-        old.unlink(missing_ok=True)
+    for name in TARGETS.values():
+        stem = name.removeprefix("localhost/")
+        archives = sorted((p for p in images_dir().glob(f"{stem}-*.tar")
+                           if re.fullmatch(rf"{re.escape(stem)}-[0-9a-f]{{16}}", p.stem)),
+                          key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in archives[KEEP_ARCHIVES:]:
+            if old == keep:
+                continue
+            digest = old.stem.removeprefix(f"{stem}-")
+            subprocess.run([*buildah_cmd(), "rmi", f"{name}:{digest}"],
+                           capture_output=True, timeout=300)
+            old.unlink(missing_ok=True)
     subprocess.run([*buildah_cmd(), "rmi", "--prune"], capture_output=True, timeout=600)
 
 
-def build_image() -> ImageArtifact:
-    """The image built from the Dockerfile, as a docker-archive tar and its ref.
+def build_image(target: str = "sidecar") -> ImageArtifact:
+    """The image of one Dockerfile target (``sidecar`` or ``operator``), as a
+    docker-archive tar and its ref.
 
     Cached on a hash of its inputs: a second call returns in well under a second.
     Raises ImageError (why, and the log's path) if it cannot be built.
@@ -543,8 +551,8 @@ def build_image() -> ImageArtifact:
         raise ImageError(reason)
     recipe = base_recipe()
     digest = image_digest(recipe.ref)
-    final = _archive_path(digest)
-    ref = f"{IMAGE_NAME}:{digest}"
+    final = _archive_path(digest, target)
+    ref = f"{TARGETS[target]}:{digest}"
     if final.exists():
         return ImageArtifact(final, ref)
     with _locked(_build_lock()):
@@ -553,11 +561,11 @@ def build_image() -> ImageArtifact:
         started = time.monotonic()
         base_ref = _ensure_base_locked(recipe)
         _clean_working_containers()
-        workdir = images_dir() / "build" / f"lease-sidecar-{digest}"
+        workdir = images_dir() / "build" / f"lease-{target}-{digest}"
         workdir.mkdir(parents=True, exist_ok=True)
         logfile = workdir / "build.log"
         logfile.write_text("")
-        path = _build_image(base_ref, digest, workdir, logfile)
+        path = _build_image(base_ref, digest, workdir, logfile, target)
         _prune(keep=path)
         size = path.stat().st_size / 1e6
         log(f"image {ref}: built in {time.monotonic() - started:.0f}s, {size:.0f} MB "
@@ -575,11 +583,12 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if reason else 0
         if args == ["base"]:
             print(f"base\t{ensure_base()}", flush=True)
-        elif args == ["build"]:
-            artifact = build_image()
-            print(f"lease-sidecar\t{artifact.path}\t{artifact.ref}", flush=True)
+        elif args[:1] == ["build"] and len(args) <= 2 and set(args[1:]) <= set(TARGETS):
+            target = args[1] if len(args) == 2 else "sidecar"
+            artifact = build_image(target)
+            print(f"lease-{target}\t{artifact.path}\t{artifact.ref}", flush=True)
         else:
-            log("usage: python -m testkit.testbed.image [build|base|check]")
+            log("usage: python -m testkit.testbed.image [build [sidecar|operator]|base|check]")
             return 2
     except (ImageError, subprocess.TimeoutExpired) as exc:
         log(f"ERROR: {exc}")

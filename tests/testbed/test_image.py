@@ -66,15 +66,32 @@ def archive_config(artifact: image.ImageArtifact) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def bundle(artifact: image.ImageArtifact, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The archive unpacked into an OCI runtime bundle (rootfs + config.json)."""
-    work = tmp_path_factory.mktemp("image")
+def operator_artifact() -> image.ImageArtifact:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(f"image test bed: {reason}")
+    return image.build_image("operator")
+
+
+def _unpack(artifact: image.ImageArtifact, work: Path) -> Path:
     subprocess.run(["skopeo", "copy", "--quiet", f"docker-archive:{artifact.path}",
                     f"oci:{work / 'oci'}:img"], check=True, timeout=600)
     subprocess.run(["umoci", "unpack", "--image", f"{work / 'oci'}:img", str(work / "bundle")],
                    check=True, timeout=600, capture_output=True)
     shutil.rmtree(work / "oci")
     return work / "bundle"
+
+
+@pytest.fixture(scope="module")
+def bundle(artifact: image.ImageArtifact, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The archive unpacked into an OCI runtime bundle (rootfs + config.json)."""
+    return _unpack(artifact, tmp_path_factory.mktemp("image"))
+
+
+@pytest.fixture(scope="module")
+def operator_bundle(operator_artifact: image.ImageArtifact,
+                    tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _unpack(operator_artifact, tmp_path_factory.mktemp("operator-image"))
 
 
 def _runtime_config(bundle: Path, args: list[str] | None = None,
@@ -194,16 +211,41 @@ def test_help_runs_as_the_image_user(bundle: Path) -> None:
     proc = _run_once(bundle, ["lease-sidecar", "--help"], "lease-image-help")
     assert proc.returncode == 0, proc.stderr
     assert "run" in proc.stdout and "exec" in proc.stdout
-    # The chart's injector Deployment runs the same image with this command.
-    proc = _run_once(bundle, ["python", "-m", "sidecar.injector", "--help"],
-                     "lease-image-injector")
+
+
+@pytest.mark.image
+@pytest.mark.slow
+def test_the_operator_image_runs_the_operator_and_the_sidecar_image_has_no_kopf(
+        bundle: Path, operator_bundle: Path, artifact: image.ImageArtifact,
+        operator_artifact: image.ImageArtifact) -> None:
+    # The chart's injector Deployment runs the operator image with this command.
+    proc = _run_once(operator_bundle, ["lease-sidecar", "operator", "--help"],
+                     "lease-image-operator")
     assert proc.returncode == 0, proc.stderr
-    assert "python -m sidecar.injector" in proc.stdout
+    assert "lease-sidecar operator" in proc.stdout
+    proc = _run_once(operator_bundle, ["python", "-c", "import kopf, kubernetes, cryptography"],
+                     "lease-image-operator-extras")
+    assert proc.returncode == 0, proc.stderr
+    proc = _run_once(bundle, ["python", "-c", "import kopf"], "lease-image-no-kopf")
+    assert proc.returncode != 0 and "No module named 'kopf'" in proc.stderr
+    assert operator_artifact.ref.startswith("localhost/lease-sidecar-operator:")
+    assert operator_artifact.ref.rsplit(":", 1)[1] == artifact.ref.rsplit(":", 1)[1]
+    sizes = {"sidecar": _unpacked_mb(bundle), "operator": _unpacked_mb(operator_bundle)}
+    print("image sizes (MB, unpacked):", sizes)
+
+
+def _unpacked_mb(bundle: Path) -> float:
+    total = 0
+    for dirpath, _, filenames in os.walk(bundle / "rootfs"):
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return round(total / 1e6, 1)
 
 
 CHECK_EXTRAS = """
 import errno, os
-import asyncpg, pyodbc, kopf, kubernetes, cryptography
+import asyncpg, pyodbc, kubernetes
 print("uid", os.getuid(), os.getgid())
 print("drivers", pyodbc.drivers())
 try:

@@ -49,7 +49,7 @@ def _instructions() -> list[Instruction]:
 
 
 def _stages() -> dict[str, list[Instruction]]:
-    """Instructions per stage; the last (unnamed) stage is 'final'."""
+    """Instructions per stage; an unnamed stage is 'final'."""
     stages: dict[str, list[Instruction]] = {}
     current: list[Instruction] = []
     for ins in _instructions():
@@ -114,8 +114,9 @@ def test_every_base_image_is_slim_python() -> None:
 
 
 def test_build_is_multi_stage_and_copies_only_the_venv() -> None:
-    final = _stages()["final"]
-    assert final[0].args == "odbc-${ODBC_DRIVER}"
+    final = _stages()["sidecar"]
+    assert final[0].args == "odbc-${ODBC_DRIVER} AS sidecar"
+    assert list(_stages())[-1] == "sidecar"  # the default target
     copies = [i.args for i in final if i.keyword == "COPY"]
     assert copies == ["--from=build /opt/lease-sidecar /opt/lease-sidecar"]
     # Nothing in the final stage compiles or installs Python packages.
@@ -139,7 +140,7 @@ def test_odbc_driver_is_freetds_by_default_and_microsofts_by_build_arg() -> None
 
 
 def test_runs_as_the_non_root_user_the_chart_expects() -> None:
-    final = _stages()["final"]
+    final = _stages()["sidecar"]
     user = _last(final, "USER")
     uid, _, gid = user.partition(":")
     assert uid.isdigit() and int(uid) != 0 and gid.isdigit() and int(gid) != 0
@@ -155,14 +156,14 @@ def test_runs_as_the_non_root_user_the_chart_expects() -> None:
 
 
 def test_read_only_root_needs_no_writes() -> None:
-    env = " ".join(i.args for i in _stages()["final"] if i.keyword == "ENV")
+    env = " ".join(i.args for i in _stages()["sidecar"] if i.keyword == "ENV")
     assert "PYTHONDONTWRITEBYTECODE=1" in env  # no __pycache__ writes at run time
     assert "HOME=/tmp" in env  # anything that insists on $HOME writes to the /tmp emptyDir
     assert "PATH=/opt/lease-sidecar/bin:$PATH" in env
 
 
 def test_entrypoint_and_cmd() -> None:
-    final = _stages()["final"]
+    final = _stages()["sidecar"]
     assert json.loads(_last(final, "ENTRYPOINT")) == ["lease-sidecar"]
     assert json.loads(_last(final, "CMD")) == ["run"]
     assert _last(final, "EXPOSE") == "8099"
@@ -170,8 +171,8 @@ def test_entrypoint_and_cmd() -> None:
     assert "lease-sidecar" in scripts
 
 
-def _installed_extras() -> set[str]:
-    build = _stages()["build"]
+def _installed_extras(stage: str = "build") -> set[str]:
+    build = _stages()[stage]
     runs = [i.args for i in build if i.keyword == "RUN" and "pip install" in i.args]
     assert len(runs) == 1, runs
     assert runs[0].startswith("/opt/lease-sidecar/bin/pip install")  # the venv PATH names
@@ -185,14 +186,30 @@ def test_image_installs_every_extra_the_chart_needs() -> None:
     backends = set(schema["properties"]["lease"]["properties"]["backend"]["enum"])
     assert backends <= set(BACKEND_EXTRA), f"map {backends - set(BACKEND_EXTRA)} to extras"
     needed = {BACKEND_EXTRA[b] for b in backends}
-    needed.add("kubernetes")  # the lease-role pod label (lease.podLabel)
-    needed.add("injector")  # the injector Deployment runs lease-sidecar operator
     installed = _installed_extras()
     assert needed <= installed, f"the image lacks extras {needed - installed}"
+    # The injector Deployment runs lease-sidecar operator from the operator image.
+    operator = _installed_extras("build-operator")
+    assert operator == {"injector"}
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    assert installed <= set(declared), f"unknown extras {installed - set(declared)}"
+    assert installed | operator <= set(declared), f"unknown extras {installed - set(declared)}"
     assert "cryptography" in " ".join(declared["injector"])
+    # The sidecar image carries no kopf: it is injected into every replica.
+    assert not any("kopf" in dep for extra in installed for dep in declared[extra])
+
+
+def test_the_operator_image_runs_the_operator_as_the_same_user() -> None:
+    operator = _stages()["operator"]
+    assert operator[0].args == "${PYTHON_IMAGE} AS operator"  # no ODBC driver
+    copies = [i.args for i in operator if i.keyword == "COPY"]
+    assert copies == ["--from=build-operator /opt/lease-sidecar /opt/lease-sidecar"]
+    assert not any("pip" in i.args for i in operator if i.keyword == "RUN")
+    assert _last(operator, "USER") == _last(_stages()["sidecar"], "USER")
+    assert json.loads(_last(operator, "ENTRYPOINT")) == ["lease-sidecar"]
+    assert json.loads(_last(operator, "CMD")) == ["operator"]
+    env = " ".join(i.args for i in operator if i.keyword == "ENV")
+    assert "PYTHONDONTWRITEBYTECODE=1" in env and "HOME=/tmp" in env
 
 
 @pytest.mark.parametrize("path", ["pyproject.toml", "README.md", "sidecar"])

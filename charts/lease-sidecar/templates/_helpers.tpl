@@ -60,6 +60,12 @@ was released with (lease-sidecar.appVersion, kept equal to Chart.yaml by a test)
 {{- .Values.image.repository }}:{{ $tag }}
 {{- end }}
 
+{{/* The operator image (Dockerfile target `operator`), same tag as the sidecar's. */}}
+{{- define "lease-sidecar.operatorImage" -}}
+{{- $image := include "lease-sidecar.image" . }}
+{{- .Values.image.operatorRepository | default "lease-sidecar-operator" }}:{{ $image | splitList ":" | last }}
+{{- end }}
+
 {{- define "lease-sidecar.appVersion" -}}0.1.0{{- end }}
 
 {{- define "lease-sidecar.injectorName" -}}
