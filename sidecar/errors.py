@@ -14,6 +14,11 @@ class BackendError(Exception):
     """The backend could not be reached or answered with an error."""
 
 
+class Forbidden(BackendError):
+    """The backend refused us (HTTP 403, permission denied): reachable, but not ours to
+    use until someone grants it; the message names the verb and the resource."""
+
+
 class NotFound(BackendError):
     """What a read-only command asked for does not exist: no database file, no lease
     table, no such lease. Never a reason to create it."""

@@ -46,6 +46,10 @@ class Grant:
     # holder may claim longer than one claim horizon (a server that just restarted or
     # was just promoted: sidecar.lease.pg_timeline).
     claim_delay: float = 0.0
+    # With ``held`` false: the holder is asked to end its term cooperatively (Kubernetes'
+    # ``preferredHolder``), so it steps down as on SIGTERM — unpublish, wait out its
+    # claims, then ``release`` — instead of just stopping.
+    release: bool = False
 
 
 @dataclass(frozen=True)
