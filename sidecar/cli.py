@@ -40,9 +40,9 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def _command(commands: argparse._SubParsersAction, name: str,
+def _command(commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
              text: str) -> argparse.ArgumentParser:
-    parser = commands.add_parser(name, help=text, description=text)
+    parser: argparse.ArgumentParser = commands.add_parser(name, help=text, description=text)
     config.add_arguments(parser, name)
     return parser
 

@@ -22,7 +22,7 @@ import re
 import socket
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -113,7 +113,7 @@ class Option:
     bounds: tuple[float, float] | None = None
     why_low: str = ""
     # The subcommands that offer this flag (and list it in their --help).
-    commands: frozenset[str] = field(default=frozenset({"run", "exec"}))
+    commands: frozenset[str] = frozenset({"run", "exec"})
 
 
 # ``run`` and ``exec`` hold a lease and take every setting; ``status`` only reads and

@@ -340,7 +340,7 @@ class Elector:
                     "lease": self.state.lease, "publisher": type(publisher).__name__,
                     "error": str(exc) or type(exc).__name__})
 
-    async def _call(self, what: str, call):  # type: ignore[no-untyped-def]
+    async def _call(self, what: str, call: Awaitable[Grant]) -> Grant | None:
         """Run a backend call; map failures to ``None`` and log reachability changes.
 
         Each call that ends is timed into the state for the metrics (``sidecar.stats``).

@@ -75,8 +75,9 @@ def set_child_subreaper() -> bool:
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0),
-                          ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+        status: int = libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0),
+                                 ctypes.c_ulong(0), ctypes.c_ulong(0))
+        return status == 0
     except (OSError, AttributeError):
         return False
 
@@ -205,17 +206,18 @@ class Guard:
             self.termed.update(pid for pid, group in live_descendants(os.getpid()).items()
                                if group == self.worker)
 
-    def _read_control(self) -> None:
+    def _read_control(self) -> bool:
+        """Act on what the supervisor wrote; False once it is gone (the pipe closed)."""
         assert self.control is not None
         try:
             data = os.read(self.control, 4096)
         except BlockingIOError:
-            return
+            return True
         if not data:  # the supervisor is gone
             os.close(self.control)
             self.control = None
             self._begin_stop("lease-sidecar exec is gone")
-            return
+            return False
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
@@ -227,6 +229,7 @@ class Guard:
             elif word == "K":
                 self._begin_stop()
                 self.kill_now = True
+        return True
 
     def _read_wakeups(self) -> None:
         try:
@@ -267,8 +270,7 @@ class Guard:
                 timeout = min(max(self.valid_until - now, 0.0), 3600.0)
             for fd, _ in poller.poll(timeout * 1000 + 1):
                 if fd == self.control:
-                    self._read_control()
-                    if self.control is None:
+                    if not self._read_control():
                         poller.unregister(fd)
                 elif fd == self._wake_r:
                     self._read_wakeups()

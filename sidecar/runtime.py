@@ -243,8 +243,10 @@ class Sidecar:
                 "transitions": list(state.transitions),
             })
         # Reasons carry backend error text, which may echo a DSN.
-        return redact_tree({"identity": self.settings.identity, "role": self.settings.role,
-                            "settings": self.settings.public(), "leases": leases})
+        status: dict[str, Any] = redact_tree({
+            "identity": self.settings.identity, "role": self.settings.role,
+            "settings": self.settings.public(), "leases": leases})
+        return status
 
 
 def start_error(sidecar: Sidecar, exc: OSError) -> ConfigError:
