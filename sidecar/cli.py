@@ -115,8 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unusable is not None:
                 code, line = unusable
                 return _fail(f"exec: {line}", code=code)
-            timeout = (parse_duration(args.acquire_timeout)
-                       if args.acquire_timeout is not None else None)
+            timeout = _acquire_timeout(args.acquire_timeout)
             return asyncio.run(cli_exec.run(settings, cmd, timeout))
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
@@ -129,8 +128,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc), code=cli_status.EXIT_NOT_FOUND)
     except BackendError as exc:
         return _fail(str(exc), code=1)
+    except ValueError as exc:  # a value found unusable where it is used; it names itself
+        return _fail(str(exc))
+
+
+def _acquire_timeout(text: str | None) -> float | None:
+    try:
+        return parse_duration(text) if text is not None else None
     except ValueError as exc:
-        return _fail(f"--acquire-timeout: {exc}")
+        raise ConfigError(f"--acquire-timeout: {exc}") from None
 
 
 def _log_level(command: str, level: str) -> str:

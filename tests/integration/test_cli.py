@@ -114,6 +114,30 @@ def test_a_flag_of_another_command_is_refused() -> None:
     assert "unrecognized arguments: --lease-duration" in result.stderr
 
 
+def test_a_bad_acquire_timeout_is_named() -> None:
+    result = cli("exec", "--backend", "sqlite", "--name", "x", "--identity", "a",
+                 "--acquire-timeout", "soon", "--", "true")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lease-sidecar: error: --acquire-timeout: "), \
+        lines
+    assert "soon" in lines[0]
+
+
+@pytest.mark.parametrize("command", [["run"], ["exec", "--", "true"]])
+def test_the_pod_label_outside_a_pod_is_not_blamed_on_another_flag(
+        command: list[str], tmp_path: Path) -> None:
+    # Only --acquire-timeout's own parse error names --acquire-timeout.
+    result = cli(*command, env={"LEASE_BACKEND": "sqlite", "LEASE_NAME": "x",
+                                "LEASE_IDENTITY": "a", "LEASE_POD_LABEL": "on",
+                                "LEASE_DSN": str(tmp_path / "l.db"),
+                                "LEASE_STATE_DIR": str(tmp_path / "state"),
+                                "LEASE_HTTP_ADDR": "127.0.0.1:0"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lease-sidecar: error: the pod label needs POD_NAME and POD_NAMESPACE")
+
+
 # -- schema --print needs no DSN ------------------------------------------------------------
 def test_schema_print_needs_no_dsn() -> None:
     result = cli("schema", "--print", "--backend", "postgres-row")
