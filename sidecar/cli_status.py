@@ -24,11 +24,10 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from sidecar.clock import rfc3339
-from sidecar.errors import ConfigError
+from sidecar.errors import EXIT_NO_SUCH_LEASE, ConfigError
 from sidecar.lease import LeaseInfo, backend_entry
 from sidecar.settings import Settings
 
-EXIT_NOT_FOUND = 3
 COLUMNS = ("LEASE", "HOLDER", "FENCING TOKEN", "EXPIRES")
 
 
@@ -58,7 +57,7 @@ async def report(settings: Settings, as_json: bool, out: TextIO | None = None,
     if unknown:
         err.write(f"lease-sidecar: no such lease: {', '.join(unknown)} "
                   f"(backend {store.backend}, key prefix {store.key_prefix!r})\n")
-        return EXIT_NOT_FOUND
+        return EXIT_NO_SUCH_LEASE
     return 0
 
 
