@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import logging
 import signal
 import sys
 from collections.abc import Sequence
 
+import sidecar
 from sidecar import cli_exec, cli_handover, cli_status, config, jsonlog, supervise
 from sidecar.aio import first_of
 from sidecar.durations import parse_duration
@@ -33,11 +33,8 @@ log = logging.getLogger("sidecar.cli")
 
 
 def version() -> str:
-    """The installed package's version (one source: the package metadata)."""
-    try:
-        return importlib.metadata.version("lease-sidecar")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+    """The one version source; pyproject.toml reads it too (``dynamic``)."""
+    return sidecar.__version__
 
 
 def _command(commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str,

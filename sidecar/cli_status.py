@@ -9,7 +9,7 @@ nobody holds (released, expired) is shown with holder ``-``.
 
 Output: a table for people, or with ``--json`` one JSON document for programs
 (``{"backend", "key_prefix", "leases": [...], "unknown": [...]}``). Times are written as
-``/leader`` writes them (:func:`sidecar.state.rfc3339`: UTC, milliseconds, ``Z``).
+``/leader`` writes them (:func:`sidecar.clock.rfc3339`: UTC, milliseconds, ``Z``).
 
 Exit codes: 0 every lease asked for exists (held or free); 3 a lease asked for, the
 database file or the lease table does not exist (nothing is created); the CLI adds 1 for

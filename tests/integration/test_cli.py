@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+import sidecar
 from sidecar.lease.postgres_advisory.sql import lock_id
 from sidecar.lease.sql.dialect import PostgresDialect, TsqlDialect
 from sidecar.settings import Store
@@ -35,7 +37,7 @@ from testkit.testbed.postgres import PgServer
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
-# /leader's format (sidecar.state.rfc3339): UTC, milliseconds, Z.
+# /leader's format (sidecar.clock.rfc3339): UTC, milliseconds, Z.
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 HEADER = ["LEASE", "HOLDER", "FENCING TOKEN", "EXPIRES"]
 
@@ -68,9 +70,12 @@ def parse_time(text: str) -> float:
 def test_version_is_the_package_version() -> None:
     result = cli("--version")
     assert result.returncode == 0, result.stderr
-    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    assert importlib.metadata.version("lease-sidecar") == declared
-    assert result.stdout.strip() == f"lease-sidecar {declared}"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert importlib.metadata.version("lease-sidecar") == sidecar.__version__
+    assert result.stdout.strip() == f"lease-sidecar {sidecar.__version__}"
+    chart = yaml.safe_load((REPO / "charts/lease-sidecar/Chart.yaml").read_text())
+    assert chart["appVersion"] == sidecar.__version__
 
 
 HOLDING = {"--backend", "--dsn", "--replica-dsn", "--replica-timeout", "--name", "--identity",
