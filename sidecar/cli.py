@@ -1,11 +1,12 @@
-"""``lease-sidecar run | exec | schema | status | operator``.
+"""``lease-sidecar run | exec | schema | status | handover | operator``.
 
 Exit codes: 0 clean stop, 1 the backend failed, 2 bad settings (one line naming the
 setting, before anything connects; or, once connected, the ``postgres`` backend
 behind a transaction pooler, named in one log line), 3 ``status``: no such lease,
 database or table, 75 ``exec --acquire-timeout`` ran out, 126 / 127 ``exec``'s
 command is not executable / not found (one line, as shells do), otherwise the
-command's own code.
+command's own code; ``handover``: 1 not handed over (not the leader, no sidecar
+answering), 3 no such lease.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from sidecar import cli_exec, cli_status, config, jsonlog, supervise
+from sidecar import cli_exec, cli_handover, cli_status, config, jsonlog, supervise
 from sidecar.aio import first_of
 from sidecar.cli_exec import EXIT_BAD_SETTINGS
 from sidecar.durations import parse_duration
@@ -72,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true",
                         help="one JSON document instead of the table")
 
+    handover = _command(commands, "handover",
+                        "ask the leader on this host or pod to hand its lease over now")
+    handover.add_argument("--to", default=None, metavar="IDENTITY",
+                          help="the standby that should lead next (default: the first to "
+                               "ask)")
+
     # Its own flags (sidecar.operator.__main__); listed here for --help only.
     commands.add_parser("operator", add_help=False,
                         help="the admission webhook and the lease-role label reconciler "
@@ -94,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(given)
     flags = vars(args)
     try:
-        printing = args.command == "schema" and args.print_ddl
+        # schema --print and handover connect to no backend.
+        printing = (args.command == "schema" and args.print_ddl) or args.command == "handover"
         settings = config.load(flags, dsn_required=not printing)
         jsonlog.setup(_log_level(args.command, settings.log_level))
         if args.command == "run":
@@ -112,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(cli_exec.run(settings, cmd, timeout))
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
+        if args.command == "handover":
+            return cli_handover.run(settings, args.to)
         return asyncio.run(_status(settings, as_json=args.json))
     except ConfigError as exc:
         return _fail(str(exc))

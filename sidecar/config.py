@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import socket
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -59,6 +60,19 @@ def parse_names(text: str) -> tuple[str, ...]:
     if "leader" in names[1:]:
         raise ValueError("'leader' may only be the first name (it is the first lease's file)")
     return names
+
+
+def parse_ready_url(text: str) -> str:
+    """An ``http://host[:port]/path`` the sidecar may GET (no https: it is the app's own
+    plain readiness endpoint in the same pod or host)."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"{text!r} is not an http://host[:port]/path URL")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: {exc}") from None
+    return text
 
 
 def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
@@ -106,9 +120,9 @@ class Option:
 # ``schema`` only provisions, so their flags are the few they use. Every command still
 # reads every LEASE_* variable: one environment describes one sidecar, and a status run in
 # its container sees the same settings (and the same refusals) as the sidecar itself.
-COMMANDS = ("run", "exec", "schema", "status")
+COMMANDS = ("run", "exec", "schema", "status", "handover")
 _EVERY = frozenset(COMMANDS)
-_READS = frozenset({"run", "exec", "status"})
+_READS = frozenset({"run", "exec", "status", "handover"})
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -145,7 +159,8 @@ OPTIONS: tuple[Option, ...] = (
            "how far ahead a published claim is valid", (0.01, HOUR),
            "the leader file is rewritten every half horizon"),
     Option("http_addr", "LEASE_HTTP_ADDR", "--http-addr", parse_addr, "127.0.0.1:8099",
-           "host:port of the HTTP endpoint"),
+           "host:port of the HTTP endpoint",
+           commands=frozenset({"run", "exec", "handover"})),
     Option("state_dir", "LEASE_STATE_DIR", "--state-dir", _text, "/run/lease",
            "directory of the leader file"),
     Option("role", "LEASE_ROLE", "--role", _choice(ROLES), "all",
@@ -171,6 +186,13 @@ OPTIONS: tuple[Option, ...] = (
            None, "step down when the application has not POSTed /heartbeat for this long "
            "while leading (unset: no work watchdog)", (0.1, 24 * HOUR),
            "a shorter period leaves no room for the application's heartbeats"),
+    Option("app_ready_url", "LEASE_APP_READY_URL", "--app-ready-url", parse_ready_url, None,
+           "campaign only while this http:// URL of the application answers 2xx (unset: "
+           "always campaign)"),
+    Option("app_unready_after", "LEASE_APP_UNREADY_AFTER", "--app-unready-after",
+           parse_duration, "10s", "with LEASE_APP_READY_URL: a leader whose application "
+           "has not answered 2xx for this long hands over", (0.1, 24 * HOUR),
+           "a shorter period leaves no room for one slow readiness answer"),
     Option("log_level", "LEASE_LOG_LEVEL", "--log-level",
            _choice(("debug", "info", "warning", "error")), "info", "log level"),
 )

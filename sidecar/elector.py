@@ -49,10 +49,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from sidecar.aio import first_of
-from sidecar.lease import Grant, Lease
+from sidecar.lease import Grant, Lease, successor_of
 from sidecar.publish import Publisher
 from sidecar.settings import RENEW_JITTER, Timing
 from sidecar.state import LeaseState
@@ -62,6 +62,9 @@ log = logging.getLogger("sidecar.elector")
 # Bound on how long a publisher may take to unpublish before we release anyway: a dead
 # API server must not keep a lease that a standby could use (the label is advisory).
 UNPUBLISH_TIMEOUT = 2.0
+# Why a leader hands over on purpose: asked to (POST /handover, ``lease-sidecar
+# handover``), or its application has not been ready for LEASE_APP_UNREADY_AFTER.
+HANDOVER_REASONS = ("request", "app-unready")
 
 
 def jittered(seconds: float, spread: float = 0.2) -> float:
@@ -70,8 +73,11 @@ def jittered(seconds: float, spread: float = 0.2) -> float:
 
 class Elector:
     def __init__(self, lease: Lease, state: LeaseState, timing: Timing, identity: str,
-                 publishers: Sequence[Publisher] = ()) -> None:
+                 publishers: Sequence[Publisher] = (),
+                 sits_out: Callable[[], str | None] | None = None) -> None:
         self.lease = lease
+        # Why this contender must not campaign now (LEASE_APP_READY_URL), None: it may.
+        self._sits_out = sits_out
         self.state = state
         self.timing = timing
         self.identity = identity
@@ -80,6 +86,8 @@ class Elector:
         self._wake = asyncio.Event()
         self._release_requested = False
         self._release_reason = "released on request"
+        # A hand-over asked for with the release: (reason, named successor or None).
+        self._handover: tuple[str, str | None] | None = None
         self._last_tick = self._clock.monotonic()
         self._failures = 0
         # The outage being reported: when it began (monotonic) and its first error.
@@ -101,6 +109,22 @@ class Elector:
         self._release_requested = True
         self._release_reason = reason
         self._wake.set()
+        return True
+
+    def request_handover(self, to: str | None = None, why: str = "request") -> bool:
+        """Hand the lease over on purpose: name ``to`` as the next holder where the
+        backend keeps such a hint (:class:`~sidecar.lease.Successor`), then step down as
+        :meth:`request_release` does. Without ``to`` (or on a backend without hints) the
+        first standby to ask wins. ``why``: one of :data:`HANDOVER_REASONS`.
+        """
+        if to == self.identity:
+            return False
+        reason = f"handed over to {to}" if to else "handed over"
+        if why != "request":
+            reason += f" ({why})"
+        if not self.request_release(reason):
+            return False
+        self._handover = (why, to)
         return True
 
     def stop(self) -> None:
@@ -136,6 +160,18 @@ class Elector:
             await asyncio.shield(self._step_down("shutdown", release=True))
 
     async def _acquire_once(self) -> None:
+        why_not = self._sits_out() if self._sits_out is not None else None
+        if why_not is not None:
+            self.state.update(reason=why_not)
+            await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
+            return
+        other = await self._successor_named()
+        if other is not None:
+            # A leader handed the lease to another standby: stay out of the race while
+            # the hint lives (at most one lease duration), so the named one wins.
+            self.state.update(reason=f"standing aside: the lease is being handed to {other}")
+            await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
+            return
         sent = self._clock.monotonic()
         grant = await self._call("acquire", self.lease.try_acquire())
         if grant is not None and grant.held:
@@ -154,6 +190,7 @@ class Elector:
         delay = max(self.timing.claim_horizon, grant.claim_delay)
         replied = self._clock.monotonic()
         self._release_requested = False  # asked of an earlier term, which has ended
+        self._handover = None
         self.state.update(
             "acquired", holding=True, released=False, claim_from=replied + delay,
             valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
@@ -187,6 +224,7 @@ class Elector:
                                       watch_lease=False, watch_loss=True)
         if self._release_requested:
             self._release_requested = False
+            await self._name_successor()
             await self._step_down(self._release_reason, release=True)
             await self._sleep_or_wake(self.timing.lease_duration, watch_lease=False)
             return
@@ -239,6 +277,37 @@ class Elector:
                           fencing_token=None, holder=None, reason=reason)
         log.info("stepped down", extra={**self._fields(token), "reason": reason,
                                         "waited_for_claims_ms": round(waited * 1000, 1)})
+
+    async def _name_successor(self) -> None:
+        """Before a hand-over's step-down: count it, and leave the hint that names the
+        successor (bounded; a failure only costs the preference, never safety)."""
+        handover, self._handover = self._handover, None
+        if handover is None:
+            return
+        why, to = handover
+        self.state.handovers[why] = self.state.handovers.get(why, 0) + 1
+        successor = successor_of(self.lease)
+        if to is None or successor is None:
+            return
+        try:
+            async with asyncio.timeout(max(1.0, self.timing.renew_interval * 2)):
+                await successor.hand_to(to, self.timing.lease_duration)
+        except Exception as exc:
+            log.warning("could not name the next holder; releasing without it", extra={
+                **self._fields(self.state.facts.fencing_token), "successor": to,
+                "error": str(exc) or type(exc).__name__})
+
+    async def _successor_named(self) -> str | None:
+        """The standby another leader handed the lease to, if not us (None: none, or
+        the backend keeps no hints, or it cannot be read now: the acquire then tells)."""
+        successor = successor_of(self.lease)
+        if successor is None:
+            return None
+        try:
+            async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
+                return await successor.handing_to_other()
+        except Exception:
+            return None
 
     async def _claims_expired(self, until: float) -> float:
         """Sleep until monotonic ``until``; returns the seconds slept.

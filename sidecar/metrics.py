@@ -22,6 +22,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
+from sidecar.elector import HANDOVER_REASONS
 from sidecar.lease import duplicate_identity
 from sidecar.state import LeaseState
 from sidecar.stats import OPERATIONS, OUTCOMES
@@ -75,6 +76,14 @@ class LeaseCollector(Collector):
             f"{PREFIX}duplicate_identity",
             "acquire attempts that found the lease held by another live process with this "
             "contender's identity (identities must be unique)", labels=["lease"])
+        handovers = CounterMetricFamily(
+            f"{PREFIX}handovers",
+            "deliberate hand-overs by this contender as the leader, by reason (request: "
+            "POST /handover; app-unready: LEASE_APP_UNREADY_AFTER)", labels=["lease", "reason"])
+        unready = CounterMetricFamily(
+            f"{PREFIX}app_unready_leading_seconds",
+            "seconds this contender held the lease while LEASE_APP_READY_URL did not answer "
+            "2xx", labels=["lease"])
         for state in self._states:
             facts = state.facts
             lease = [state.lease]
@@ -95,6 +104,9 @@ class LeaseCollector(Collector):
             for event, count in counts.items():
                 transitions.add_metric([state.lease, event], count)
             stalls.add_metric(lease, state.work.stalls)
+            for reason in HANDOVER_REASONS:
+                handovers.add_metric([state.lease, reason], state.handovers.get(reason, 0))
+            unready.add_metric(lease, state.unready_leading_seconds)
             changes.add_metric(lease, facts.version)
             duplicates.add_metric(lease, duplicate_identity[(state.identity, state.lease)])
             for (op, outcome), histogram in state.stats.histograms.items():
@@ -106,6 +118,8 @@ class LeaseCollector(Collector):
         yield from gauges.values()
         yield transitions
         yield stalls
+        yield handovers
+        yield unready
         yield changes
         yield duplicates
         yield from round_trips.values()

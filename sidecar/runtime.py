@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from sidecar import watchdog
+from sidecar.appready import AppReadiness
 from sidecar.clock import SystemClock
 from sidecar.elector import Elector
 from sidecar.errors import ConfigError
@@ -68,7 +69,8 @@ class Sidecar:
         self._credentials_checked = 0.0
         app = build_app(self.states, registry_for(self.states), status=self.status,
                         alive=self.alive, ready=self.ready, release=self.release,
-                        heartbeat=self.heartbeat, cannot_lead=self.cannot_lead)
+                        heartbeat=self.heartbeat, handover=self.handover,
+                        cannot_lead=self.cannot_lead)
         self.http = HttpServer(app, *settings.http_addr)
 
     @property
@@ -96,9 +98,11 @@ class Sidecar:
             return
         self.backend = create_backend(self.settings, self.clock)
         self._check_credentials()
+        readiness = self._app_readiness()
         for state in self.states:
             elector = Elector(self.backend.lease(state.lease), state, self.settings.timing,
-                              self.settings.identity, self.publishers)
+                              self.settings.identity, self.publishers,
+                              sits_out=readiness.why_not if readiness else None)
             self.electors[state.lease] = elector
             self._tasks.append(asyncio.create_task(elector.run(), name=f"elector-{state.lease}"))
             if self.settings.work_stall_after is not None:
@@ -106,9 +110,23 @@ class Sidecar:
                                    elector.request_release)
                 self._tasks.append(asyncio.create_task(dog.run(),
                                                        name=f"watchdog-{state.lease}"))
+        if readiness is not None:
+            self._tasks.append(asyncio.create_task(readiness.run(), name="app-readiness"))
         log.info("started", extra={"settings": self.settings.public(),
                                    "state_dir": str(self.state_dir),
                                    "http_port": self.http.bound_port})
+
+    def _app_readiness(self) -> AppReadiness | None:
+        url = self.settings.app_ready_url
+        if url is None:
+            return None
+
+        def hand_over(name: str) -> bool:
+            elector = self.electors.get(name)
+            return elector is not None and elector.request_handover(why="app-unready")
+
+        return AppReadiness(url, self.settings.app_unready_after,
+                            self.settings.timing.renew_interval, self.states, hand_over)
 
     async def stop(self) -> None:
         """Unpublish and release every lease, then close everything."""
@@ -192,6 +210,16 @@ class Sidecar:
             return "no-such-lease"
         elector = self.electors.get(name or self.settings.name)
         if elector is None or not elector.request_release():
+            return "not-holding"
+        return "released"
+
+    def handover(self, name: str | None, to: str | None) -> ReleaseOutcome:
+        """``POST /handover``: the leader steps down the safe way and names ``to`` (or
+        nobody: the first standby to ask) the next holder."""
+        if (name or self.settings.name) not in self.settings.names:
+            return "no-such-lease"
+        elector = self.electors.get(name or self.settings.name)
+        if elector is None or not elector.request_handover(to):
             return "not-holding"
         return "released"
 

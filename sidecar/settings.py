@@ -175,6 +175,10 @@ class Settings:
     """``exec``: time between SIGTERM and SIGKILL of the command on lease loss."""
     work_stall_after: float | None = None
     """Step down when the application has not POSTed ``/heartbeat`` for this long."""
+    app_ready_url: str | None = None
+    """Campaign only while this URL answers 2xx (None: always)."""
+    app_unready_after: float = 10.0
+    """A leader whose application has not been ready this long hands over."""
     log_level: str = "info"
     """``debug``, ``info``, ``warning`` or ``error``."""
     explicit: frozenset[str] = frozenset()
@@ -204,4 +208,6 @@ class Settings:
             "state_dir": self.state_dir,
             "role": self.role,
             "work_stall_after": self.work_stall_after,
+            "app_ready_url": self.app_ready_url,
+            "app_unready_after": self.app_unready_after,
         }

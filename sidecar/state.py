@@ -104,6 +104,12 @@ class LeaseState:
     # event loop's thread asks for claims, so a plain compare-and-store is enough.
     issued_until: float = 0.0
     work: WorkBeats = field(default_factory=WorkBeats)
+    # Deliberate hand-overs this contender made as the leader, by reason
+    # (:data:`sidecar.elector.HANDOVER_REASONS`).
+    handovers: dict[str, int] = field(default_factory=dict)
+    # Seconds this contender held the lease while its application was not ready
+    # (LEASE_APP_READY_URL), summed over terms: the cost the option bounds.
+    unready_leading_seconds: float = 0.0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _encoded_key: tuple[int, bool, int | None] | None = None
     _encoded: bytes = b""

@@ -34,6 +34,7 @@ VALUE_SETS: dict[str, list[str]] = {
     "lease-names": [r"lease.name=sweeps\,reports", "rbac.leaseNames={batch}",
                     "injector.enabled=true"],
     "any-lease": ["rbac.anyLease=true", "rbac.createLeases=false"],
+    "leader-service": ["example.enabled=true", "leaderService.enabled=true"],
     "injector-scheduling": [
         "injector.enabled=true", "injector.podAntiAffinity=hard",
         "injector.nodeSelector.kubernetes\\.io/os=linux",

@@ -97,6 +97,39 @@ class Lease(Protocol):
         ...
 
 
+class Successor(Protocol):
+    """Optional capability of a :class:`Lease`: a "next holder" hint beside the lease,
+    for a deliberate hand-over (``POST /handover``, ``lease-sidecar handover --to``).
+
+    The holder names its successor just before it steps down the usual way (unpublish,
+    wait out its claims, release); standbys that are not named stay out of the race
+    while the hint is live, so the named one wins. The hint lives at most ``bound``
+    seconds by the backend's own clock (the elector passes one lease duration), so a
+    named standby that is dead delays the others by no more than that — no longer than
+    a crashed leader's lease would. The hint only ever keeps contenders *out*; safety
+    still rests on the lease alone. Homes: a side row for the row backends
+    (:mod:`sidecar.lease.rowlease`), a session's ``application_name`` for the advisory
+    lock (:mod:`sidecar.lease.postgres_advisory.handover`).
+    """
+
+    async def hand_to(self, identity: str, bound: float) -> None:
+        """Holder: name ``identity`` the next holder for at most ``bound`` seconds."""
+        ...
+
+    async def handing_to_other(self) -> str | None:
+        """Standby: the identity a live hint names, when it is not this contender's;
+        None when there is no live hint or it names us."""
+        ...
+
+
+def successor_of(lease: Lease) -> Successor | None:
+    """The lease's :class:`Successor` capability, or None where its backend has none."""
+    if callable(getattr(lease, "hand_to", None)) and callable(
+            getattr(lease, "handing_to_other", None)):
+        return lease  # type: ignore[return-value]
+    return None
+
+
 class Backend(Protocol):
     """A connection to where leases live; hands out one :class:`Lease` per name."""
 

@@ -40,6 +40,15 @@ from sidecar.settings import Settings, Timing
 
 log = logging.getLogger("sidecar.lease")
 
+# The hand-over hint of lease key K is the row K + HINT_SUFFIX ("#" is in no lease name):
+# an ordinary row whose owner is the named successor and whose expiry bounds the hint.
+HINT_SUFFIX = "#next"
+
+
+def is_hint(key: str) -> bool:
+    """A hand-over hint row, not a lease (``lease-sidecar status`` leaves it out)."""
+    return key.endswith(HINT_SUFFIX)
+
 
 @dataclass(frozen=True)
 class Row:
@@ -194,6 +203,22 @@ class RowLease:
 
     async def wait_for_change(self, timeout: float) -> None:
         await self._store.wait_for_release(timeout)
+
+    # -- the Successor capability (sidecar.lease.Successor) ----------------------------
+    async def hand_to(self, identity: str, bound: float) -> None:
+        """Write the hint row: owned by ``identity``, expiring ``bound`` seconds from
+        now by the database's clock. The store's own acquire writes it, so a plain role
+        that can hold a lease can write it, and no table change is needed; a live hint
+        naming someone else (an earlier hand-over) is removed first."""
+        hint = self._key + HINT_SUFFIX
+        earlier = await self._store.read(hint)
+        if earlier is not None and earlier.owner != identity:
+            await self._store.release(hint, earlier.owner)
+        await self._store.acquire(hint, identity, bound)
+
+    async def handing_to_other(self) -> str | None:
+        row = await self._store.read(self._key + HINT_SUFFIX)
+        return row.owner if row is not None and row.owner != self._owner else None
 
     async def _replica_confirms(self, version: int) -> bool:
         assert self._replica is not None

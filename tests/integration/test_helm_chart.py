@@ -474,3 +474,40 @@ def _check_installed(cp: ControlPlane, ns: str, notes: str, kubeconfig: list[str
         "get", "mutatingwebhookconfiguration", f"{ns}-demo-lease-sidecar-injector",
         "-o", "json").stdout)
     assert config["webhooks"][0]["clientConfig"]["caBundle"] == ca
+
+
+def test_leader_service_selects_the_example_pods_that_lead() -> None:
+    docs = documents(template("r", "ns", VALUE_SETS["leader-service"]).stdout)
+    service = find(docs, "Service", "-leader")
+    deployment = find(docs, "Deployment", "-example")
+    pods = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"] == {**deployment["spec"]["selector"]["matchLabels"],
+                                           "lease-role": "leader"}
+    # Every label the Service asks for but lease-role is on the workload's pods already.
+    assert {k: v for k, v in service["spec"]["selector"].items() if k != "lease-role"}.items() \
+        <= pods.items()
+    assert service["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": 8080,
+                                         "protocol": "TCP"}]
+    assert service["spec"]["publishNotReadyAddresses"] is False
+
+
+def test_leader_service_for_a_workload_of_ones_own() -> None:
+    docs = documents(template("r", "ns", [
+        "leaderService.enabled=true", "leaderService.podSelector.app=webhook",
+        "leaderService.name=webhook-leader", "leaderService.ports[0].port=443",
+        "leaderService.ports[0].targetPort=https"]).stdout)
+    service = find(docs, "Service", "webhook-leader")
+    assert service["spec"]["selector"] == {"app": "webhook", "lease-role": "leader"}
+    assert service["spec"]["ports"] == [{"port": 443, "targetPort": "https"}]
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (["leaderService.enabled=true"], "leaderService.podSelector: give the labels"),
+    (["leaderService.enabled=true", "leaderService.podSelector.lease-role=standby"],
+     "leaderService.podSelector: leave lease-role out"),
+], ids=["no-selector", "lease-role-in-selector"])
+def test_leader_service_refuses_a_selector_that_would_reach_other_pods(
+        values: list[str], message: str) -> None:
+    proc = template("r", "ns", values, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr

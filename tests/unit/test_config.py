@@ -559,3 +559,23 @@ def test_the_loaded_defaults_are_the_dataclass_defaults():
     for name in ("names", "role", "http_addr", "state_dir", "pod_label", "exec_grace",
                  "work_stall_after", "log_level"):
         assert getattr(loaded, name) == getattr(defaults, name), name
+
+
+# -- lead only when the application can work ----------------------------------------------
+
+def test_app_readiness_is_off_unless_a_url_is_given():
+    s = load()
+    assert s.app_ready_url is None and s.app_unready_after == 10.0
+    s = load(LEASE_APP_READY_URL="http://127.0.0.1:8080/ready", LEASE_APP_UNREADY_AFTER="3s")
+    assert s.app_ready_url == "http://127.0.0.1:8080/ready" and s.app_unready_after == 3.0
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"LEASE_APP_READY_URL": "127.0.0.1:8080/ready"}, "LEASE_APP_READY_URL / --app-ready-url"),
+    ({"LEASE_APP_READY_URL": "https://app/ready"}, "LEASE_APP_READY_URL / --app-ready-url"),
+    ({"LEASE_APP_READY_URL": "http://app:99999/ready"}, "LEASE_APP_READY_URL / --app-ready-url"),
+    ({"LEASE_APP_UNREADY_AFTER": "soon"}, "LEASE_APP_UNREADY_AFTER / --app-unready-after"),
+    ({"LEASE_APP_UNREADY_AFTER": "10ms"}, "LEASE_APP_UNREADY_AFTER / --app-unready-after"),
+])
+def test_a_bad_readiness_setting_fails_naming_it(env: dict[str, str], named: str):
+    assert error(**env).startswith(named)

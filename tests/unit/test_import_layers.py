@@ -26,12 +26,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # The lease contract, the registry and every backend.
     ("sidecar.lease",),
     # The election loop and everything that reads the state.
-    ("sidecar.elector", "sidecar.publish", "sidecar.watchdog", "sidecar.metrics"),
+    ("sidecar.elector", "sidecar.publish", "sidecar.watchdog", "sidecar.appready",
+     "sidecar.metrics"),
     # Loading settings (asks the backends' entries), wiring one sidecar.
     ("sidecar.config", "sidecar.statedir", "sidecar.runtime"),
     # Entry points.
-    ("sidecar.cli", "sidecar.cli_exec", "sidecar.cli_status", "sidecar.__main__",
-     "sidecar.supervise", "sidecar.guard", "sidecar.injector", "sidecar.operator"),
+    ("sidecar.cli", "sidecar.cli_exec", "sidecar.cli_handover", "sidecar.cli_status",
+     "sidecar.__main__", "sidecar.supervise", "sidecar.guard", "sidecar.injector",
+     "sidecar.operator"),
 )
 
 # Within the lease layer: the contract never imports a backend (the registry loads them

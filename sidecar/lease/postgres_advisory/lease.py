@@ -18,6 +18,7 @@ from sidecar.lease.pg_timeline import (
     checkpoint_age,
     token,
 )
+from sidecar.lease.postgres_advisory.handover import Hint
 from sidecar.lease.postgres_advisory.session import (
     DB_ERRORS,
     POOLER,
@@ -74,6 +75,7 @@ class AdvisoryLease:
         # Once a transaction pooler was seen: the refusal, for good (it never heals).
         self.pooler: str | None = None
         self._on_pooler = on_pooler
+        self._hint = Hint(connector, lock_id, self._halves, identity, timing)
 
     @property
     def pid(self) -> int | None:
@@ -191,7 +193,20 @@ class AdvisoryLease:
                                                name=f"pg-advisory-wait-{self.name}")
         await asyncio.shield(self._waiter)
 
+    # -- the Successor capability (sidecar.lease.Successor) ----------------------------
+    async def hand_to(self, identity: str, bound: float) -> None:
+        await self._hint.name(identity, bound)
+
+    async def handing_to_other(self) -> str | None:
+        await self._settle_waiter()
+        async with self._busy:
+            if self._link.levels or self.pooler:
+                return None  # we hold it (an in-server wait was granted): the acquire says
+            session = await self._link.connect()
+            return await self._hint.named_other(session)
+
     async def close(self) -> None:
+        await self._hint.close()
         if self._probe is not None:
             self._probe.cancel()
             with contextlib.suppress(BaseException):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from sidecar.clock import Clock
 from sidecar.errors import ConfigError
 from sidecar.lease import BackendEntry, LeaseInfo
-from sidecar.lease.rowlease import RowBackend
+from sidecar.lease.rowlease import RowBackend, is_hint
 from sidecar.lease.sql.dialect import MAX_ROW_NAME, Dialect
 from sidecar.lease.sql.store import Driver, SqlRowStore
 from sidecar.settings import Settings, Store, Timing
@@ -99,4 +99,4 @@ class SqlRowEntry:
             await store.close()
         return [LeaseInfo(lease=name[len(prefix):], holder=row.owner if live else None,
                           expires_at=row.expires_at, details={"row_version": row.version})
-                for name, row, live in rows if name.startswith(prefix)]
+                for name, row, live in rows if name.startswith(prefix) and not is_hint(name)]

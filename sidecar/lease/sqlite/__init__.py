@@ -25,7 +25,7 @@ from sidecar.clock import Clock
 from sidecar.dsn import check_sqlite
 from sidecar.errors import BackendError, ConfigError, NotFound
 from sidecar.lease import BackendEntry, LeaseInfo
-from sidecar.lease.rowlease import RowBackend
+from sidecar.lease.rowlease import RowBackend, is_hint
 from sidecar.lease.sqlite.store import NOW, SCHEMA, SqliteStore
 from sidecar.settings import Settings
 
@@ -90,7 +90,7 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
                       fencing_token=int(version),
                       expires_at=datetime.fromtimestamp(float(expires), tz=UTC))
             for name, owner, version, expires, live in await asyncio.to_thread(read)
-            if name.startswith(prefix)]
+            if name.startswith(prefix) and not is_hint(name)]
 
 
 # check_sqlite refuses up front a DSN that is not one file shared by the contenders on

@@ -36,6 +36,8 @@ MAX_TRIES = 5  # write attempts in a row for one series before it waits for a ne
 NOTE_LIMIT = 1024  # the apiserver's limit for a note
 # Step-down reasons the elector uses when it leaves on purpose (sidecar.elector).
 VOLUNTARY = frozenset({"shutdown", "released on request"})
+HANDED_OVER = "handed over"
+APP_UNREADY = "(app-unready)"
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,11 @@ def from_transition(transition: dict[str, Any], lease: str,
     elif event == "lost":
         occurrence = ("LeaseLost", "Warning", "Renew",
                       f"lost lease {lease}{token_note(token)}: {reason}")
+    elif event == "released" and reason.startswith(HANDED_OVER):
+        # A deliberate hand-over (sidecar.elector.Elector.request_handover); one whose
+        # application was not ready is worth a look.
+        occurrence = ("LeaseHandedOver", "Warning" if APP_UNREADY in reason else "Normal",
+                      "Handover", f"released lease {lease}{token_note(token)}: {reason}")
     elif event == "released":
         occurrence = ("LeaseReleased", "Normal" if reason in VOLUNTARY else "Warning",
                       "Release", f"released lease {lease}{token_note(token)}: {reason}")

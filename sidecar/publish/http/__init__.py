@@ -1,6 +1,6 @@
 """The HTTP endpoint (aiohttp): ``/leader``, ``/livez``, ``/healthz``, ``/readyz``,
-``/metrics``, ``/status``, ``POST /release`` and ``POST /heartbeat`` (the work watchdog's
-input).
+``/metrics``, ``/status``, ``POST /release``, ``POST /handover`` and ``POST /heartbeat``
+(the work watchdog's input).
 
 ``/leader`` is answered from :meth:`LeaseState.claim` at request time. A blocking query
 (``?wait=SECONDS`` with ``If-None-Match``) parks the request until the answer's

@@ -1,4 +1,4 @@
-"""Who may ``POST /release`` and ``POST /heartbeat``: a process of this pod, never a web
+"""Who may ``POST /release``, ``/handover`` and ``/heartbeat``: a process of this pod, never a web
 page. Both make a leader step down or keep leading, so both follow the same rules."""
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from sidecar.publish.http.limits import LIMITS, Limits, LimitsCollector
 from sidecar.state import LeaseState
 
 ReleaseOutcome = Literal["released", "not-holding", "no-such-lease"]
+# POST /handover: (lease name or None, successor identity or None) -> outcome.
+Handover = Callable[[str | None, str | None], ReleaseOutcome]
 # "beat" with the JSON to answer, "not-leading" (409), "no-such-lease" (404).
 HeartbeatAnswer = tuple[Literal["beat", "not-leading", "no-such-lease"], dict[str, Any]]
 
@@ -41,7 +43,7 @@ def _probe(check: Callable[[], bool],
 
 
 def _local_post(what: str, limits: Limits,
-                answer: Callable[[str | None], web.Response]) -> Handler:
+                answer: Callable[..., web.Response], with_query: bool = False) -> Handler:
     """A ``POST`` that makes a leader step down or keep leading: ``403`` unless it comes
     from a process of this pod (see :mod:`.access`), else ``answer`` for the lease named
     in the path (None: the first)."""
@@ -49,12 +51,18 @@ def _local_post(what: str, limits: Limits,
         error = refusal(request.remote, request.headers, limits.release_hosts, what)
         if error is not None:
             return _json({"error": error}, 403)
+        if with_query:
+            return answer(request.match_info.get("name"), request.query)
         return answer(request.match_info.get("name"))
     return handler
 
 
 def _no_heartbeat(name: str | None) -> HeartbeatAnswer:
     return "not-leading", {}
+
+
+def _no_handover(name: str | None, to: str | None) -> ReleaseOutcome:
+    return "not-holding"
 
 
 def build_app(states: list[LeaseState], registry: CollectorRegistry,
@@ -64,6 +72,7 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
               limits: Limits | None = None,
               cannot_lead: Callable[[], str | None] | None = None,
               heartbeat: Callable[[str | None], HeartbeatAnswer] = _no_heartbeat,
+              handover: Handover = _no_handover,
               ) -> web.Application:
     # No middleware: aiohttp already answers 404/405 as short text and an unexpected
     # error as a bare 500 (the traceback goes to the log, never to the client), and any
@@ -91,6 +100,17 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
                           "error": "this contender does not hold the lease"}, 409)
         return _json({"released": True, "at": time.time()}, 202)
 
+    def handed(name: str | None, query: Any) -> web.Response:
+        to = query.get("to") or None
+        outcome = handover(name, to)
+        if outcome == "no-such-lease":
+            raise longpoll.no_such_lease(name)
+        if outcome == "not-holding":
+            return _json({"handed_over": False,
+                          "error": "this contender does not hold the lease"
+                          + (" (or --to names this contender)" if to else "")}, 409)
+        return _json({"handed_over": True, "to": to, "at": time.time()}, 202)
+
     def beat(name: str | None) -> web.Response:
         outcome, answer = heartbeat(name)
         if outcome == "no-such-lease":
@@ -104,6 +124,7 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     # able to do for a stalled application.
     release_handler = _local_post("release", limits, released)
     heartbeat_handler = _local_post("heartbeat", limits, beat)
+    handover_handler = _local_post("handover", limits, handed, with_query=True)
     # /livez: the loop runs (liveness: a restart can help). /healthz: that, and nothing
     # keeps this contender from ever leading (the chart's readiness). /readyz: that, and
     # the backend answers now.
@@ -119,6 +140,8 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     app.router.add_get("/status", status_handler)
     app.router.add_post("/release", release_handler)
     app.router.add_post("/release/{name}", release_handler)
+    app.router.add_post("/handover", handover_handler)
+    app.router.add_post("/handover/{name}", handover_handler)
     app.router.add_post("/heartbeat", heartbeat_handler)
     app.router.add_post("/heartbeat/{name}", heartbeat_handler)
     return app

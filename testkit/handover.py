@@ -1,0 +1,105 @@
+"""Deliberate hand-overs between real sidecar processes, for the integration test and
+``bench/bench_handover.py``.
+
+Three sidecars share one lease; per trial the leader is asked (``POST /handover?to=`` or
+``lease-sidecar handover --to``) to hand over to one of the two standbys, picked at
+random; the trial times the request until the named standby answers ``200`` on
+``/leader``. A :class:`~testkit.support.ClaimRecorder` polls every sidecar throughout
+and counts overlapping published claims. Between trials the harness waits out the old
+leader's sit-out (one lease duration) so *both* standbys are in the race each time: the
+named one must win against a rival that is free to try.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from testkit.support import (
+    REPO,
+    ClaimRecorder,
+    SidecarProcess,
+    one_leader,
+    post_json,
+    wait_until,
+)
+
+# A 2 s lease; 100 ms claim horizon: the hand-over's floor is two horizons.
+LEASE_DURATION = 2.0
+CLAIM_HORIZON = 0.1
+FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
+        "--safety-margin", "300ms", "--claim-horizon", "100ms"]
+BACKENDS = ("sqlite", "postgres", "postgres-row")
+
+
+def backend_args(backend: str, dsn: str) -> list[str]:
+    extra = ["--ensure-schema", "true"] if backend == "postgres-row" else []
+    return ["--backend", backend, "--dsn", dsn, "--name", "handover", *extra, *FAST]
+
+
+@dataclass
+class Trial:
+    leader: str
+    target: str
+    seconds: float  # request sent -> the target answers 200
+    via: str  # "http" or "cli"
+
+
+@dataclass
+class Run:
+    backend: str
+    trials: list[Trial] = field(default_factory=list)
+    overlaps: int = 0
+    claims: int = 0
+
+
+def handover_cli(leader: SidecarProcess, target: str) -> int:
+    """``lease-sidecar handover --to`` against the leader's endpoint; its exit code."""
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", "handover", "--name", "handover",
+         "--http-addr", f"127.0.0.1:{leader.port}", "--to", target],
+        cwd=REPO, capture_output=True, timeout=30).returncode
+
+
+def run_trials(backend: str, dsn: str, workdir: Path, trials: int, seed: int = 21,
+               cli_every: int = 2) -> Run:
+    """``trials`` hand-overs on one backend; every ``cli_every``-th one through the CLI."""
+    rng = random.Random(seed)
+    args = backend_args(backend, dsn)
+    procs = [SidecarProcess(workdir, f"{backend}-{i}", args=list(args)).start()
+             for i in range(3)]
+    run = Run(backend)
+    try:
+        for proc in procs:
+            proc.wait_http()
+        with ClaimRecorder(procs) as recorder:
+            for number in range(trials):
+                leader = wait_until(lambda: one_leader(procs, timeout=0.5), timeout=30)
+                # Both standbys campaign again (the previous leader's sit-out is over),
+                # and each has reached its steady wait.
+                time.sleep(LEASE_DURATION + 0.5)
+                target = rng.choice([p for p in procs if p is not leader])
+                via = "cli" if cli_every and number % cli_every == 1 else "http"
+                sent = time.monotonic()
+                if via == "cli":
+                    code = handover_cli(leader, target.identity)
+                    assert code == 0, f"handover CLI exited {code}:\n{leader.logs()[-3000:]}"
+                else:
+                    status = post_json(f"{leader.url}/handover?to={target.identity}")[0]
+                    assert status == 202, f"POST /handover answered {status}"
+                wait_until(lambda t=target: t.leader(timeout=0.5) == 200, timeout=30,
+                           interval=0.002)
+                run.trials.append(Trial(leader.identity, target.identity,
+                                        time.monotonic() - sent, via))
+            time.sleep(0.3)
+        run.overlaps = len(recorder.overlaps())
+        run.claims = len(recorder.claims)
+    finally:
+        for proc in procs:
+            proc.stop()
+    return run
+

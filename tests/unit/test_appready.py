@@ -1,0 +1,72 @@
+"""LEASE_APP_READY_URL against a real HTTP server on loopback: who may campaign, when a
+leader hands over, and the time led while not ready."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from sidecar.appready import AppReadiness
+from sidecar.state import LeaseState
+from tests.unit.fakes import FakeClock
+
+
+async def serve(status: list[int]) -> tuple[web.AppRunner, str]:
+    async def ready(request: web.Request) -> web.Response:
+        return web.Response(status=status[0])
+
+    app = web.Application()
+    app.router.add_get("/ready", ready)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}/ready"
+
+
+async def test_campaign_only_while_ready_and_hand_over_after_the_period():
+    status = [503]
+    runner, url = await serve(status)
+    clock = FakeClock()
+    state = LeaseState(lease="jobs", identity="web-0", role="all", claim_horizon=0.1,
+                       clock=clock)
+    asked: list[str] = []
+    watcher = AppReadiness(url, unready_after=5.0, period=0.01, states=[state],
+                           hand_over=lambda name: asked.append(name) or True)
+    try:
+        async with aiohttp.ClientSession() as session:
+            watcher._observe(await watcher._probe(session))
+            assert watcher.why_not() == f"not campaigning: the application is not ready: " \
+                                        f"{url} answered 503"
+            status[0] = 204
+            watcher._observe(await watcher._probe(session))
+            assert watcher.why_not() is None
+            # Leading, then the application goes unready: nothing before the period...
+            state.update(holding=True)
+            status[0] = 500
+            clock.advance(1.0)
+            watcher._observe(await watcher._probe(session))
+            clock.advance(4.0)
+            watcher._observe(await watcher._probe(session))
+            assert asked == []
+            # ... a hand-over once it has passed.
+            clock.advance(1.5)
+            watcher._observe(await watcher._probe(session))
+            assert asked == ["jobs"]
+            assert state.unready_leading_seconds == 5.5
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_unreachable_url_is_not_ready():
+    runner, url = await serve([200])
+    await runner.cleanup()  # nothing listens there now
+    state = LeaseState(lease="jobs", identity="web-0", role="all", claim_horizon=0.1)
+    watcher = AppReadiness(url, 1.0, 0.01, [state], hand_over=lambda name: True)
+    task = asyncio.create_task(watcher.run())
+    await asyncio.sleep(0.2)
+    task.cancel()
+    assert watcher.why_not() is not None and "unreachable" in watcher.why_not()

@@ -1,0 +1,138 @@
+"""The elector's side of a deliberate hand-over and of LEASE_APP_READY_URL, on the
+scripted lease of tests/unit/fakes.py with a next-holder hint added. The backends' hints
+and the real timing are tested with real processes in tests/integration/test_handover.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from sidecar.elector import Elector
+from sidecar.errors import BackendError
+from sidecar.lease import successor_of
+from sidecar.publish.events import EventPublisher
+from sidecar.settings import Settings, Timing
+from sidecar.state import LeaseState
+from tests.unit.fakes import FakeClock, FakeLease
+
+TIMING = Timing(lease_duration=0.3, renew_interval=0.01, renew_deadline=0.2,
+                safety_margin=0.05, claim_horizon=0.05)
+
+
+@dataclass
+class HintLease(FakeLease):
+    """FakeLease with the Successor capability; ``own`` is this contender's identity."""
+
+    own: str = "web-0"
+    hint: str | None = None
+    hint_fails: bool = False
+
+    async def hand_to(self, identity: str, bound: float) -> None:
+        self.calls.append((f"hand_to {identity} {bound}", self.clock.now))
+        if self.hint_fails:
+            raise BackendError("permission denied")
+        self.hint = identity
+
+    async def handing_to_other(self) -> str | None:
+        self.calls.append(("hint?", self.clock.now))
+        return self.hint if self.hint not in (None, self.own) else None
+
+
+def contender(lease: FakeLease, sits_out=None) -> tuple[Elector, LeaseState]:  # type: ignore[no-untyped-def]
+    state = LeaseState(lease="jobs", identity="web-0", role="all",
+                       claim_horizon=TIMING.claim_horizon, clock=lease.clock)
+    return Elector(lease, state, TIMING, "web-0", sits_out=sits_out), state
+
+
+def names(lease: FakeLease) -> list[str]:
+    return [what for what, _ in lease.calls]
+
+
+def test_only_a_lease_with_both_methods_has_the_capability():
+    assert successor_of(HintLease(FakeClock())) is not None
+    assert successor_of(FakeLease(FakeClock())) is None
+
+
+async def test_the_leader_names_its_successor_then_steps_down_the_safe_way():
+    lease = HintLease(FakeClock())
+    elector, state = contender(lease)
+    assert elector.request_handover("web-1") is False  # a standby cannot
+    await elector._acquire_once()
+    assert elector.request_handover("web-0") is False  # not to itself
+    assert elector.request_handover("web-1") is True
+    await elector._renew_once()
+    # The hint first (bounded by one lease duration), then the release; no renew between.
+    assert names(lease)[-2:] == [f"hand_to web-1 {TIMING.lease_duration}", "release"]
+    assert not state.facts.holding and state.facts.reason == "handed over to web-1"
+    assert state.handovers == {"request": 1}
+    assert state.transitions[-1]["event"] == "released"
+
+
+async def test_a_hint_that_cannot_be_written_costs_the_preference_not_the_release():
+    lease = HintLease(FakeClock(), hint_fails=True)
+    elector, state = contender(lease)
+    await elector._acquire_once()
+    elector.request_handover("web-1")
+    await elector._renew_once()
+    assert names(lease)[-1] == "release" and not state.facts.holding
+
+
+async def test_without_a_target_no_hint_is_written():
+    lease = HintLease(FakeClock())
+    elector, state = contender(lease)
+    await elector._acquire_once()
+    elector.request_handover(None, why="app-unready")
+    await elector._renew_once()
+    assert not any(n.startswith("hand_to") for n in names(lease))
+    assert state.facts.reason == "handed over (app-unready)"
+    assert state.handovers == {"app-unready": 1}
+
+
+async def test_a_standby_named_by_nobody_stands_aside_while_the_hint_lives():
+    lease = HintLease(FakeClock(), hint="web-1")
+    elector, state = contender(lease)
+    await elector._acquire_once()
+    assert "acquire" not in names(lease)
+    assert state.facts.reason == "standing aside: the lease is being handed to web-1"
+    lease.hint = None  # the hint ran out (at most one lease duration)
+    await elector._acquire_once()
+    assert names(lease)[-1] == "acquire" and state.facts.holding
+
+
+async def test_the_named_standby_acquires():
+    lease = HintLease(FakeClock(), hint="web-0")
+    elector, state = contender(lease)
+    await elector._acquire_once()
+    assert names(lease) == ["hint?", "acquire"] and state.facts.holding
+
+
+async def test_a_standby_whose_application_is_not_ready_does_not_campaign():
+    lease = HintLease(FakeClock())
+    why = ["not campaigning: the application is not ready"]
+    elector, state = contender(lease, sits_out=lambda: why[0])
+    await elector._acquire_once()
+    assert lease.calls == [] and state.facts.reason == why[0]
+    why[0] = None  # type: ignore[call-overload]
+    await elector._acquire_once()
+    assert state.facts.holding
+
+
+@pytest.mark.parametrize(("why", "kind"), [("request", "Normal"), ("app-unready", "Warning")])
+async def test_a_hand_over_is_its_own_event(why: str, kind: str):
+    lease = HintLease(FakeClock())
+    elector, state = contender(lease)
+    settings = Settings(timing=TIMING, identity="web-0", pod_name="web-0",
+                        pod_namespace="apps")
+    publisher = EventPublisher(settings, [state])
+    await elector._acquire_once()
+    elector.request_handover("web-1", why=why)
+    await elector._renew_once()
+    publisher._catch_up(0, state)
+    occurrences = []
+    while not publisher._queue.empty():
+        occurrences.append(publisher._queue.get_nowait())
+    last = occurrences[-1]
+    assert last is not None and (last.reason, last.type) == ("LeaseHandedOver", kind)
+    assert "handed over to web-1" in last.note
