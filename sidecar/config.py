@@ -22,7 +22,7 @@ import re
 import socket
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -75,6 +75,18 @@ def parse_ready_url(text: str) -> str:
     return text
 
 
+_CONTAINER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def parse_containers(text: str) -> tuple[str, ...]:
+    """Container names (DNS labels), separated by commas."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    for name in names:
+        if not _CONTAINER_NAME.match(name):
+            raise ValueError(f"{name!r} is not a container name (a DNS label)")
+    return names
+
+
 def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in options:
@@ -113,7 +125,7 @@ class Option:
     bounds: tuple[float, float] | None = None
     why_low: str = ""
     # The subcommands that offer this flag (and list it in their --help).
-    commands: frozenset[str] = field(default=frozenset({"run", "exec"}))
+    commands: frozenset[str] = frozenset({"run", "exec"})
 
 
 # ``run`` and ``exec`` hold a lease and take every setting; ``status`` only reads and
@@ -189,6 +201,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("app_ready_url", "LEASE_APP_READY_URL", "--app-ready-url", parse_ready_url, None,
            "campaign only while this http:// URL of the application answers 2xx (unset: "
            "always campaign)"),
+    Option("app_ready_containers", "LEASE_APP_READY_CONTAINERS", "--app-ready-containers",
+           parse_containers, None, "in a pod: campaign only while these containers of the "
+           "own pod are Ready (comma-separated names; unset: always campaign)"),
     Option("app_unready_after", "LEASE_APP_UNREADY_AFTER", "--app-unready-after",
            parse_duration, "10s", "with LEASE_APP_READY_URL: a leader whose application "
            "has not answered 2xx for this long hands over", (0.1, 24 * HOUR),
@@ -301,6 +316,11 @@ def _validate(s: Settings, entry: BackendEntry, blame: _Blame, *, dsn_required: 
         raise _error("ensure_schema", f"the {store.backend} backend has no table to create")
     if len(s.identity) > MAX_IDENTITY:
         raise _error("identity", f"longer than {MAX_IDENTITY} characters")
+    if s.app_ready_containers and s.app_ready_url:
+        raise _error("app_ready_containers", "give LEASE_APP_READY_URL or this, not both")
+    if s.app_ready_containers and not (s.pod_name and s.pod_namespace):
+        raise _error("app_ready_containers", "needs POD_NAME and POD_NAMESPACE (the "
+                     "downward API) to find its own pod")
     if entry.min_safety_margin is not None:
         least, why = entry.min_safety_margin
         if s.timing.safety_margin < least:

@@ -66,7 +66,7 @@ def check_postgres_url(dsn: str) -> None:
     if scheme not in ("postgresql", "postgres"):
         raise DsnError(f"scheme {_shown(scheme)} is not postgresql:// or postgres://")
     rest = dsn[match.end():]
-    authority = re.match(r"[^/?#]*", rest).group(0)  # type: ignore[union-attr]
+    authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
     tail = rest[len(authority):]
     path, _, after = tail.partition("?")
     query_text = after.partition("#")[0] if after else ""

@@ -52,6 +52,7 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 
 from sidecar.aio import first_of
+from sidecar.errors import Forbidden
 from sidecar.lease import Grant, Lease, successor_of
 from sidecar.publish import Publisher
 from sidecar.settings import RENEW_JITTER, Timing
@@ -180,8 +181,15 @@ class Elector:
         if grant is not None:
             self.state.update(holder=grant.holder, reason=grant.reason or "standby")
             await self._sleep_or_wake(self._retry_delay(), watch_lease=True)
-        else:
-            await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
+            return
+        # A failed call: back off, but not past a change the backend's wake-up channel
+        # (a Kubernetes watch) shows once it is back. One renew interval first, so a
+        # backend whose wait returns at once while it is down cannot spin.
+        delay = self._retry_delay()
+        floor = min(delay, self.timing.renew_interval)
+        await self._sleep_or_wake(floor, watch_lease=False)
+        if delay > floor and not self._wake.is_set():
+            await self._sleep_or_wake(delay - floor, watch_lease=True)
 
     async def _became_holder(self, sent: float, grant: Grant) -> None:
         # Validity counts from the send time (the earliest the grant can have been
@@ -249,7 +257,9 @@ class Elector:
             token = facts.fencing_token if grant.fencing_token is None else grant.fencing_token
             self.state.update(valid_until=sent + grant.valid_for, fencing_token=token)
             return
-        if grant is not None:
+        if grant is not None and grant.release:
+            await self._step_down(f"end of term: {grant.reason}", release=True)
+        elif grant is not None:
             await self._step_down(f"lost lease: {grant.reason or 'renew refused'}",
                                   release=False)
         elif facts.valid_until <= self._clock.monotonic():
@@ -330,7 +340,7 @@ class Elector:
                     "lease": self.state.lease, "publisher": type(publisher).__name__,
                     "error": str(exc) or type(exc).__name__})
 
-    async def _call(self, what: str, call):  # type: ignore[no-untyped-def]
+    async def _call(self, what: str, call: Awaitable[Grant]) -> Grant | None:
         """Run a backend call; map failures to ``None`` and log reachability changes.
 
         Each call that ends is timed into the state for the metrics (``sidecar.stats``).
@@ -346,10 +356,13 @@ class Elector:
             if self.state.facts.backend_ok or self._failures == 1:
                 self._down_since = self._clock.monotonic()
                 self._down_cause = str(exc) or type(exc).__name__
-                log.warning("backend unreachable", extra={
+                # Refused is not unreachable: the fix is a permission, not the network.
+                cause = "backend forbidden" if isinstance(exc, Forbidden) else \
+                    "backend unreachable"
+                log.warning(cause, extra={
                     "lease": self.state.lease, "identity": self.identity,
                     "operation": what, "error": self._down_cause})
-                self.state.update(backend_ok=False, reason=f"backend unreachable: {exc}")
+                self.state.update(backend_ok=False, reason=f"{cause}: {exc}")
             return None
         self.state.observe_call(what, self._clock.monotonic() - started,
                                 "held" if result.held else "refused")

@@ -59,8 +59,10 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in (
     "SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGPWR")
     if hasattr(signal, name))
 
-EXIT_NOT_EXECUTABLE = 126
-EXIT_NOT_FOUND = 127
+# sidecar.errors.EXIT_CANNOT_EXECUTE / EXIT_COMMAND_NOT_FOUND: this file runs as a
+# stdlib-only script (python -I -S) and cannot import them; a unit test holds them equal.
+EXIT_CANNOT_EXECUTE = 126
+EXIT_COMMAND_NOT_FOUND = 127
 TICK = 0.02  # how often SIGKILL is repeated until the tree is gone
 # How often the tree is re-scanned for descendants outside the group during the grace (a
 # full /proc scan; exits of our children wake us at once through SIGCHLD anyway).
@@ -75,8 +77,9 @@ def set_child_subreaper() -> bool:
     """
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0),
-                          ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+        status: int = libc.prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1), ctypes.c_ulong(0),
+                                 ctypes.c_ulong(0), ctypes.c_ulong(0))
+        return status == 0
     except (OSError, AttributeError):
         return False
 
@@ -184,9 +187,9 @@ class Guard:
             # start-up time (subprocess's imports), and nothing else is inheritable.
             self.worker = os.posix_spawnp(self.cmd[0], self.cmd, os.environ, setpgroup=0)
         except OSError as exc:
-            code = EXIT_NOT_FOUND if exc.errno == errno.ENOENT else EXIT_NOT_EXECUTABLE
+            code = EXIT_COMMAND_NOT_FOUND if exc.errno == errno.ENOENT else EXIT_CANNOT_EXECUTE
             reason = exc.strerror or str(exc)
-            if code == EXIT_NOT_FOUND and "/" not in self.cmd[0]:
+            if code == EXIT_COMMAND_NOT_FOUND and "/" not in self.cmd[0]:
                 reason = "command not found"  # as shells word it for a PATH lookup
             print(f"lease-sidecar: exec: {self.cmd[0]}: {reason}", file=sys.stderr)
             return code
@@ -205,17 +208,18 @@ class Guard:
             self.termed.update(pid for pid, group in live_descendants(os.getpid()).items()
                                if group == self.worker)
 
-    def _read_control(self) -> None:
+    def _read_control(self) -> bool:
+        """Act on what the supervisor wrote; False once it is gone (the pipe closed)."""
         assert self.control is not None
         try:
             data = os.read(self.control, 4096)
         except BlockingIOError:
-            return
+            return True
         if not data:  # the supervisor is gone
             os.close(self.control)
             self.control = None
             self._begin_stop("lease-sidecar exec is gone")
-            return
+            return False
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
@@ -227,6 +231,7 @@ class Guard:
             elif word == "K":
                 self._begin_stop()
                 self.kill_now = True
+        return True
 
     def _read_wakeups(self) -> None:
         try:
@@ -267,8 +272,7 @@ class Guard:
                 timeout = min(max(self.valid_until - now, 0.0), 3600.0)
             for fd, _ in poller.poll(timeout * 1000 + 1):
                 if fd == self.control:
-                    self._read_control()
-                    if self.control is None:
+                    if not self._read_control():
                         poller.unregister(fd)
                 elif fd == self._wake_r:
                     self._read_wakeups()

@@ -11,6 +11,7 @@ import logging
 import re
 import sys
 import time
+import warnings
 
 from sidecar.clock import rfc3339
 from sidecar.redact import redact, redact_tree
@@ -114,6 +115,10 @@ def setup(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # Library warnings (urllib3's InsecureRequestWarning on every request to an apiserver
+    # whose TLS is not verified) become JSON log lines, each text once, not once a call.
+    logging.captureWarnings(True)
+    warnings.filterwarnings("once")
     # aiohttp's access log is off; its error logs stay. kopf is chatty at info.
     logging.getLogger("kopf").setLevel(max(logging.WARNING, root.level))
     logging.getLogger(KOPF_WATCH_LOGGER).setLevel(logging.DEBUG)

@@ -21,7 +21,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -29,6 +29,9 @@ from kubernetes.config.config_exception import ConfigException
 
 from sidecar.errors import BackendError
 from sidecar.settings import Settings
+
+if TYPE_CHECKING:
+    import kopf
 
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # (connect, read) seconds for one request: a hung apiserver must fail a call, not park
@@ -86,7 +89,7 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, ApiException):
         text = f"HTTP {exc.status} {exc.reason or ''}".strip()
         with contextlib.suppress(ValueError, TypeError, KeyError):
-            text += f": {json.loads(exc.body)['message']}"
+            text += f": {json.loads(exc.body or '')['message']}"
     else:
         text = str(exc)
     text = " ".join(text.split())
@@ -109,16 +112,17 @@ def request(api: client.ApiClient, method: str, path: str, body: Any = None,
     serialized = api.param_serialize(method=method, resource_path=path, header_params=headers,
                                      body=body, auth_settings=["BearerToken"])
     response = api.call_api(*serialized, _request_timeout=timeout)
-    response.read()
+    # read() returns the body bytes (the client declares it untyped).
+    data = cast(bytes, response.read())
     if not 200 <= response.status <= 299:
         raise ApiException.from_response(http_resp=response,
-                                         body=response.data.decode(errors="replace"),
-                                         data=None)
-    return json.loads(response.data)
+                                         body=data.decode(errors="replace"), data=None)
+    document: dict[str, Any] = json.loads(data)
+    return document
 
 
 def kopf_connection(configuration: client.Configuration,
-                    default_namespace: str | None) -> Any:
+                    default_namespace: str | None) -> kopf.ConnectionInfo:
     """kopf's login from a client configuration made by :func:`load_credentials`, so kopf
     talks to the cluster as the rest of the process does (kopf's own ``login_via_client``
     would try the pod's ServiceAccount before ``KUBECONFIG``). kopf is imported here, not

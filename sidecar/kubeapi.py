@@ -148,11 +148,14 @@ def _load_document(path: Path) -> dict[str, Any]:
         raise ValueError(f"no kubeconfig at {path}")
     text = path.read_text()
     try:
-        return json.loads(text)
+        doc = json.loads(text)
     except ValueError:
         import yaml  # only kubeconfig files need it; JSON ones do not
 
-        return yaml.safe_load(text)
+        doc = yaml.safe_load(text)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: not a kubeconfig (expected a mapping at the top)")
+    return doc
 
 
 def _named(items: list[dict[str, Any]] | None, name: str, what: str) -> dict[str, Any]:

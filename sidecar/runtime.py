@@ -117,16 +117,22 @@ class Sidecar:
                                    "http_port": self.http.bound_port})
 
     def _app_readiness(self) -> AppReadiness | None:
-        url = self.settings.app_ready_url
-        if url is None:
+        settings = self.settings
+        pod = None
+        if settings.app_ready_containers and settings.pod_name and settings.pod_namespace:
+            pod = (settings.pod_namespace, settings.pod_name, settings.app_ready_containers)
+            url = f"pod {settings.pod_name}:"
+        elif settings.app_ready_url is not None:
+            url = settings.app_ready_url
+        else:
             return None
 
         def hand_over(name: str) -> bool:
             elector = self.electors.get(name)
             return elector is not None and elector.request_handover(why="app-unready")
 
-        return AppReadiness(url, self.settings.app_unready_after,
-                            self.settings.timing.renew_interval, self.states, hand_over)
+        return AppReadiness(url, settings.app_unready_after, settings.timing.renew_interval,
+                            self.states, hand_over, pod=pod)
 
     async def stop(self) -> None:
         """Unpublish and release every lease, then close everything."""
@@ -245,8 +251,10 @@ class Sidecar:
                 "transitions": list(state.transitions),
             })
         # Reasons carry backend error text, which may echo a DSN.
-        return redact_tree({"identity": self.settings.identity, "role": self.settings.role,
-                            "settings": self.settings.public(), "leases": leases})
+        status: dict[str, Any] = redact_tree({
+            "identity": self.settings.identity, "role": self.settings.role,
+            "settings": self.settings.public(), "leases": leases})
+        return status
 
 
 def start_error(sidecar: Sidecar, exc: OSError) -> ConfigError:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar.lease.kubernetes.record import TOKEN_COUNT_LIMIT
 from testkit.kube_support import sidecar
 from testkit.support import SidecarProcess, get_json, wait_until
 
@@ -61,6 +62,7 @@ class GoElector:
     identity: str
     namespace: str
     kubeconfig: Path
+    extra_args: tuple[str, ...] = ()  # e.g. ("-coordinated",)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -73,7 +75,7 @@ class GoElector:
             self.proc = subprocess.Popen(
                 [str(self.binary), "-kubeconfig", str(self.kubeconfig),
                  "-namespace", self.namespace, "-lease", OBJECT, "-identity", self.identity,
-                 *CLIENTGO_ARGS], stdout=out, stderr=err)
+                 *CLIENTGO_ARGS, *self.extra_args], stdout=out, stderr=err)
         return self
 
     def events(self) -> list[dict[str, Any]]:
@@ -292,8 +294,13 @@ class Contest:
         return found
 
     def tokens_by_term(self) -> list[tuple[float, str, int]]:
-        """(term start, contender, fencing token), in the order the terms began."""
-        terms = [(at, who, token) for (who, token), at in self.sampler.terms.items()]
+        """(term start, contender, term count), in the order the terms began.
+
+        The count is leaseTransitions: client-go's only token, and the low part of the
+        sidecar's (one Lease object throughout, so the high part never changes).
+        """
+        terms = [(at, who, token % TOKEN_COUNT_LIMIT)
+                 for (who, token), at in self.sampler.terms.items()]
         for elector in self.electors:
             span, token = elector.claim(), elector.token()
             if span is not None and token is not None:

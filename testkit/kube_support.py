@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 from kubernetes import client, config, watch
 
+from sidecar.lease.kubernetes.record import Record
 from testkit.support import REPO, SidecarProcess, wait_until
 from testkit.testbed.kube import ControlPlane
 
@@ -74,6 +75,14 @@ def lease_spec(cp: ControlPlane, namespace: str, lease: str = "jobs") -> dict[st
     proc = cp.kubectl("-n", namespace, "get", "lease", f"lease-sidecar.{lease}", "-o", "json",
                       check=False)
     return json.loads(proc.stdout)["spec"] if proc.returncode == 0 else {}
+
+
+def lease_token(cp: ControlPlane, namespace: str, lease: str = "jobs") -> int:
+    """The fencing token of the Lease's current (or last) term, as the sidecar publishes
+    it: creationTimestamp (Unix seconds) * 2**20 + leaseTransitions."""
+    obj = json.loads(cp.kubectl("-n", namespace, "get", "lease", f"lease-sidecar.{lease}",
+                                "-o", "json").stdout)
+    return Record.from_object(obj).token()
 
 
 def role_column(cp: ControlPlane, namespace: str) -> dict[str, str]:

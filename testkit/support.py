@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import os
 import signal
@@ -197,6 +198,8 @@ class ClaimRecorder:
     def __init__(self, procs: list[SidecarProcess]) -> None:
         self.procs = procs
         self.claims: list[Claim] = []
+        # (moment asked, identity, fencing token) of every claim, for the token order
+        self.tokens: list[tuple[float, str, int]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._poll, args=(p,), daemon=True)
                          for p in procs]
@@ -205,6 +208,12 @@ class ClaimRecorder:
         for thread in self._threads:
             thread.start()
         return self
+
+    def add(self, proc: SidecarProcess) -> None:
+        """Poll one more process (a newcomer) from now on."""
+        thread = threading.Thread(target=self._poll, args=(proc,), daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -218,7 +227,15 @@ class ClaimRecorder:
             if status == 200:
                 until = dt.datetime.fromisoformat(body["valid_until"]).timestamp()
                 self.claims.append((proc.identity, sent, until))
+                self.tokens.append((sent, proc.identity, body["fencing_token"]))
             time.sleep(0.01)
 
     def overlaps(self) -> list[tuple[Claim, Claim]]:
         return claim_overlaps(self.claims)
+
+    def token_regressions(self) -> list[tuple[tuple[float, str, int], tuple[float, str, int]]]:
+        """Consecutive claims (by moment asked) whose token went down, or stayed the same
+        across a change of holder: each pair breaks "the token only grows"."""
+        ordered = sorted(self.tokens)
+        return [(a, b) for a, b in itertools.pairwise(ordered)
+                if b[2] < a[2] or (b[1] != a[1] and b[2] == a[2])]

@@ -134,6 +134,8 @@ def _authority_key_id(ca: x509.Certificate) -> x509.AuthorityKeyIdentifier:
     try:
         ski = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
     except x509.ExtensionNotFound:
+        # A CA's key signs, so it is never one of the key-agreement types (X25519, X448)
+        # that widen public_key()'s declared type beyond what an issuer can have.
         return x509.AuthorityKeyIdentifier.from_issuer_public_key(
             ca.public_key())  # type: ignore[arg-type]
     return x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski)

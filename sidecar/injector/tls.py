@@ -19,7 +19,7 @@ import base64
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kubernetes import client
@@ -42,7 +42,7 @@ def api_client() -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
-def _decode(data: dict[str, str] | None) -> Bundle:
+def _decode(data: Mapping[str, str | bytes] | None) -> Bundle:
     data = data or {}
     return Bundle(**{field: base64.b64decode(data.get(key) or "")
                      for field, key in KEYS.items()})
@@ -63,6 +63,7 @@ def ensure_secret(api: client.ApiClient, namespace: str, name: str,
         wanted = renew(current, hosts)
         if wanted == current:
             return current
+        assert secret.metadata is not None  # every object the apiserver returns has one
         body = {"metadata": {"resourceVersion": secret.metadata.resource_version},
                 "data": _encode(wanted)}
         try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from aiohttp import web
@@ -95,6 +95,7 @@ class InjectorServer(kopf.WebhookServer):
             if isinstance(uid, str) and uid:
                 return web.json_response(answer(uid, False, 400, problem))
             return web.Response(status=400, text=problem + "\n")
+        assert isinstance(uid, str)  # review_problem made sure of it
         if review["request"]["operation"] != "CREATE":
             return web.json_response(answer(uid, True))  # never mutate an existing Pod
         try:
@@ -148,9 +149,10 @@ def add_handlers(registry: kopf.OperatorRegistry, spec: InjectionSpec) -> None:
 
         # kopf diffs the original body against what these functions make of it and
         # answers with the JSON patch; replacing the whole body keeps list order exact.
-        def replace(raw: dict[str, Any]) -> None:
-            raw.clear()
-            raw.update(copy.deepcopy(pod))
+        def replace(raw: kopf.RawBody) -> None:
+            body = cast(dict[str, Any], raw)  # kopf's TypedDict over the plain dict it passes
+            body.clear()
+            body.update(copy.deepcopy(pod))
 
         patch.fns.append(replace)
 

@@ -46,6 +46,10 @@ class Grant:
     # holder may claim longer than one claim horizon (a server that just restarted or
     # was just promoted: sidecar.lease.pg_timeline).
     claim_delay: float = 0.0
+    # With ``held`` false: the holder is asked to end its term cooperatively (Kubernetes'
+    # ``preferredHolder``), so it steps down as on SIGTERM — unpublish, wait out its
+    # claims, then ``release`` — instead of just stopping.
+    release: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,12 @@ class Lease(Protocol):
     """One named lease as seen by one contender."""
 
     name: str
+
     # Set by a backend that learns of a loss without being asked (a dropped session): the
     # elector then steps down at once instead of at the next renew. None: no such signal.
-    lost: asyncio.Event | None
+    # Read-only here, so a backend may declare it as a plain Event.
+    @property
+    def lost(self) -> asyncio.Event | None: ...
 
     async def try_acquire(self) -> Grant: ...
 
@@ -136,9 +143,13 @@ class Backend(Protocol):
     # Set when the backend finds, once connected, that it is set up in a way that can
     # never be safe (the advisory lock behind a transaction pooler); by then its leases
     # refuse to be held, ``misconfiguration`` says why in one line, and ``lease-sidecar``
-    # exits with 2. None: the backend has no such check.
-    misconfigured: asyncio.Event | None
-    misconfiguration: str | None
+    # exits with 2. None: the backend has no such check. Read-only here, so a backend may
+    # declare them as a plain Event and str.
+    @property
+    def misconfigured(self) -> asyncio.Event | None: ...
+
+    @property
+    def misconfiguration(self) -> str | None: ...
 
     def lease(self, name: str) -> Lease: ...
 

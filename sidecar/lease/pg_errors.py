@@ -25,4 +25,4 @@ def error_line(exc: BaseException) -> str:
 def version_num(conn: asyncpg.Connection) -> int:
     """``server_version_num`` of the server behind ``conn`` (major * 10000 + minor)."""
     v = conn.get_server_version()
-    return v.major * 10000 + v.minor
+    return int(v.major) * 10000 + int(v.minor)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("operator starting", extra={"namespaces": args.namespace or "all",
                                          "webhook": bool(args.spec)})
     kopf.run(registry=registry, settings=settings, standalone=True,
-             clusterwide=not args.namespace, namespaces=args.namespace or None,
+             clusterwide=not args.namespace, namespaces=args.namespace or (),
              liveness_endpoint=liveness)
     return 0
 

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -124,7 +125,7 @@ def register(registry: Any, reconciler: Reconciler) -> None:
     tasks: set[asyncio.Task[None]] = set()
 
     @kopf.on.event("pods", registry=registry)
-    async def pod_event(event: dict[str, Any], type: str | None, **_: Any) -> None:
+    async def pod_event(event: Mapping[str, Any], type: str | None, **_: Any) -> None:
         await reconciler.on_pod(event["object"], deleted=type == "DELETED")
 
     @kopf.on.startup(registry=registry)

@@ -27,6 +27,7 @@ Test beds are imported lazily, so a sqlite run never imports asyncpg.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import subprocess
@@ -99,6 +100,11 @@ class BackendEnv:
     async def restart(self, down_for: float) -> None:
         raise NotImplementedError(f"{self.name} has no server to restart")
 
+    async def foreign_write(self, edit: str, standby: str) -> None:
+        """Write the lease as someone other than a sidecar would (``FOREIGN_EDITS``;
+        ``standby``: an identity for "holder-to-standby")."""
+        raise NotImplementedError(f"{self.name} has no foreign-write fault")
+
     async def lag(self) -> None:
         raise NotImplementedError(f"{self.name} has no standby")
 
@@ -120,6 +126,9 @@ class BackendEnv:
             bound += 2 * fault.params["delay"]
         if fault.kind == "backend-restart" and fault.ended is not None:
             bound += (fault.ended - fault.at) + 1.2 * t.lease_duration
+        if fault.kind == "foreign-write":
+            # The next term waits out the previous holder's possible claims (one lease).
+            bound += t.lease_duration
         if fault.kind == "failover" and fault.ended is not None:
             bound += (fault.ended - fault.at) + 1.2 * t.lease_duration + t.lease_duration
         return bound
@@ -252,6 +261,23 @@ class PostgresEnv(BackendEnv):
         await asyncio.sleep(down_for)
         await asyncio.to_thread(self.server.start)
 
+    async def foreign_write(self, edit: str, standby: str) -> None:
+        """kubectl, as admin, edits or deletes the Lease (deploy/rbac.yaml grants the
+        sidecars create, so one of them re-creates a deleted Lease)."""
+        from testkit.chaos.harness import LEASE_NAME
+
+        assert self.cp is not None
+        name = f"lease-sidecar.{LEASE_NAME}"
+        if edit == "deleted":
+            args = ["delete", "lease", name, "--ignore-not-found"]
+        else:
+            spec = {"holder-cleared": {"holderIdentity": None},
+                    "holder-to-standby": {"holderIdentity": standby},
+                    "duration-1s": {"leaseDurationSeconds": 1}}[edit]
+            args = ["patch", "lease", name, "--type", "merge",
+                    "-p", json.dumps({"spec": spec})]
+        await asyncio.to_thread(self.cp.kubectl, "-n", self.namespace, *args, check=False)
+
     async def teardown(self) -> None:
         for proxy in self.proxies:
             await proxy.close()
@@ -286,7 +312,7 @@ class KubeEnv(BackendEnv):
     """
 
     name = "kubernetes"
-    faults = PROCESS_FAULTS + NETWORK_FAULTS + ("backend-restart",)
+    faults = PROCESS_FAULTS + NETWORK_FAULTS + ("backend-restart", "foreign-write")
     service_account = "lease-sidecar"  # the one deploy/rbac.yaml creates
 
     def __init__(self, timing: Timing, control_plane: ControlPlane | None = None) -> None:
@@ -346,6 +372,23 @@ class KubeEnv(BackendEnv):
         await asyncio.to_thread(self.cp.kill_apiserver)
         await asyncio.sleep(down_for)
         await asyncio.to_thread(self.cp.start_apiserver)
+
+    async def foreign_write(self, edit: str, standby: str) -> None:
+        """kubectl, as admin, edits or deletes the Lease (deploy/rbac.yaml grants the
+        sidecars create, so one of them re-creates a deleted Lease)."""
+        from testkit.chaos.harness import LEASE_NAME
+
+        assert self.cp is not None
+        name = f"lease-sidecar.{LEASE_NAME}"
+        if edit == "deleted":
+            args = ["delete", "lease", name, "--ignore-not-found"]
+        else:
+            spec = {"holder-cleared": {"holderIdentity": None},
+                    "holder-to-standby": {"holderIdentity": standby},
+                    "duration-1s": {"leaseDurationSeconds": 1}}[edit]
+            args = ["patch", "lease", name, "--type", "merge",
+                    "-p", json.dumps({"spec": spec})]
+        await asyncio.to_thread(self.cp.kubectl, "-n", self.namespace, *args, check=False)
 
     async def teardown(self) -> None:
         for proxy in self.proxies:

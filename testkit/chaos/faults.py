@@ -18,7 +18,10 @@ PROCESS_FAULTS = ("sigkill", "sigstop", "sigterm")
 NETWORK_FAULTS = ("cut", "latency", "partition")
 # ``failover``: the standby stops receiving WAL, the lease changes hands during the lag,
 # then the primary dies and the standby is promoted (PostgreSQL with a harness-owned server).
-BACKEND_FAULTS = ("backend-restart", "failover")
+# ``foreign-write``: someone else writes the lease (kubernetes: kubectl edits or deletes
+# the Lease, as an operator's runbook does); params["edit"] says which write.
+BACKEND_FAULTS = ("backend-restart", "failover", "foreign-write")
+FOREIGN_EDITS = ("holder-cleared", "holder-to-standby", "duration-1s", "deleted")
 ALL_FAULTS = PROCESS_FAULTS + NETWORK_FAULTS + BACKEND_FAULTS
 
 
@@ -83,6 +86,8 @@ class Schedule:
             return {"for": round(rng.uniform(0.2, 1.5 * lease), 3)}
         if kind == "backend-restart":
             return {"down_for": round(rng.uniform(0.0, 1.0), 3)}
+        if kind == "foreign-write":
+            return {"edit": rng.choice(FOREIGN_EDITS)}
         if kind == "failover":
             return {"handovers": rng.choice((1, 2)),
                     "promote_after": round(rng.uniform(0.1, 0.5), 3)}

@@ -208,6 +208,12 @@ class Harness:
             fault = Fault(len(self.faults), kind, time.time(), "backend", leader, params)
             await self.env.restart(params["down_for"])
             fault.ended = time.time()
+        elif kind == "foreign-write":
+            others = sorted(m.identity for m in self.members if m.identity != leader)
+            params["standby"] = self.schedule.rng.choice(others) if others else ""
+            fault = Fault(len(self.faults), kind, time.time(), "backend", leader, params)
+            await self.env.foreign_write(params["edit"], params["standby"])
+            fault.ended = time.time()
         elif kind == "failover":
             # On the promoted server first: a leader of the old primary that still claims
             # (its path went silent) is no handover to make during the next lag.

@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+import sidecar
 from sidecar.lease.postgres_advisory.sql import lock_id
 from sidecar.lease.sql.dialect import PostgresDialect, TsqlDialect
 from sidecar.settings import Store
-from testkit.kube_support import create_pods, install_rbac, lease_spec
+from testkit.kube_support import create_pods, install_rbac, lease_spec, lease_token
 from testkit.kube_support import sidecar as kube_sidecar
 from testkit.support import REPO, SidecarProcess, get_json, one_leader, wait_until
 from testkit.testbed.kube import ControlPlane
@@ -35,7 +37,7 @@ from testkit.testbed.postgres import PgServer
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
-# /leader's format (sidecar.state.rfc3339): UTC, milliseconds, Z.
+# /leader's format (sidecar.clock.rfc3339): UTC, milliseconds, Z.
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 HEADER = ["LEASE", "HOLDER", "FENCING TOKEN", "EXPIRES"]
 
@@ -68,9 +70,12 @@ def parse_time(text: str) -> float:
 def test_version_is_the_package_version() -> None:
     result = cli("--version")
     assert result.returncode == 0, result.stderr
-    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    assert importlib.metadata.version("lease-sidecar") == declared
-    assert result.stdout.strip() == f"lease-sidecar {declared}"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert importlib.metadata.version("lease-sidecar") == sidecar.__version__
+    assert result.stdout.strip() == f"lease-sidecar {sidecar.__version__}"
+    chart = yaml.safe_load((REPO / "charts/lease-sidecar/Chart.yaml").read_text())
+    assert chart["appVersion"] == sidecar.__version__
 
 
 HOLDING = {"--backend", "--dsn", "--replica-dsn", "--replica-timeout", "--name", "--identity",
@@ -112,6 +117,30 @@ def test_a_flag_of_another_command_is_refused() -> None:
     result = cli("status", "--lease-duration", "3s")
     assert result.returncode == 2
     assert "unrecognized arguments: --lease-duration" in result.stderr
+
+
+def test_a_bad_acquire_timeout_is_named() -> None:
+    result = cli("exec", "--backend", "sqlite", "--name", "x", "--identity", "a",
+                 "--acquire-timeout", "soon", "--", "true")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lease-sidecar: error: --acquire-timeout: "), \
+        lines
+    assert "soon" in lines[0]
+
+
+@pytest.mark.parametrize("command", [["run"], ["exec", "--", "true"]])
+def test_the_pod_label_outside_a_pod_is_not_blamed_on_another_flag(
+        command: list[str], tmp_path: Path) -> None:
+    # Only --acquire-timeout's own parse error names --acquire-timeout.
+    result = cli(*command, env={"LEASE_BACKEND": "sqlite", "LEASE_NAME": "x",
+                                "LEASE_IDENTITY": "a", "LEASE_POD_LABEL": "on",
+                                "LEASE_DSN": str(tmp_path / "l.db"),
+                                "LEASE_STATE_DIR": str(tmp_path / "state"),
+                                "LEASE_HTTP_ADDR": "127.0.0.1:0"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lease-sidecar: error: the pod label needs POD_NAME and POD_NAMESPACE")
 
 
 # -- schema --print needs no DSN ------------------------------------------------------------
@@ -382,12 +411,11 @@ def test_status_kubernetes_reads_and_never_creates_a_lease(
         proc.wait_http()
         wait_until(lambda: one_leader([proc]), timeout=15)
         token = leader_body(proc, "jobs")["fencing_token"]
-        spec = lease_spec(control_plane, kube_namespace)
         result = status("--name", "jobs")
         assert result.returncode == 0, result.stderr
         [row] = table(result.stdout)
         assert row["LEASE"] == "jobs" and row["HOLDER"] == "pod-a"
-        assert int(row["FENCING TOKEN"]) == spec["leaseTransitions"] == token
+        assert int(row["FENCING TOKEN"]) == lease_token(control_plane, kube_namespace) == token
         parse_time(row["EXPIRES"])
         entry = json.loads(status("--json", "--name", "jobs").stdout)["leases"][0]
         assert entry["object"] == f"{kube_namespace}/lease-sidecar.jobs"
@@ -406,6 +434,6 @@ def test_status_kubernetes_reads_and_never_creates_a_lease(
         released = status("--name", "jobs")
         assert released.returncode == 0, released.stderr
         [row] = table(released.stdout)
-        assert row["HOLDER"] == "-" and row["FENCING TOKEN"] == str(spec["leaseTransitions"])
+        assert row["HOLDER"] == "-" and row["FENCING TOKEN"] == str(token)
     finally:
         proc.stop()

@@ -27,7 +27,7 @@ from testkit.kube_support import (
     SERVICE_ACCOUNT,
     install_rbac,
     leaders,
-    lease_spec,
+    lease_token,
     rbac_manifest,
     sidecars_in_pods,
 )
@@ -83,7 +83,7 @@ def test_a_term_and_its_release_show_on_each_pod(
     cp, ns = control_plane, kube_namespace
     old = leaders(pair)[0]
     other = next(p for p in pair if p is not old)
-    token = lease_spec(cp, ns)["leaseTransitions"]
+    token = lease_token(cp, ns)
     elected = wait_event(cp, ns, old.identity, "LeaderElected")
     assert elected["type"] == "Normal"
     assert elected["message"] == f"acquired lease jobs, fencing token {token}"
@@ -120,7 +120,7 @@ def test_a_refused_renew_is_a_warning(
 ) -> None:
     cp, ns = control_plane, kube_namespace
     holder = leaders(pair)[0]
-    token = lease_spec(cp, ns)["leaseTransitions"]
+    token = lease_token(cp, ns)
     # Someone else writes the Lease: the holder's next renew is refused.
     cp.kubectl("-n", ns, "patch", "lease", "lease-sidecar.jobs", "--type", "merge",
                "-p", json.dumps({"spec": {"holderIdentity": "intruder"}}))
@@ -143,7 +143,7 @@ def test_a_killed_leaders_label_is_demoted_with_an_event_on_its_pod(
     old.signal(signal.SIGKILL)
     wait_until(lambda: leaders([new]), timeout=10)
     demoted = wait_event(cp, ns, old.identity, "StaleLabelDemoted")
-    token = lease_spec(cp, ns)["leaseTransitions"]
+    token = lease_token(cp, ns)
     assert demoted["type"] == "Normal"
     assert demoted["involvedObject"]["uid"] == pod_uid(cp, ns, old.identity)
     assert demoted["related"]["name"] == new.identity

@@ -12,20 +12,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import yaml
 
+from testkit.clientgo_support import GoElector
 from testkit.kube_support import (
     Recorder,
     create_pods,
     install_rbac,
     leaders,
     lease_spec,
+    lease_token,
     sidecar,
     sidecars_in_pods,
 )
-from testkit.support import REPO, SidecarProcess, get_json, wait_until
+from testkit.support import REPO, ClaimRecorder, SidecarProcess, get_json, wait_until
 from testkit.testbed import gobuild
 from testkit.testbed.kube import ControlPlane, ControlPlaneError
 
@@ -62,7 +66,8 @@ def test_exactly_one_leads_and_the_lease_names_it(
     assert spec["holderIdentity"] == leader.identity
     assert spec["leaseDurationSeconds"] == 3
     _, body, _ = get_json(leader.url + "/leader")
-    assert body["fencing_token"] == spec["leaseTransitions"]
+    assert body["fencing_token"] == lease_token(control_plane, kube_namespace)
+    assert body["fencing_token"] % 2**20 == spec["leaseTransitions"]
     assert spec["acquireTime"].endswith("Z") and spec["renewTime"] >= spec["acquireTime"]
     for standby in (p for p in trio if p is not leader):
         _, body, _ = get_json(standby.url + "/leader")
@@ -146,7 +151,7 @@ def test_fencing_tokens_grow_across_holders(
     leader = the_leader(alive)
     tokens.append(get_json(leader.url + "/leader")[1]["fencing_token"])
     assert tokens == sorted(set(tokens)), tokens
-    assert tokens[-1] == lease_spec(control_plane, kube_namespace)["leaseTransitions"]
+    assert tokens[-1] == lease_token(control_plane, kube_namespace)
 
 
 def test_an_unreachable_apiserver_means_not_leader_and_no_crash(
@@ -165,7 +170,7 @@ def test_an_unreachable_apiserver_means_not_leader_and_no_crash(
         assert proc.leader() == 503
         assert get_json(proc.url + "/readyz")[0] == 503
         logged = [line for line in proc.logs().splitlines() if "backend unreachable" in line]
-        assert logged and "kubernetes: get lease" in logged[0]
+        assert logged and "kubernetes: get leases/lease-sidecar.jobs in namespace" in logged[0]
         assert "Traceback" not in proc.logs()
     finally:
         assert proc.stop() == 0
@@ -182,24 +187,6 @@ def test_a_name_that_is_no_kubernetes_object_name_is_a_settings_error(tmp_path: 
     assert len(lines) == 1 and "not a valid Kubernetes object name" in lines[-1], result.stderr
 
 
-def test_a_lease_deleted_by_hand_is_restored_by_its_holder_not_taken_over(
-    control_plane: ControlPlane, kube_namespace: str, trio: list[SidecarProcess]
-) -> None:
-    """Leases allow create-on-update: the holder's next renew writes the object back,
-    with its token. The standbys saw the object vanish while held and wait out that
-    holder's duration instead of creating a new Lease (and a new count) at once."""
-    leader = the_leader(trio)
-    before = lease_spec(control_plane, kube_namespace)
-    control_plane.kubectl("-n", kube_namespace, "delete", "lease", "lease-sidecar.jobs")
-    restored = wait_until(lambda: lease_spec(control_plane, kube_namespace), timeout=3)
-    assert restored["holderIdentity"] == leader.identity
-    assert restored["leaseTransitions"] == before["leaseTransitions"]
-    time.sleep(4.0)  # longer than the lease: a standby that had jumped in would show now
-    assert leaders(trio) == [leader]
-    assert lease_spec(control_plane, kube_namespace)["leaseTransitions"] == \
-        before["leaseTransitions"]
-
-
 def test_a_new_lease_counts_from_0_and_each_term_adds_1(
     control_plane: ControlPlane, kube_namespace: str, sa_kubeconfig: Path, tmp_path: Path
 ) -> None:
@@ -210,7 +197,7 @@ def test_a_new_lease_counts_from_0_and_each_term_adds_1(
     try:
         first.wait_http()
         wait_until(lambda: first.leader() == 200, timeout=15)
-        assert get_json(first.url + "/leader")[1]["fencing_token"] == 0
+        assert get_json(first.url + "/leader")[1]["fencing_token"] % 2**20 == 0
         held = lease_spec(control_plane, kube_namespace)
         assert (held["holderIdentity"], held["leaseTransitions"]) == ("pod-a", 0)
     finally:
@@ -225,7 +212,7 @@ def test_a_new_lease_counts_from_0_and_each_term_adds_1(
     try:
         second.wait_http()
         wait_until(lambda: second.leader() == 200, timeout=15)
-        assert get_json(second.url + "/leader")[1]["fencing_token"] == 1
+        assert get_json(second.url + "/leader")[1]["fencing_token"] % 2**20 == 1
         assert lease_spec(control_plane, kube_namespace)["leaseTransitions"] == 1
     finally:
         assert second.stop() == 0
@@ -305,3 +292,175 @@ def test_fields_we_do_not_own_survive_acquire_renew_and_release(
     assert released["spec"]["leaseTransitions"] == 42
     assert released["spec"]["acquireTime"] == released["spec"]["renewTime"] \
         > renewed["spec"]["renewTime"]
+
+
+def test_preferred_holder_ends_the_term_and_the_preferred_standby_leads(
+    coordinated_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    """client-go's cooperative end of term: the holder stops renewing once
+    ``preferredHolder`` names someone else. Ours also unpublishes, waits out its claims
+    and releases (as on SIGTERM), so the preferred standby leads within 2 s + one horizon
+    with no overlap, while the third defers to it; the field stays as it was written."""
+    cp = coordinated_control_plane
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace)
+    started = sidecars_in_pods(cp, namespace, tmp_path, kubeconfig, PODS)
+    procs = next(started)
+    try:
+        for _ in range(2):  # twice: the second hand-off starts from a preferred holder
+            holder = the_leader(procs)
+            before = get_json(holder.url + "/leader")[1]["fencing_token"]
+            target = next(p for p in procs if p is not holder)
+            with ClaimRecorder(procs) as recorder:
+                time.sleep(0.3)
+                sent = time.time()
+                cp.kubectl("-n", namespace, "patch", "lease", "lease-sidecar.jobs",
+                           "--type", "merge",
+                           "-p", json.dumps({"spec": {  # the apiserver wants both
+                               "strategy": "OldestEmulationVersion",
+                               "preferredHolder": target.identity}}))
+                wait_until(lambda t=target: t.leader() == 200, timeout=5, interval=0.01)
+                took = time.time() - sent
+                time.sleep(0.5)
+            assert recorder.overlaps() == []
+            assert recorder.token_regressions() == []
+            assert took < 2.25, f"the preferred standby led {took:.2f}s after the patch"
+            assert leaders(procs) == [target]
+            assert get_json(target.url + "/leader")[1]["fencing_token"] > before
+            assert f"end of term: preferredHolder set to {target.identity}" in holder.logs()
+            spec = json.loads(cp.kubectl("-n", namespace, "get", "lease",
+                                         "lease-sidecar.jobs", "-o", "json").stdout)["spec"]
+            assert spec["preferredHolder"] == target.identity
+            assert spec["holderIdentity"] == target.identity
+    finally:
+        started.close()
+
+
+@pytest.fixture(scope="module")
+def clientgo_binary() -> Path:
+    try:
+        return gobuild.ensure_binary("clientgo-elector")
+    except gobuild.BuildError as exc:
+        pytest.fail(f"clientgo-elector could not be built: {exc}", pytrace=False)
+
+
+def preferred(cp: ControlPlane, namespace: str, identity: str) -> float:
+    """Set preferredHolder (with the strategy the apiserver requires); the wall time."""
+    sent = time.time()
+    cp.kubectl("-n", namespace, "patch", "lease", INTEROP_OBJECT, "--type", "merge",
+               "-p", json.dumps({"spec": {"strategy": "OldestEmulationVersion",
+                                          "preferredHolder": identity}}))
+    return sent
+
+
+INTEROP_OBJECT = "lease-sidecar.interop"
+
+
+def test_preferred_holder_hands_over_from_a_sidecar_to_clientgo(
+    coordinated_control_plane: ControlPlane, clientgo_binary: Path, tmp_path: Path
+) -> None:
+    """The sidecar yields to a client-go elector named preferredHolder; the other sidecar
+    defers to it, and client-go (polling every 100 ms) starts leading only after the
+    sidecar's last claim ran out (it releases after waiting its claims out)."""
+    cp = coordinated_control_plane
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace, (INTEROP_OBJECT,))
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
+                     lease="interop") for pod in ("pod-a", "pod-b")]
+    go = GoElector(clientgo_binary, tmp_path, "go-1", namespace, kubeconfig)
+    try:
+        for proc in procs:
+            proc.start()
+        holder = the_leader(procs, timeout=15)
+        go.start()
+        time.sleep(0.5)  # client-go is a standby now
+        with ClaimRecorder(procs) as recorder:
+            sent = preferred(cp, namespace, "go-1")
+            wait_until(go.leading, timeout=5, interval=0.01)
+            time.sleep(0.5)
+        started = go.first("started")
+        assert started is not None
+        assert started["at"] - sent < 2.25, f"client-go led {started['at'] - sent:.2f}s after"
+        last_until = max(until for _, _, until in recorder.claims)
+        assert last_until <= started["at"], "a sidecar claim ran into client-go's term"
+        assert leaders(procs) == []
+        assert "end of term: preferredHolder set to go-1" in holder.logs()
+    finally:
+        go.stop()
+        for proc in procs:
+            proc.stop()
+
+
+def test_preferred_holder_hands_over_from_coordinated_clientgo_to_a_sidecar(
+    coordinated_control_plane: ControlPlane, clientgo_binary: Path, tmp_path: Path
+) -> None:
+    """A client-go elector in coordinated mode stops renewing once preferredHolder is set
+    (client-go v0.37.2's end of term); after its renew deadline it releases and a sidecar
+    leads, never before client-go stopped. The test names client-go holder by hand, as
+    coordinated leader election's controller in the apiserver would."""
+    cp = coordinated_control_plane
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace, (INTEROP_OBJECT,))
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    cp.kubectl("-n", namespace, "create", "-f", "-", input=json.dumps({
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": INTEROP_OBJECT},
+        "spec": {"holderIdentity": "go-1", "leaseDurationSeconds": 3, "leaseTransitions": 5,
+                 "acquireTime": now, "renewTime": now,
+                 "strategy": "OldestEmulationVersion"}}))
+    go = GoElector(clientgo_binary, tmp_path, "go-1", namespace, kubeconfig,
+                   extra_args=("-coordinated",)).start()
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
+                     lease="interop") for pod in ("pod-a", "pod-b")]
+    try:
+        wait_until(go.leading, timeout=10)
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.wait_http()
+        time.sleep(1.0)
+        assert leaders(procs) == []
+        with ClaimRecorder(procs) as recorder:
+            sent = preferred(cp, namespace, "pod-a")
+            new = the_leader(procs, timeout=8)
+            took = time.time() - sent
+            time.sleep(0.5)
+        stopped = go.first("stopped")
+        assert stopped is not None, "client-go did not end its term"
+        first_claim = min(seen for _, seen, _ in recorder.claims)
+        assert first_claim >= stopped["at"], "a sidecar claimed while client-go led"
+        # client-go's renew deadline (2 s) + its release + one claim horizon.
+        assert took < 3.5, f"a sidecar led {took:.2f}s after preferredHolder was set"
+        assert get_json(new.url + "/leader")[1]["fencing_token"] % 2**20 > 5
+    finally:
+        go.stop()
+        for proc in procs:
+            proc.stop()
+
+
+def test_an_insecure_kubeconfig_logs_json_lines_only(
+    control_plane: ControlPlane, kube_namespace: str, sa_kubeconfig: Path, tmp_path: Path
+) -> None:
+    """urllib3 warns on every request to an unverified apiserver; that warning reaches
+    the log once, as a JSON line like every other line."""
+    insecure = tmp_path / "insecure.kubeconfig"
+    doc = yaml.safe_load(sa_kubeconfig.read_text())
+    cluster = doc["clusters"][0]["cluster"]
+    cluster.pop("certificate-authority-data")
+    cluster["insecure-skip-tls-verify"] = True
+    insecure.write_text(yaml.safe_dump(doc))
+    create_pods(control_plane, kube_namespace, "pod-i")
+    proc = sidecar(tmp_path, "pod-i", kube_namespace, insecure, "--pod-label", "off").start()
+    try:
+        proc.wait_http()
+        wait_until(lambda: proc.leader() == 200, timeout=15)
+        time.sleep(1.5)  # a few renews, each one request
+    finally:
+        assert proc.stop() == 0
+    lines = proc.logs().splitlines()
+    parsed = [json.loads(line) for line in lines]  # every line is JSON
+    warned = [p for p in parsed if "Unverified HTTPS request" in p["msg"]]
+    assert len(warned) == 1, warned
+    assert warned[0]["logger"] == "py.warnings"

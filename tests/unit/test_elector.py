@@ -399,3 +399,27 @@ async def test_a_claim_delay_longer_than_the_validity_keeps_the_term_alive():
     assert state.facts.claim_from >= acquired + 1.0
     clock.advance(max(0.0, state.facts.claim_from - clock.now))
     assert state.claim().leader
+
+
+async def test_a_cooperative_end_of_term_unpublishes_waits_and_releases():
+    """Grant(held=False, release=True) (Kubernetes' preferredHolder): stepped down as on
+    SIGTERM — the release comes after the last claim handed out has run out."""
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    elector, state, publisher = make(clock, lease)
+    await drive(clock, asyncio.create_task(elector._acquire_once()))
+    clock.advance(FAST.claim_horizon)
+    assert state.claim().leader  # hands out a claim valid one horizon ahead
+    handed_out_until = state.issued_until
+
+    async def end_of_term() -> Grant:
+        return Grant(held=False, release=True, reason="preferredHolder set to pod-b")
+
+    lease.try_renew = end_of_term  # type: ignore[method-assign]
+    task = asyncio.create_task(elector._renew_once())
+    await drive(clock, task)
+    assert not state.facts.holding
+    released = [at for what, at in lease.calls if what == "release"]
+    assert released and released[0] >= handed_out_until
+    assert state.transitions[-1]["event"] == "released"
+    assert publisher.events[-1] == ("changed", False)

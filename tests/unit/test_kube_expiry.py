@@ -39,11 +39,11 @@ def clock() -> FakeClock:
 
 
 def test_nothing_observed_yet_means_look_first(clock: FakeClock) -> None:
-    assert Observer(clock).free_in("me") == 0.0
+    assert Observer(clock, cap=10).free_in("me") == 0.0
 
 
 def test_standby_waits_a_full_duration_from_when_it_saw_the_record(clock: FakeClock) -> None:
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "5", duration=10))
     clock.now += 9.9
     assert observer.free_in("me") == pytest.approx(0.1)
@@ -52,7 +52,7 @@ def test_standby_waits_a_full_duration_from_when_it_saw_the_record(clock: FakeCl
 
 
 def test_a_renewal_restarts_the_wait(clock: FakeClock) -> None:
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "5"))
     clock.now += 8
     assert observer.observe(record("other", "6"))  # the holder renewed
@@ -61,7 +61,7 @@ def test_a_renewal_restarts_the_wait(clock: FakeClock) -> None:
 
 
 def test_seeing_the_same_record_again_does_not_restart_the_wait(clock: FakeClock) -> None:
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "5"))
     clock.now += 8
     assert not observer.observe(record("other", "5"))  # a dead holder's record, re-read
@@ -71,7 +71,7 @@ def test_seeing_the_same_record_again_does_not_restart_the_wait(clock: FakeClock
 
 def test_wall_clock_times_in_the_record_are_ignored(clock: FakeClock) -> None:
     """A renewTime far in the past (holder's clock behind) or future changes nothing."""
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "5", renew_time="1999-01-01T00:00:00.000000Z"))
     assert observer.free_in("me") == pytest.approx(10.0)
     observer.observe(record("other", "6", renew_time="2999-01-01T00:00:00.000000Z"))
@@ -80,27 +80,48 @@ def test_wall_clock_times_in_the_record_are_ignored(clock: FakeClock) -> None:
 
 
 def test_the_record_duration_counts_not_ours(clock: FakeClock) -> None:
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "5", duration=30))
     clock.now += 15
     assert observer.free_in("me") == pytest.approx(15.0)
 
 
 def test_a_released_lease_is_free_at_once(clock: FakeClock) -> None:
-    observer = Observer(clock)
+    """A release (holder "", duration 1) ends the term without a guard."""
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "5"))
     observer.observe(record("", "6", duration=1))
     assert observer.free_in("me") == 0.0
 
 
-def test_a_missing_object_is_free(clock: FakeClock) -> None:
-    observer = Observer(clock)
+def test_a_missing_object_is_free_but_a_first_term_waits_one_duration(
+    clock: FakeClock,
+) -> None:
+    """Nobody can say whether a holder of a deleted object still claims: a newcomer may
+    create the object at once, but its first claim waits one (own) lease duration."""
+    observer = Observer(clock, cap=10)
     observer.observe(None)
     assert observer.free_in("me") == 0.0
+    assert observer.claim_delay() == pytest.approx(10.0)
+    clock.now += 4
+    assert observer.claim_delay() == pytest.approx(6.0)
+
+
+def test_a_never_held_object_found_first_waits_like_a_missing_one(clock: FakeClock) -> None:
+    observer = Observer(clock, cap=10)
+    observer.observe(record("", "3", duration=0))
+    assert observer.free_in("me") == 0.0
+    assert observer.claim_delay() == pytest.approx(10.0)
+
+
+def test_a_released_object_found_first_needs_no_wait(clock: FakeClock) -> None:
+    observer = Observer(clock, cap=10)
+    observer.observe(record("", "3", duration=1, renew_time="2024-01-01T00:00:00.000000Z"))
+    assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
 
 
 def test_our_own_record_is_ours(clock: FakeClock) -> None:
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
     observer.observe(record("me", "5"))
     assert observer.free_in("me") == 0.0
     assert observer.free_in("other") == pytest.approx(10.0)
@@ -108,7 +129,7 @@ def test_our_own_record_is_ours(clock: FakeClock) -> None:
 
 def test_a_lagging_watch_event_does_not_restart_the_wait(clock: FakeClock) -> None:
     """A GET already showed version 7; the watch then delivers the older version 6."""
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "7"))
     clock.now += 5
     assert not observer.observe(record("other", "6"))
@@ -116,7 +137,7 @@ def test_a_lagging_watch_event_does_not_restart_the_wait(clock: FakeClock) -> No
 
 
 def test_a_deleted_then_recreated_object_counts_as_a_change(clock: FakeClock) -> None:
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "7"))
     assert observer.observe(None)
     clock.now += 3
@@ -124,28 +145,91 @@ def test_a_deleted_then_recreated_object_counts_as_a_change(clock: FakeClock) ->
     assert observer.free_in("me") == pytest.approx(10.0)
 
 
-def test_a_held_lease_deleted_by_hand_is_free_only_after_its_holders_term(
-    clock: FakeClock,
-) -> None:
-    """Its holder may still be claiming: deletion must not let us in early."""
-    observer = Observer(clock)
+def test_a_held_lease_deleted_by_hand_guards_its_holders_term(clock: FakeClock) -> None:
+    """Its holder may still be claiming: a term of ours may start (create the object
+    again) but not claim before that holder's term, as we saw it, has run out."""
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "7", duration=10))
     clock.now += 4
     observer.observe(None)
-    assert observer.free_in("me") == pytest.approx(10.0)
-    clock.now += 10
     assert observer.free_in("me") == 0.0
+    assert observer.claim_delay() == pytest.approx(6.0)
+    clock.now += 6
+    assert observer.claim_delay() == 0.0
 
 
 def test_a_released_lease_deleted_by_hand_is_free_at_once(clock: FakeClock) -> None:
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7"))
     observer.observe(record("", "8", duration=1))
     observer.observe(None)
+    assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
+
+
+def test_a_holder_cleared_by_hand_is_free_but_guarded(clock: FakeClock) -> None:
+    """Cleared without the release's duration 1: not a release, the holder may claim."""
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7", duration=10))
+    clock.now += 3
+    observer.observe(record("", "8", duration=10))
     assert observer.free_in("me") == 0.0
+    assert observer.claim_delay() == pytest.approx(7.0)
+
+
+def test_a_proper_release_needs_no_guard(clock: FakeClock) -> None:
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7", duration=10))
+    clock.now += 3
+    observer.observe(record("", "8", duration=1))
+    assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
+
+
+def test_a_duration_edited_down_does_not_shorten_the_wait(clock: FakeClock) -> None:
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7", duration=10))
+    clock.now += 2
+    observer.observe(record("other", "8", duration=1))
+    clock.now += 2
+    assert observer.free_in("me") == pytest.approx(8.0)
+
+
+def test_named_holder_by_hand_is_ours_but_guarded(clock: FakeClock) -> None:
+    """holder -> me by a write that is not ours: we may start a term, not claim at once."""
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7", duration=10))
+    clock.now += 1
+    observer.observe(record("me", "8", duration=10))
+    assert observer.free_in("me") == 0.0
+    assert observer.claim_delay() == pytest.approx(9.0)
+
+
+def test_holder_changed_by_hand_to_a_third_with_duration_1(clock: FakeClock) -> None:
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7", duration=10))
+    clock.now += 1
+    observer.observe(record("third", "8", duration=1))
+    clock.now += 1
+    assert observer.free_in("me") == 0.0  # third's own term: its duration as written
+    assert observer.claim_delay() == pytest.approx(8.0)  # but other's term still runs
+
+
+def test_a_long_duration_by_hand_is_capped_at_our_own(clock: FakeClock) -> None:
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7", duration=3600))
+    observer.observe(record("", "8", duration=3600))
+    assert observer.claim_delay() == pytest.approx(10.0)
+
+
+def test_a_free_lease_with_a_preferred_holder_waits_for_it(clock: FakeClock) -> None:
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7"))
+    observer.observe(replace(record("", "8", duration=1), preferred_holder="pref"))
+    assert observer.free_in("pref") == 0.0
+    assert observer.free_in("me") == pytest.approx(10.0)
 
 
 def test_opaque_versions_compare_by_difference(clock: FakeClock) -> None:
-    observer = Observer(clock)
+    observer = Observer(clock, cap=10)
     observer.observe(record("other", "abc"))
     clock.now += 5
     assert observer.observe(record("other", "abd"))
@@ -219,10 +303,9 @@ def test_a_write_changes_only_the_five_fields_we_own() -> None:
                             "leaseDurationSeconds": 3, "leaseTransitions": 4,
                             "acquireTime": "2024-01-01T00:01:00.000000Z",
                             "renewTime": "2024-01-01T00:01:00.000000Z"}
-    # The resourceVersion guards the write; the uid is left out so a renew can re-create
-    # an object deleted by hand with our count (see Record.body).
-    expected_meta = {k: v for k, v in pristine["metadata"].items() if k != "uid"}
-    assert body["metadata"] == expected_meta
+    # The resourceVersion and the uid guard the write: a renew cannot re-create an object
+    # deleted by hand (see Record.body).
+    assert body["metadata"] == pristine["metadata"]
     assert body["someFutureTop"] is True
 
 
@@ -231,3 +314,18 @@ def test_a_new_object_is_written_from_scratch() -> None:
     assert body["metadata"] == {"name": "lease-sidecar.x"}
     assert body["spec"]["leaseTransitions"] == 0
     assert (body["apiVersion"], body["kind"]) == ("coordination.k8s.io/v1", "Lease")
+
+
+def test_the_token_puts_the_creation_second_above_the_count() -> None:
+    obj = {"metadata": {"resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"},
+           "spec": {"leaseTransitions": 7}}
+    parsed = Record.from_object(obj)
+    created = 1767225600
+    assert parsed.created == created
+    assert parsed.token() == created * 2**20 + 7
+    assert parsed.token() <= 2**53 - 1
+    later = Record.from_object({**obj, "metadata": {**obj["metadata"],
+                                                    "creationTimestamp": "2026-01-01T00:00:01Z"},
+                                "spec": {}})
+    # A re-created object's first term outranks any term of one created a second before.
+    assert later.token() > parsed.token(2**20 - 1)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from sidecar.lease.kubernetes.record import Record
 
 
-def _newer(version: str, than: str) -> bool:
+def newer(version: str, than: str) -> bool:
     """Whether ``version`` is a later write than ``than``.
 
     resourceVersions are opaque, but they are etcd revisions in practice; comparing them
@@ -39,23 +39,39 @@ def _newer(version: str, than: str) -> bool:
 
 
 class Observer:
-    """client-go's skew-tolerant expiry rule, on an injectable monotonic clock.
+    """client-go's skew-tolerant expiry rule, made safe against hand edits, on an
+    injectable monotonic clock.
 
     Remembers the last record seen and *when this contender saw it change*; the lease is
-    free for us once ``leaseDurationSeconds`` have passed since then on our own clock —
+    free for us once the holder's duration has passed since then on our own clock —
     whatever ``renewTime`` says, so a wrong wall clock anywhere cannot shorten the wait.
 
-    A Lease object that disappears while someone holds it (deleted by hand) is not free
-    at once either: its holder may still be claiming, so we wait out that holder's
-    duration from when we saw it go.
+    Hand edits cannot shorten it either. The duration waited is the *longest*
+    ``leaseDurationSeconds`` seen during the current holder's term (an edit to 1 s does
+    not count), and when a holder's term ends by anything but a proper release — its
+    holder cleared or changed by hand, or the object deleted — that holder may still be
+    claiming until ``guard_until``: the last time we saw its record change plus that
+    longest duration (capped at ``cap``, our own lease duration, so an edit to an hour
+    stalls nobody for an hour). A term we win before then waits for it before its first
+    claim (``claim_delay``).
+
+    What we cannot have watched, we assume the worst of: a first look that finds no
+    object, or one nobody ever held, may follow a deleted object whose holder still
+    claims (one ``cap`` from now); one cleared by hand, its duration from now.
     """
 
-    def __init__(self, monotonic: Callable[[], float]) -> None:
+    def __init__(self, monotonic: Callable[[], float], cap: float) -> None:
         self._monotonic = monotonic
+        self._cap = cap
         self.seen = False  # nothing observed yet: the caller must look first
         self.record: Record | None = None
         self.changed_at = 0.0
-        self._vanished_wait = 0  # the duration of a holder whose object was deleted
+        # The current holder's term as we saw it: who, when its record last changed,
+        # the longest duration it carried.
+        self._term_holder = ""
+        self._term_seen_at = 0.0
+        self._term_longest = 0
+        self.guard_until = 0.0  # no claim of ours before this (monotonic)
 
     def observe(self, record: Record | None) -> bool:
         """Note what we read (``None``: no Lease object); True if it changed."""
@@ -63,26 +79,63 @@ class Observer:
             if record is None and self.record is None:
                 return False
             if (record is not None and self.record is not None
-                    and not _newer(record.version, self.record.version)):
+                    and not newer(record.version, self.record.version)):
                 return False
-        if record is None and self.record is not None and self.record.holder:
-            self._vanished_wait = self.record.duration
-        elif record is not None:
-            self._vanished_wait = 0
+        now = self._monotonic()
+        if not self.seen:
+            self._first_look(record, now)
+        else:
+            self._follow(record, now)
         self.seen = True
         self.record = record
-        self.changed_at = self._monotonic()
+        self.changed_at = now
         return True
+
+    def _first_look(self, record: Record | None, now: float) -> None:
+        if record is None or record.never_held:
+            self._guard(now + self._cap)
+        elif not record.holder and not record.released:
+            self._guard(now + min(record.duration, self._cap))
+        elif record.holder:
+            self._start_term(record, now)
+
+    def _follow(self, record: Record | None, now: float) -> None:
+        holder = record.holder if record is not None else ""
+        if self._term_holder and holder == self._term_holder:
+            assert record is not None
+            self._term_seen_at = now
+            self._term_longest = max(self._term_longest, record.duration)
+            return
+        if self._term_holder and not (record is not None and record.released):
+            # The term ended by a write that is no release: its holder may still claim.
+            self._guard(self._term_seen_at + min(self._term_longest, self._cap))
+        self._term_holder = ""
+        if record is not None and record.holder:
+            self._start_term(record, now)
+
+    def _start_term(self, record: Record, now: float) -> None:
+        self._term_holder = record.holder
+        self._term_seen_at = now
+        self._term_longest = record.duration
+
+    def _guard(self, until: float) -> None:
+        self.guard_until = max(self.guard_until, until)
+
+    def claim_delay(self) -> float:
+        """Seconds from now before a term we win may claim (0: one horizon is enough)."""
+        return max(0.0, self.guard_until - self._monotonic())
 
     def free_in(self, identity: str) -> float:
         """Seconds until ``identity`` may take the lease; 0 when it may now."""
         record = self.record
-        if record is None:
-            wait = self._vanished_wait
-        elif not record.holder or record.holder == identity:
-            wait = 0
+        if not self.seen or record is None or record.holder == identity:
+            return 0.0
+        if record.holder:
+            wait = float(self._term_longest)
+        elif record.preferred_holder not in ("", identity):
+            # Free, but someone is preferred: give it one (capped) lease duration to come
+            # and take it, as client-go's non-preferred candidates do.
+            wait = self._cap
         else:
-            wait = record.duration
-        if not self.seen or not wait:
             return 0.0
         return max(0.0, self.changed_at + wait - self._monotonic())

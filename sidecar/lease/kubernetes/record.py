@@ -8,24 +8,36 @@ They are written as client-go v0.37's ``leaderelection`` writes them:
 - ``acquireTime`` / ``renewTime``: MicroTime, informative only (expiry never reads them,
   see :mod:`.expiry`); a new term sets both, a renew only ``renewTime``, a release sets
   both to the release time;
-- ``leaseTransitions``: the fencing token. 0 when the object is created, +1 with every
+- ``leaseTransitions``: the count of terms. 0 when the object is created, +1 with every
   new term: whenever the holder changes (as client-go counts) and also when the same
   identity starts a new term (a restarted process must not share its predecessor's
-  token; client-go would keep the count there). A renew or a release keeps it. Since
-  client-go also adds 1 on every takeover and keeps the count on renew and release, the
-  count only grows however sidecars and client-go electors alternate, for as long as the
-  object exists. The sidecar never deletes the object (its Role has no ``delete``);
-  deleting it by hand resets the count.
+  token; client-go would keep the count there). A renew or a release keeps it.
+
+The fencing token is :meth:`Record.token`, not the count alone: a count restarts at 0
+whenever the object is deleted and re-created (by a sidecar, ``helm upgrade`` or
+``kubectl``) and anyone can edit it by hand. The token puts the object's
+``creationTimestamp`` (Unix seconds, set by the apiserver, later for every re-created
+object) above the count::
+
+    token = creationTimestamp * 2**20 + leaseTransitions    (<= 2**53 - 1 until 2242)
+
+so a re-created object's first term outranks every term of the object before it, as
+long as that object saw fewer than 2**20 terms and was created at least a second
+earlier. A count edited down by hand is outranked by the highest token the contender has
+seen (:mod:`.lease` writes the count so its token exceeds it); a count edited to 2**20 or
+more would reach into the next second's tokens, so such a term is refused with a reason.
+``leaseTransitions`` itself stays a small int32, as client-go reads it.
 
 Every other field is someone else's and survives every write of ours: each write is the
 object as last read (or as the apiserver returned our previous write) with only those
 five fields changed — labels, annotations, ownerReferences, ``spec.preferredHolder``,
 ``spec.strategy`` and fields this code has never heard of. (client-go keeps the metadata
 but rebuilds the spec, so its own writes drop ``preferredHolder`` and ``strategy``
-outside coordinated leader election.)
+unless it runs with coordinated leader election.)
 
-Every write carries the ``resourceVersion`` it was based on, so two contenders cannot both
-win: the apiserver answers ``409 Conflict`` to the slower one.
+Every write carries the ``resourceVersion`` and ``uid`` it was based on, so two
+contenders cannot both win (the apiserver answers ``409 Conflict`` to the slower one) and
+a renew never re-creates an object deleted by hand (Leases allow create-on-update).
 """
 
 from __future__ import annotations
@@ -34,6 +46,10 @@ import copy
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
+
+# The fencing token's low part: leaseTransitions must stay below 2**TOKEN_COUNT_BITS.
+TOKEN_COUNT_BITS = 20
+TOKEN_COUNT_LIMIT = 1 << TOKEN_COUNT_BITS
 
 
 def micro_time(wall: float) -> str:
@@ -55,6 +71,10 @@ class Record:
     version: str  # metadata.resourceVersion
     acquire_time: str | None = None
     renew_time: str | None = None
+    # spec.preferredHolder: someone asks the holder to end its term in this one's favour.
+    preferred_holder: str = ""
+    # metadata.creationTimestamp as Unix seconds: the fencing token's high part.
+    created: int = 0
     # The whole object as the apiserver sent it: a write starts from it, so every field
     # we do not own goes back unchanged. Empty for an object we are about to create.
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -67,7 +87,27 @@ class Record:
                    transitions=int(spec.get("leaseTransitions") or 0),
                    version=str(obj["metadata"]["resourceVersion"]),
                    acquire_time=spec.get("acquireTime"), renew_time=spec.get("renewTime"),
+                   preferred_holder=spec.get("preferredHolder") or "",
+                   created=_unix_seconds(obj["metadata"].get("creationTimestamp")),
                    source=obj)
+
+    def token(self, transitions: int | None = None) -> int:
+        """The fencing token of the term counted ``transitions`` (default: this
+        record's) on this object; see the module's doc for the layout."""
+        count = self.transitions if transitions is None else transitions
+        return self.created * TOKEN_COUNT_LIMIT + count
+
+    @property
+    def released(self) -> bool:
+        """Released as our sidecar and client-go's ``ReleaseOnCancel`` release: no holder,
+        ``leaseDurationSeconds`` 1. A releasing holder has stopped claiming; a holder
+        cleared any other way (by hand) may still be claiming."""
+        return not self.holder and self.duration <= 1
+
+    @property
+    def never_held(self) -> bool:
+        """No holder and no renewTime: as ``helm`` or ``kubectl`` create it."""
+        return not self.holder and not self.renew_time
 
     def body(self, name: str) -> dict[str, Any]:
         """The object to write: the one we read with our five spec fields set.
@@ -79,11 +119,9 @@ class Record:
         obj["kind"] = "Lease"
         metadata = obj.setdefault("metadata", {})
         metadata["name"] = name
-        # The resourceVersion alone guards the write. With the uid too, a renew based on
-        # an object someone deleted by hand would fail (a UID precondition) and the next
-        # holder would create a new object with the count back at 0; without it the
-        # apiserver re-creates the object (Leases allow create-on-update) with our count.
-        metadata.pop("uid", None)
+        # The uid (kept from the object read) guards against create-on-update: a renew of
+        # an object someone deleted must fail, so its holder stops, rather than quietly
+        # bring it back while a newcomer counts a deleted object as a vanished holder.
         if self.version:
             metadata["resourceVersion"] = self.version
         else:
@@ -101,3 +139,10 @@ class Record:
             return None
         renewed = datetime.fromisoformat(self.renew_time.replace("Z", "+00:00"))
         return renewed + timedelta(seconds=self.duration)
+
+
+def _unix_seconds(stamp: str | None) -> int:
+    """An RFC 3339 ``metav1.Time`` (whole seconds) as Unix seconds; 0 when absent."""
+    if not stamp:
+        return 0
+    return int(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp())

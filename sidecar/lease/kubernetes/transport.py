@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from sidecar.errors import BackendError
+from sidecar.errors import BackendError, Forbidden
 from sidecar.kube import REQUEST_TIMEOUT, KubeAccess, connect, one_line, request
 from sidecar.lease.kubernetes.record import Record
 from sidecar.settings import Settings
@@ -97,16 +97,24 @@ class LeaseApi:
         self._pool = pool
         self._base = f"/apis/coordination.k8s.io/v1/namespaces/{access.namespace}/leases"
 
-    async def _run(self, what: str, call: Callable[[], T]) -> T:
+    async def _run(self, verb: str, name: str, call: Callable[[], T]) -> T:
+        """Run ``call`` in a worker thread; ``verb`` and ``name`` (the Lease, or "" for
+        all of them) say what it does, as RBAC names it, for the error message."""
+        resource = f"leases/{name}" if name else "leases"
+        where = f"{resource} in namespace {self.namespace}"
+
         def guarded() -> T:
             try:
                 return call()
             except ApiException as exc:
                 if exc.status in (404, 409):  # reads map 404 to None before this
                     raise Conflict(one_line(exc)) from None
-                raise BackendError(f"kubernetes: {what}: {one_line(exc)}") from None
+                if exc.status == 403:
+                    raise Forbidden(f"kubernetes: forbidden to {verb} {where}: "
+                                    f"{one_line(exc)}") from None
+                raise BackendError(f"kubernetes: {verb} {where}: {one_line(exc)}") from None
             except Exception as exc:
-                raise BackendError(f"kubernetes: {what}: {one_line(exc)}") from None
+                raise BackendError(f"kubernetes: {verb} {where}: {one_line(exc)}") from None
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, guarded)
 
@@ -122,19 +130,18 @@ class LeaseApi:
                     return None
                 raise
 
-        return await self._run(f"get lease {self.namespace}/{name}", call)
+        return await self._run("get", name, call)
 
     async def create(self, name: str, record: Record) -> Record:
-        return await self._run(f"create lease {self.namespace}/{name}", lambda: Record.from_object(
+        return await self._run("create", name, lambda: Record.from_object(
             self._call("POST", self._base, record.body(name))))
 
     async def replace(self, name: str, record: Record) -> Record:
-        return await self._run(f"update lease {self.namespace}/{name}", lambda: Record.from_object(
+        return await self._run("update", name, lambda: Record.from_object(
             self._call("PUT", f"{self._base}/{name}", record.body(name))))
 
     async def list(self) -> list[dict[str, Any]]:
-        return await self._run(f"list leases in {self.namespace}",
-                               lambda: self._call("GET", self._base)["items"])
+        return await self._run("list", "", lambda: self._call("GET", self._base)["items"])
 
     def watch(self, name: str, deliver: Callable[[Record | None], None]) -> LeaseWatch:
         """A started watch of Lease ``name``; ``deliver`` runs in the watch's thread."""

@@ -110,7 +110,7 @@ class Hint:
             tags = await session.conn.fetch(HINTS, prefix + "%")
         except DB_ERRORS as exc:
             raise self._db.error("read the hand-over hint", exc) from None
-        others = [t[0] for t in tags if t[0] != self._own_tag]
+        others: list[str] = [t[0] for t in tags if t[0] != self._own_tag]
         if not others or len(others) < len(tags):
             return None  # none, or one names us (an older one may linger: ours wins)
         return others[0][len(prefix):]

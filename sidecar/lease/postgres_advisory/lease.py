@@ -11,6 +11,7 @@ import asyncpg
 
 from sidecar.errors import BackendError
 from sidecar.lease import Grant, Holder
+from sidecar.lease.pg_errors import version_num
 from sidecar.lease.pg_timeline import (
     CHECKPOINT,
     OUT_OF_RANGE,
@@ -27,7 +28,6 @@ from sidecar.lease.postgres_advisory.session import (
     Session,
     close,
     pooler_evidence,
-    version_num,
 )
 from sidecar.lease.postgres_advisory.sql import (
     HOLDER,
@@ -359,6 +359,7 @@ class AdvisoryLease:
 
     async def _holder(self, conn: asyncpg.Connection) -> str | None:
         try:
-            return await conn.fetchval(HOLDER, *self._halves)
+            holder: str | None = await conn.fetchval(HOLDER, *self._halves)
+            return holder
         except DB_ERRORS as exc:
             raise self._db.error("look up the holder", exc) from None

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import asyncpg
 
@@ -68,7 +69,8 @@ class AsyncpgDriver:
         self.pooled: bool | None = None
 
     # -- statements ----------------------------------------------------------------------
-    async def fetch(self, statement: Statement, params: Mapping[str, object]) -> list[tuple]:
+    async def fetch(self, statement: Statement,
+                    params: Mapping[str, object]) -> list[tuple[Any, ...]]:
         text, names = statement.numeric()
         args = [params[n] for n in names]
         for attempt in (1, 2):

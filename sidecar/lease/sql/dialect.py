@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
+from typing import Any
 
 from sidecar.lease import pg_timeline
 from sidecar.lease.rowlease import Row
@@ -98,7 +99,7 @@ class Dialect:
         """What ``schema --apply`` runs: the DDL, guarded where the server needs it."""
         return self.schema_script()
 
-    def decode(self, row: tuple) -> Row:
+    def decode(self, row: tuple[Any, ...]) -> Row:
         raise NotImplementedError
 
 
@@ -213,7 +214,7 @@ SELECT pg_notify('{self.channel}', lease_name) FROM gone""")
         lock = f"lease-sidecar schema {self.channel}"
         return f"SELECT pg_advisory_xact_lock(hashtext('{lock}'));\n" + self._ddl
 
-    def decode(self, row: tuple) -> Row:
+    def decode(self, row: tuple[Any, ...]) -> Row:
         owner, version, expires = row
         return Row(owner=owner, version=int(version),
                    expires_at=datetime.fromtimestamp(float(expires), tz=UTC))
@@ -308,7 +309,7 @@ WHERE LeaseName = :name AND OwnerInstanceId = :owner AND ExpiresAtUtc > SYSDATET
     def schema_script(self) -> str:
         return self._ddl
 
-    def decode(self, row: tuple) -> Row:
+    def decode(self, row: tuple[Any, ...]) -> Row:
         owner, expires, version = row
         return Row(owner=owner, version=rowversion_to_int(version), expires_at=expires)
 

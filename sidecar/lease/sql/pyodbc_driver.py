@@ -23,6 +23,7 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pyodbc
 
@@ -80,7 +81,8 @@ class PyodbcDriver:
         self._password = _attribute(self._conn_str, "PWD", "PASSWORD")
 
     # -- statements ----------------------------------------------------------------------
-    async def fetch(self, statement: Statement, params: Mapping[str, object]) -> list[tuple]:
+    async def fetch(self, statement: Statement,
+                    params: Mapping[str, object]) -> list[tuple[Any, ...]]:
         text, names = statement.qmark()
         return await self._run(text, tuple(params[n] for n in names))
 
@@ -91,7 +93,7 @@ class PyodbcDriver:
         # ODBC has no notification channel; the caller's retry interval applies.
         await asyncio.sleep(timeout)
 
-    async def _run(self, sql: str, values: tuple) -> list[tuple]:
+    async def _run(self, sql: str, values: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._pool, self._call, sql, values)
         # Login, then the query, then a little slack for the watchdog's cancel.
@@ -101,7 +103,7 @@ class PyodbcDriver:
         except TimeoutError:
             raise BackendError(f"{self._where()}: no answer within {bound}s") from None
 
-    def _call(self, sql: str, values: tuple) -> list[tuple]:
+    def _call(self, sql: str, values: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         try:
             conn = pyodbc.connect(self._conn_str, autocommit=True,
                                   timeout=self._login_timeout)

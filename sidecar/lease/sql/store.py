@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from sidecar.errors import BackendError, NotFound
 from sidecar.lease.pg_timeline import Timelines, checkpoint_age, claim_delay
@@ -19,7 +19,8 @@ log = logging.getLogger("sidecar.lease.sql")
 class Driver(Protocol):
     """How statements reach a server. Errors are raised as one-line BackendErrors."""
 
-    async def fetch(self, statement: Statement, params: Mapping[str, object]) -> list[tuple]: ...
+    async def fetch(self, statement: Statement,
+                    params: Mapping[str, object]) -> list[tuple[Any, ...]]: ...
 
     async def script(self, sql: str) -> None: ...
 
@@ -84,7 +85,7 @@ class SqlRowStore:
         self._schema_ready = True
         if not rows:
             return None
-        columns = rows[0]
+        columns = list(rows[0])
         if self.dialect.acquire_reports_timeline:
             # Won or lost, the server's timeline is one this process has now seen.
             *columns, timeline = columns
@@ -109,7 +110,7 @@ class SqlRowStore:
         age = self._timelines.age(timeline, now)
         checkpoint = self.dialect.checkpoint
         if age < duration and checkpoint is not None:
-            async def ask() -> tuple:
+            async def ask() -> tuple[Any, ...]:
                 return (await self.driver.fetch(checkpoint, {}))[0]
             age = max(age, await checkpoint_age(ask, timeline, type(self.dialect).__name__))
         return claim_delay(duration, age)

@@ -20,6 +20,7 @@ import os
 import sqlite3
 import urllib.parse
 from datetime import UTC, datetime
+from typing import Any
 
 from sidecar.clock import Clock
 from sidecar.dsn import check_sqlite
@@ -70,7 +71,7 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
     table = settings.store.table_name
     prefix = settings.store.key("")
 
-    def read() -> list[tuple]:
+    def read() -> list[tuple[Any, ...]]:
         if not os.path.isfile(path):
             raise NotFound(f"no such lease database: {path} (a sidecar creates it when it "
                            "starts; status creates nothing)")

@@ -13,7 +13,7 @@ import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sidecar.errors import BackendError
 from sidecar.lease.rowlease import Row
@@ -63,7 +63,7 @@ _RELEASE = "DELETE FROM {table} WHERE name = :name AND owner = :owner"
 _READ = "SELECT owner, version, expires_at FROM {table} WHERE name = :name AND expires_at > {now}"
 
 
-def _row(found: tuple | None, won: bool = True) -> Row | None:
+def _row(found: tuple[Any, ...] | None, won: bool = True) -> Row | None:
     if found is None:
         return None
     owner, version, expires = found

@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from asyncinotify import Inotify
 
 # How often a standby looks for a commit by another process when inotify is missing.
 WATCH_INTERVAL = 0.1
@@ -21,7 +25,8 @@ class CommitWatch:
         self._path = path
         self._basename = os.path.basename(path)
         self._seen: Signature | None = None
-        self._inotify = None  # None: not tried yet; False: unavailable or closed
+        # None: not tried yet; False: unavailable or closed.
+        self._inotify: Inotify | Literal[False] | None = None
 
     def seen(self) -> None:
         """The files as they are now are not news (our own commits change them too)."""
@@ -46,7 +51,7 @@ class CommitWatch:
                 self._seen = signature
                 return
 
-    def _watch(self):  # type: ignore[no-untyped-def]
+    def _watch(self) -> Inotify | None:
         """An inotify watch on the database's directory, or None (then we poll)."""
         if self._inotify is None:
             try:

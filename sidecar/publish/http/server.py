@@ -28,7 +28,7 @@ LINGER = 1.0
 SHUTDOWN_TIMEOUT = 2.0
 
 
-class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+class _ServerLog(logging.LoggerAdapter[logging.Logger]):
     """aiohttp's server log: a malformed request is the client's fault, logged as one
     debug line; anything else (a bug of ours: a 500) keeps its error and traceback."""
 
@@ -129,7 +129,7 @@ class HttpServer:
         limits.open_connections = lambda: len(handlers.connections)
         self._server = await asyncio.get_running_loop().create_server(
             connection, self._host or None, self._port, reuse_address=True)
-        sockets = self._server.sockets or []
+        sockets = self._server.sockets or ()
         self.bound_port = sockets[0].getsockname()[1] if sockets else self._port
         limits.release_hosts = release_hosts(self._host, self.bound_port)
 

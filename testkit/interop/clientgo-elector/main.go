@@ -95,6 +95,9 @@ func main() {
 	leaseDuration := flag.Duration("lease-duration", 3*time.Second, "LeaseDuration")
 	renewDeadline := flag.Duration("renew-deadline", 2*time.Second, "RenewDeadline")
 	retryPeriod := flag.Duration("retry-period", 250*time.Millisecond, "RetryPeriod")
+	coordinated := flag.Bool("coordinated", false,
+		"Coordinated: renew only a Lease naming us (as coordinated leader election's "+
+			"controller sets it) and end the term once preferredHolder is set")
 	flag.Parse()
 	if *name == "" || identity == "" {
 		fmt.Fprintln(os.Stderr, "clientgo-elector: -lease and -identity are required")
@@ -130,6 +133,7 @@ func main() {
 		RenewDeadline:   *renewDeadline,
 		RetryPeriod:     *retryPeriod,
 		ReleaseOnCancel: true,
+		Coordinated:     *coordinated,
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(context.Context) { emit("started", nil) },
 			OnStoppedLeading: func() { emit("stopped", nil) },

@@ -1,0 +1,161 @@
+"""LEASE_APP_READY_URL with real sidecar processes on one SQLite file and real HTTP
+readiness endpoints (and, in a pod, LEASE_APP_READY_CONTAINERS: the own pod's status on
+a real apiserver): an application that never becomes ready never leads, and a leader
+whose application turns unready hands over within LEASE_APP_UNREADY_AFTER + one
+hand-over, with no two overlapping claims."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from testkit.handover import FAST
+from testkit.kube_support import create_pods, install_rbac
+from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+
+UNREADY_AFTER = 1.0
+
+
+class ReadyEndpoint:
+    """A real HTTP server on loopback answering GET /ready with ``status``."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(endpoint.status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ready"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def endpoints() -> Iterator[list[ReadyEndpoint]]:
+    made: list[ReadyEndpoint] = []
+    yield made
+    for endpoint in made:
+        endpoint.close()
+
+
+def sidecar(tmp_path: Path, name: str, url: str) -> SidecarProcess:
+    return SidecarProcess(tmp_path, name, args=[
+        "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *FAST,
+        "--app-ready-url", url, "--app-unready-after", f"{UNREADY_AFTER}s"]).start()
+
+
+def metric(proc: SidecarProcess, line_start: str) -> float:
+    text = get_json(proc.url + "/metrics")[1]
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith(line_start))
+
+
+def test_an_application_that_never_becomes_ready_never_leads(tmp_path, endpoints):
+    endpoints.append(ReadyEndpoint(503))
+    proc = sidecar(tmp_path, "unready", endpoints[0].url)
+    try:
+        proc.wait_http()
+        time.sleep(3.0)  # more than a lease duration with nobody else contending
+        assert proc.leader() == 503
+        reason = get_json(proc.url + "/status")[1]["leases"][0]["reason"]
+        assert reason.startswith("not campaigning: the application is not ready")
+        assert "answered 503" in reason
+        endpoints[0].status = 200  # ready now: it campaigns and leads
+        wait_until(lambda: proc.leader() == 200, timeout=5)
+    finally:
+        proc.stop()
+
+
+def test_a_leader_whose_application_turns_unready_hands_over(tmp_path, endpoints):
+    endpoints.extend([ReadyEndpoint(200), ReadyEndpoint(200)])
+    procs = [sidecar(tmp_path, f"app-{i}", endpoints[i].url) for i in range(2)]
+    try:
+        for proc in procs:
+            proc.wait_http()
+        with ClaimRecorder(procs) as recorder:
+            leader = wait_until(lambda: one_leader(procs), timeout=10)
+            other = procs[1 - procs.index(leader)]
+            time.sleep(0.5)
+            endpoints[procs.index(leader)].status = 500
+            turned = time.monotonic()
+            wait_until(lambda: other.leader() == 200, timeout=10, interval=0.01)
+            took = time.monotonic() - turned
+            time.sleep(0.3)
+        assert recorder.overlaps() == []
+        # The period, one poll (a renew interval), then one hand-over (two horizons, ...).
+        assert UNREADY_AFTER <= took <= UNREADY_AFTER + 0.3 + 1.0, took
+        assert leader.leader() == 503
+        assert metric(leader, 'lease_sidecar_handovers_total{lease="handover",'
+                              'reason="app-unready"}') == 1.0
+        assert metric(leader, "lease_sidecar_app_unready_leading_seconds_total") >= 0.5
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+# -- in a pod: LEASE_APP_READY_CONTAINERS, the own pod watched on a real apiserver -------
+
+def container_ready(cp, namespace: str, pod: str, ready: bool) -> None:  # type: ignore[no-untyped-def]
+    """Write the pod's container status as kubelet would (the test bed has no kubelet)."""
+    status = {"containerStatuses": [{
+        "name": "app", "ready": ready, "restartCount": 0, "image": "registry.invalid/app:1",
+        "imageID": "", "started": True, "state": {"running": {"startedAt": None}}}]}
+    cp.kubectl("-n", namespace, "patch", "pod", pod, "--subresource=status",
+               "--type=merge", "-p", json.dumps({"status": status}))
+
+
+@pytest.mark.kube
+def test_in_a_pod_the_app_containers_readiness_decides(control_plane, kube_namespace,
+                                                       tmp_path):  # type: ignore[no-untyped-def]
+    cp, namespace = control_plane, kube_namespace
+    kubeconfig = install_rbac(cp, namespace)
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    for pod in ("pod-a", "pod-b"):
+        container_ready(cp, namespace, pod, False)
+    procs = [SidecarProcess(tmp_path, pod, args=[
+        "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *FAST,
+        "--pod-label", "off", "--app-ready-containers", "app",
+        "--app-unready-after", f"{UNREADY_AFTER}s"],
+        env={"POD_NAME": pod, "POD_NAMESPACE": namespace, "KUBECONFIG": str(kubeconfig)},
+    ).start() for pod in ("pod-a", "pod-b")]
+    try:
+        for proc in procs:
+            proc.wait_http()
+        time.sleep(2.5)  # more than a lease duration: nobody may lead while not Ready
+        assert [p.leader() for p in procs] == [503, 503]
+        reason = get_json(procs[0].url + "/status")[1]["leases"][0]["reason"]
+        assert "container app is not Ready" in reason, reason
+        container_ready(cp, namespace, "pod-a", True)
+        wait_until(lambda: procs[0].leader() == 200, timeout=5)
+        container_ready(cp, namespace, "pod-b", True)
+        time.sleep(0.5)
+        with ClaimRecorder(procs) as recorder:
+            container_ready(cp, namespace, "pod-a", False)
+            turned = time.monotonic()
+            wait_until(lambda: procs[1].leader() == 200, timeout=10, interval=0.01)
+            took = time.monotonic() - turned
+            time.sleep(0.3)
+        assert recorder.overlaps() == []
+        assert UNREADY_AFTER <= took <= UNREADY_AFTER + 0.3 + 1.0, took
+        assert metric(procs[0], 'lease_sidecar_handovers_total{lease="handover",'
+                                'reason="app-unready"}') == 1.0
+    finally:
+        for proc in procs:
+            proc.stop()
