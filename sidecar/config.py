@@ -36,6 +36,7 @@ from sidecar.settings import MAX_IDENTITY, Settings, Store, Timing, TimingError
 
 ROLES = ("all", "worker", "api")
 POD_LABEL_MODES = ("auto", "on", "off")
+SHUTDOWN_HANDOVERS = ("off", "youngest-ready")
 DEFAULT_SQLITE_PATH = "/var/tmp/lease-sidecar/leases.sqlite3"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 HOUR = 3600.0
@@ -204,6 +205,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("app_ready_containers", "LEASE_APP_READY_CONTAINERS", "--app-ready-containers",
            parse_containers, None, "in a pod: campaign only while these containers of the "
            "own pod are Ready (comma-separated names; unset: always campaign)"),
+    Option("shutdown_handover", "LEASE_SHUTDOWN_HANDOVER", "--shutdown-handover",
+           _choice(SHUTDOWN_HANDOVERS), "off", "in a pod, on SIGTERM: off (release; the "
+           "first standby wins) or youngest-ready (hand over to the youngest Ready pod of "
+           "the lease group)"),
     Option("app_unready_after", "LEASE_APP_UNREADY_AFTER", "--app-unready-after",
            parse_duration, "10s", "with LEASE_APP_READY_URL: a leader whose application "
            "has not answered 2xx for this long hands over", (0.1, 24 * HOUR),
@@ -320,6 +325,16 @@ def _validate(s: Settings, entry: BackendEntry, blame: _Blame, *, dsn_required: 
         raise _error("identity", f"longer than {MAX_IDENTITY} characters")
     if s.app_ready_containers and s.app_ready_url:
         raise _error("app_ready_containers", "give LEASE_APP_READY_URL or this, not both")
+    if s.shutdown_handover != "off":
+        if not (s.pod_name and s.pod_namespace):
+            raise _error("shutdown_handover", "needs POD_NAME and POD_NAMESPACE (the "
+                         "downward API) to find the lease group's pods")
+        if s.pod_label == "off":
+            raise _error("shutdown_handover", "needs the pod label (LEASE_POD_LABEL not "
+                         "off): the group's pods are found by it")
+        if s.identity != s.pod_name:
+            raise _error("shutdown_handover", "needs the identity to be the pod name "
+                         "(LEASE_IDENTITY unset): the successor is named by its pod")
     if s.app_ready_containers and not (s.pod_name and s.pod_namespace):
         raise _error("app_ready_containers", "needs POD_NAME and POD_NAMESPACE (the "
                      "downward API) to find its own pod")

@@ -99,10 +99,16 @@ class Sidecar:
         self.backend = create_backend(self.settings, self.clock)
         self._check_credentials()
         readiness = self._app_readiness()
+        successor = None
+        if self.settings.shutdown_handover == "youngest-ready":
+            from sidecar.rollout import ShutdownSuccessor
+
+            successor = ShutdownSuccessor(self.settings).choose
         for state in self.states:
             elector = Elector(self.backend.lease(state.lease), state, self.settings.timing,
                               self.settings.identity, self.publishers,
-                              sits_out=readiness.why_not if readiness else None)
+                              sits_out=readiness.why_not if readiness else None,
+                              shutdown_successor=successor)
             self.electors[state.lease] = elector
             self._tasks.append(asyncio.create_task(elector.run(), name=f"elector-{state.lease}"))
             if self.settings.work_stall_after is not None:

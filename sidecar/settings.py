@@ -179,6 +179,8 @@ class Settings:
     """Campaign only while this URL answers 2xx (None: always)."""
     app_ready_containers: tuple[str, ...] | None = None
     """Campaign only while these containers of the own pod are Ready (None: always)."""
+    shutdown_handover: str = "off"
+    """On SIGTERM in a pod: ``off`` or ``youngest-ready`` (:mod:`sidecar.rollout`)."""
     app_unready_after: float = 10.0
     """A leader whose application has not been ready this long hands over."""
     log_level: str = "info"
@@ -214,4 +216,5 @@ class Settings:
             "app_ready_containers": (list(self.app_ready_containers)
                                      if self.app_ready_containers else None),
             "app_unready_after": self.app_unready_after,
+            "shutdown_handover": self.shutdown_handover,
         }

@@ -163,6 +163,10 @@ env:
   - name: LEASE_APP_READY_CONTAINERS
     value: {{ join "," . | quote }}
   {{- end }}
+  {{- if ne (.Values.lease.shutdownHandover | default "off") "off" }}
+  - name: LEASE_SHUTDOWN_HANDOVER
+    value: {{ .Values.lease.shutdownHandover | quote }}
+  {{- end }}
   {{- with .Values.lease.appUnreadyAfter }}
   - name: LEASE_APP_UNREADY_AFTER
     value: {{ . | quote }}
