@@ -199,14 +199,16 @@ class Sidecar:
     def _check_credentials(self) -> None:
         if self.settings.store.backend != "kubernetes":
             return
-        from sidecar.kube import credentials_problem
+        from sidecar.kubeapi import CredentialsError, load_credentials
 
         self._credentials_checked = self.clock.monotonic()
-        problem = credentials_problem()
+        try:
+            load_credentials()  # reads files only: says nothing about the apiserver
+            problem = None
+        except CredentialsError as exc:
+            problem = str(exc)
         if problem and not self._no_credentials:
-            hint = (" (the pod mounts no ServiceAccount token: automountServiceAccountToken "
-                    "false?)" if os.environ.get("KUBERNETES_SERVICE_HOST") else "")
-            self._no_credentials = f"cannot lead: {problem}{hint}"
+            self._no_credentials = f"cannot lead: {problem}"
             log.error("no kubernetes credentials: this sidecar can never lead until it has "
                       "some; /healthz and /readyz answer 503",
                       extra={"reason": self._no_credentials})
