@@ -1,8 +1,11 @@
-"""Lead only when the application can work (``LEASE_APP_READY_URL``, opt-in).
+"""Lead only when the application can work (opt-in: ``LEASE_APP_READY_URL`` or
+``LEASE_APP_READY_CONTAINERS``).
 
 A sidecar can be healthy while its application is not (crash-looping, still warming
-up, lost its own backend): the singleton work then runs nowhere. With
-``LEASE_APP_READY_URL`` set, this watcher GETs that URL every renew interval:
+up, lost its own backend): the singleton work then runs nowhere. Either this watcher
+GETs ``LEASE_APP_READY_URL`` every renew interval (ready: a 2xx answer), or, in a pod,
+it watches its own pod and reads the ``ready`` status of the containers named in
+``LEASE_APP_READY_CONTAINERS`` (their readiness probes, as kubelet reports them):
 
 - a standby campaigns only while the last answer was 2xx (the elector asks
   :meth:`AppReadiness.why_not`), so an application that never becomes ready never leads;
@@ -17,22 +20,47 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
 from sidecar.durations import format_duration
+from sidecar.kubeapi import KubeClient, KubeError
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.appready")
 
 
+# Seconds between two watches of the own pod (each ends after WATCH_SECONDS, or fails).
+WATCH_SECONDS = 60
+
+
+def pod_problem(pod: dict[str, Any], containers: tuple[str, ...]) -> str | None:
+    """None when every container named is Ready in ``pod``'s status; else which is not."""
+    statuses = {s.get("name"): s for s in (pod.get("status") or {}).get(
+        "containerStatuses") or []}
+    for name in containers:
+        status = statuses.get(name)
+        if status is None:
+            return f"container {name} has no status yet (or the pod has no such container)"
+        if not status.get("ready"):
+            return f"container {name} is not Ready"
+    return None
+
+
 class AppReadiness:
-    """Polls one URL; tells the electors whether to campaign, and when to hand over."""
+    """Polls one URL or watches the own pod; tells the electors whether to campaign, and
+    when to hand over."""
 
     def __init__(self, url: str, unready_after: float, period: float,
                  states: list[LeaseState],
-                 hand_over: Callable[[str], bool]) -> None:
+                 hand_over: Callable[[str], bool],
+                 pod: tuple[str, str, tuple[str, ...]] | None = None) -> None:
+        # ``url``: what the reasons name (the URL, or "pod <name>"); ``pod``: (namespace,
+        # name, containers) to watch instead of polling ``url``.
         self.url = url
+        self.pod = pod
+        self._problem: str | None = "not seen yet"
         self.unready_after = unready_after
         self.period = period
         self.states = states
@@ -42,12 +70,16 @@ class AppReadiness:
         self.why = "application readiness not checked yet"
         self._unready_since: float | None = self._clock.monotonic()
         self._last_seen = self._clock.monotonic()
+        self._last_problem: str | None = None
 
     def why_not(self) -> str | None:
         """None while the application is ready; else why this contender sits out."""
         return None if self.ready else f"not campaigning: {self.why}"
 
     async def run(self) -> None:
+        if self.pod is not None:
+            await self._run_pod(*self.pod)
+            return
         timeout = aiohttp.ClientTimeout(total=max(0.2, min(self.period, 2.0)))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
@@ -63,6 +95,34 @@ class AppReadiness:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return f"unreachable ({str(exc) or type(exc).__name__})"
 
+    async def _run_pod(self, namespace: str, name: str, containers: tuple[str, ...]) -> None:
+        """Watch the own pod; look at what it last said every period (so a leader hands
+        over on time even when no event comes)."""
+        ticker = asyncio.create_task(self._tick(), name="app-readiness-tick")
+        client = KubeClient.connect(namespace)
+        path = f"/api/v1/namespaces/{namespace}/pods"
+        try:
+            while True:
+                try:
+                    async for kind, pod in client.watch(
+                            path, timeout_seconds=WATCH_SECONDS,
+                            fieldSelector=f"metadata.name={name}"):
+                        self._problem = ("own pod deleted" if kind == "DELETED"
+                                         else pod_problem(pod, containers))
+                        self._observe(self._problem)
+                except KubeError as exc:
+                    self._problem = f"cannot watch the own pod ({exc})"
+                    self._observe(self._problem)
+                    await asyncio.sleep(max(self.period, 1.0))
+        finally:
+            ticker.cancel()
+            await client.close()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            self._observe(self._problem)
+
     def _observe(self, problem: str | None) -> None:
         now = self._clock.monotonic()
         elapsed, self._last_seen = now - self._last_seen, now
@@ -77,6 +137,9 @@ class AppReadiness:
         if self.ready or self._unready_since is None:
             log.warning("application not ready", extra={"url": self.url, "error": problem})
             self._unready_since = now
+        elif problem != self._last_problem:
+            log.info("application still not ready", extra={"url": self.url, "error": problem})
+        self._last_problem = problem
         self.ready = False
         self.why = f"the application is not ready: {self.url} {problem}"
         if now - self._unready_since < self.unready_after:

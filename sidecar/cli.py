@@ -1,29 +1,29 @@
 """``lease-sidecar run | exec | schema | status | handover | operator``.
 
-Exit codes: 0 clean stop, 1 the backend failed, 2 bad settings (one line naming the
-setting, before anything connects; or, once connected, the ``postgres`` backend
-behind a transaction pooler, named in one log line), 3 ``status``: no such lease,
-database or table, 75 ``exec --acquire-timeout`` ran out, 126 / 127 ``exec``'s
-command is not executable / not found (one line, as shells do), otherwise the
-command's own code; ``handover``: 1 not handed over (not the leader, no sidecar
-answering), 3 no such lease.
+Exit codes: ``sidecar.errors`` (``EXIT_*``), told to users in the README's table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import logging
 import signal
 import sys
 from collections.abc import Sequence
 
+import sidecar
 from sidecar import cli_exec, cli_handover, cli_status, config, jsonlog, supervise
 from sidecar.aio import first_of
-from sidecar.cli_exec import EXIT_BAD_SETTINGS
 from sidecar.durations import parse_duration
-from sidecar.errors import BackendError, ConfigError, NotFound
+from sidecar.errors import (
+    EXIT_BAD_SETTINGS,
+    EXIT_FAILED,
+    EXIT_NO_SUCH_LEASE,
+    BackendError,
+    ConfigError,
+    NotFound,
+)
 from sidecar.lease import backend_entry
 from sidecar.redact import redact
 from sidecar.runtime import Sidecar
@@ -33,11 +33,8 @@ log = logging.getLogger("sidecar.cli")
 
 
 def version() -> str:
-    """The installed package's version (one source: the package metadata)."""
-    try:
-        return importlib.metadata.version("lease-sidecar")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+    """The one version source; pyproject.toml reads it too (``dynamic``)."""
+    return sidecar.__version__
 
 
 def _command(commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
@@ -115,8 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if unusable is not None:
                 code, line = unusable
                 return _fail(f"exec: {line}", code=code)
-            timeout = (parse_duration(args.acquire_timeout)
-                       if args.acquire_timeout is not None else None)
+            timeout = _acquire_timeout(args.acquire_timeout)
             return asyncio.run(cli_exec.run(settings, cmd, timeout))
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
@@ -126,11 +122,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     except NotFound as exc:
-        return _fail(str(exc), code=cli_status.EXIT_NOT_FOUND)
+        return _fail(str(exc), code=EXIT_NO_SUCH_LEASE)
     except BackendError as exc:
-        return _fail(str(exc), code=1)
+        return _fail(str(exc), code=EXIT_FAILED)
+    except ValueError as exc:  # a value found unusable where it is used; it names itself
+        return _fail(str(exc))
+
+
+def _acquire_timeout(text: str | None) -> float | None:
+    try:
+        return parse_duration(text) if text is not None else None
     except ValueError as exc:
-        return _fail(f"--acquire-timeout: {exc}")
+        raise ConfigError(f"--acquire-timeout: {exc}") from None
 
 
 def _log_level(command: str, level: str) -> str:
@@ -163,7 +166,7 @@ async def _run(settings: Settings) -> int:
     await sidecar.stop()
     if crash is not None:
         log.error("elector crashed", exc_info=crash)
-        return 1
+        return EXIT_FAILED
     if misconfigured.done() and not misconfigured.cancelled():
         # The backend logged the one line naming the problem when it found it.
         return EXIT_BAD_SETTINGS

@@ -15,6 +15,7 @@ import signal
 
 from sidecar import supervise
 from sidecar.aio import first_of
+from sidecar.errors import EXIT_BAD_SETTINGS, EXIT_NOT_ACQUIRED
 from sidecar.publish.http import ReleaseOutcome
 from sidecar.runtime import Sidecar
 from sidecar.settings import Settings
@@ -22,8 +23,6 @@ from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.cli")
 
-EXIT_BAD_SETTINGS = 2
-EXIT_NOT_ACQUIRED = 75
 
 
 # Signals whose default action would end the supervisor: each stops the job first

@@ -1,8 +1,8 @@
 """``lease-sidecar handover [--to IDENTITY]``: ask the sidecar on this host or pod to
 hand its lease over (``POST /handover`` on LEASE_HTTP_ADDR, over loopback).
 
-Exit codes: 0 the leader is handing over, 1 it is not the leader (or ``--to`` names
-it), or no sidecar answers, 3 no such lease.
+Exit codes: 0 the leader is handing over; ``EXIT_FAILED`` it is not the leader (or
+``--to`` names it), or no sidecar answers; ``EXIT_NO_SUCH_LEASE``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from sidecar.errors import EXIT_FAILED, EXIT_NO_SUCH_LEASE
 from sidecar.settings import Settings
 
-EXIT_NOT_HANDED = 1
-EXIT_NO_SUCH_LEASE = 3
 TIMEOUT = 5.0
 
 
@@ -42,12 +41,12 @@ def run(settings: Settings, to: str | None) -> int:
     except urllib.error.HTTPError as exc:
         detail = _error_of(exc)
         print(f"lease-sidecar: handover refused ({exc.code}): {detail}", file=sys.stderr)
-        return EXIT_NO_SUCH_LEASE if exc.code == 404 else EXIT_NOT_HANDED
+        return EXIT_NO_SUCH_LEASE if exc.code == 404 else EXIT_FAILED
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         print(f"lease-sidecar: no sidecar answers at {target.split('/handover')[0]} "
               f"(LEASE_HTTP_ADDR / --http-addr): {reason}", file=sys.stderr)
-        return EXIT_NOT_HANDED
+        return EXIT_FAILED
     whom = f" to {body['to']}" if body.get("to") else ""
     print(f"handing over lease {settings.name}{whom}")
     return 0

@@ -29,13 +29,14 @@ from typing import Any
 from sidecar.dsn import DsnError
 from sidecar.durations import format_duration, parse_duration
 from sidecar.errors import ConfigError
-from sidecar.lease import BACKENDS, BackendEntry, backend_entry
+from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
 from sidecar.lease.sql.dialect import validate_identifier
 from sidecar.redact import remember_secrets
 from sidecar.settings import MAX_IDENTITY, Settings, Store, Timing, TimingError
 
 ROLES = ("all", "worker", "api")
 POD_LABEL_MODES = ("auto", "on", "off")
+SHUTDOWN_HANDOVERS = ("off", "youngest-ready")
 DEFAULT_SQLITE_PATH = "/var/tmp/lease-sidecar/leases.sqlite3"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 HOUR = 3600.0
@@ -73,6 +74,18 @@ def parse_ready_url(text: str) -> str:
     except ValueError as exc:
         raise ValueError(f"{text!r}: {exc}") from None
     return text
+
+
+_CONTAINER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def parse_containers(text: str) -> tuple[str, ...]:
+    """Container names (DNS labels), separated by commas."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    for name in names:
+        if not _CONTAINER_NAME.match(name):
+            raise ValueError(f"{name!r} is not a container name (a DNS label)")
+    return names
 
 
 def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
@@ -189,6 +202,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("app_ready_url", "LEASE_APP_READY_URL", "--app-ready-url", parse_ready_url, None,
            "campaign only while this http:// URL of the application answers 2xx (unset: "
            "always campaign)"),
+    Option("app_ready_containers", "LEASE_APP_READY_CONTAINERS", "--app-ready-containers",
+           parse_containers, None, "in a pod: campaign only while these containers of the "
+           "own pod are Ready (comma-separated names; unset: always campaign)"),
+    Option("shutdown_handover", "LEASE_SHUTDOWN_HANDOVER", "--shutdown-handover",
+           _choice(SHUTDOWN_HANDOVERS), "off", "in a pod, on SIGTERM: off (release; the "
+           "first standby wins) or youngest-ready (hand over to the youngest Ready pod of "
+           "the lease group)"),
     Option("app_unready_after", "LEASE_APP_UNREADY_AFTER", "--app-unready-after",
            parse_duration, "10s", "with LEASE_APP_READY_URL: a leader whose application "
            "has not answered 2xx for this long hands over", (0.1, 24 * HOUR),
@@ -294,6 +314,8 @@ def _validate(s: Settings, entry: BackendEntry, blame: _Blame, *, dsn_required: 
     store = s.store
     if dsn_required and entry.needs_dsn and not store.dsn:
         raise _error("dsn", f"the {store.backend} backend needs a DSN")
+    if dsn_required:  # a command that connects: its driver must be there
+        load_driver(store.backend)
     if store.replica_dsn and not entry.takes_replica:
         raise _error("replica_dsn", "replica confirmation needs a row backend on a server, "
                      f"not {store.backend}")
@@ -301,6 +323,21 @@ def _validate(s: Settings, entry: BackendEntry, blame: _Blame, *, dsn_required: 
         raise _error("ensure_schema", f"the {store.backend} backend has no table to create")
     if len(s.identity) > MAX_IDENTITY:
         raise _error("identity", f"longer than {MAX_IDENTITY} characters")
+    if s.app_ready_containers and s.app_ready_url:
+        raise _error("app_ready_containers", "give LEASE_APP_READY_URL or this, not both")
+    if s.shutdown_handover != "off":
+        if not (s.pod_name and s.pod_namespace):
+            raise _error("shutdown_handover", "needs POD_NAME and POD_NAMESPACE (the "
+                         "downward API) to find the lease group's pods")
+        if s.pod_label == "off":
+            raise _error("shutdown_handover", "needs the pod label (LEASE_POD_LABEL not "
+                         "off): the group's pods are found by it")
+        if s.identity != s.pod_name:
+            raise _error("shutdown_handover", "needs the identity to be the pod name "
+                         "(LEASE_IDENTITY unset): the successor is named by its pod")
+    if s.app_ready_containers and not (s.pod_name and s.pod_namespace):
+        raise _error("app_ready_containers", "needs POD_NAME and POD_NAMESPACE (the "
+                     "downward API) to find its own pod")
     if entry.min_safety_margin is not None:
         least, why = entry.min_safety_margin
         if s.timing.safety_margin < least:

@@ -64,8 +64,9 @@ log = logging.getLogger("sidecar.elector")
 # API server must not keep a lease that a standby could use (the label is advisory).
 UNPUBLISH_TIMEOUT = 2.0
 # Why a leader hands over on purpose: asked to (POST /handover, ``lease-sidecar
-# handover``), or its application has not been ready for LEASE_APP_UNREADY_AFTER.
-HANDOVER_REASONS = ("request", "app-unready")
+# handover``), its application has not been ready for LEASE_APP_UNREADY_AFTER, or it
+# stops and named a successor (LEASE_SHUTDOWN_HANDOVER, sidecar.rollout).
+HANDOVER_REASONS = ("request", "app-unready", "shutdown")
 
 
 def jittered(seconds: float, spread: float = 0.2) -> float:
@@ -75,10 +76,14 @@ def jittered(seconds: float, spread: float = 0.2) -> float:
 class Elector:
     def __init__(self, lease: Lease, state: LeaseState, timing: Timing, identity: str,
                  publishers: Sequence[Publisher] = (),
-                 sits_out: Callable[[], str | None] | None = None) -> None:
+                 sits_out: Callable[[], str | None] | None = None,
+                 shutdown_successor: Callable[[], Awaitable[str | None]] | None = None
+                 ) -> None:
         self.lease = lease
         # Why this contender must not campaign now (LEASE_APP_READY_URL), None: it may.
         self._sits_out = sits_out
+        # Who should lead after us when we stop (sidecar.rollout); None: nobody named.
+        self._shutdown_successor = shutdown_successor
         self.state = state
         self.timing = timing
         self.identity = identity
@@ -156,9 +161,24 @@ class Elector:
             await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Unpublish and release; safe to call twice and from a cancelled task."""
+        """Unpublish and release; safe to call twice and from a cancelled task. With a
+        successor chooser, name the one it picks first (a hand-over, reason shutdown)."""
         if self.state.facts.holding:
-            await asyncio.shield(self._step_down("shutdown", release=True))
+            await asyncio.shield(self._stop_leading())
+
+    async def _stop_leading(self) -> None:
+        reason = "shutdown"
+        if self._shutdown_successor is not None and not self.state.facts.released:
+            try:
+                async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
+                    to = await self._shutdown_successor()
+            except Exception:
+                to = None
+            if to is not None and to != self.identity:
+                self._handover = ("shutdown", to)
+                reason = f"handed over to {to} (shutdown)"
+                await self._name_successor()
+        await self._step_down(reason, release=True)
 
     async def _acquire_once(self) -> None:
         why_not = self._sits_out() if self._sits_out is not None else None

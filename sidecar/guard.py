@@ -59,8 +59,10 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in (
     "SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGPWR")
     if hasattr(signal, name))
 
-EXIT_NOT_EXECUTABLE = 126
-EXIT_NOT_FOUND = 127
+# sidecar.errors.EXIT_CANNOT_EXECUTE / EXIT_COMMAND_NOT_FOUND: this file runs as a
+# stdlib-only script (python -I -S) and cannot import them; a unit test holds them equal.
+EXIT_CANNOT_EXECUTE = 126
+EXIT_COMMAND_NOT_FOUND = 127
 TICK = 0.02  # how often SIGKILL is repeated until the tree is gone
 # How often the tree is re-scanned for descendants outside the group during the grace (a
 # full /proc scan; exits of our children wake us at once through SIGCHLD anyway).
@@ -185,9 +187,9 @@ class Guard:
             # start-up time (subprocess's imports), and nothing else is inheritable.
             self.worker = os.posix_spawnp(self.cmd[0], self.cmd, os.environ, setpgroup=0)
         except OSError as exc:
-            code = EXIT_NOT_FOUND if exc.errno == errno.ENOENT else EXIT_NOT_EXECUTABLE
+            code = EXIT_COMMAND_NOT_FOUND if exc.errno == errno.ENOENT else EXIT_CANNOT_EXECUTE
             reason = exc.strerror or str(exc)
-            if code == EXIT_NOT_FOUND and "/" not in self.cmd[0]:
+            if code == EXIT_COMMAND_NOT_FOUND and "/" not in self.cmd[0]:
                 reason = "command not found"  # as shells word it for a PATH lookup
             print(f"lease-sidecar: exec: {self.cmd[0]}: {reason}", file=sys.stderr)
             return code

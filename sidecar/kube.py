@@ -70,16 +70,6 @@ def load_credentials(configuration: client.Configuration) -> tuple[str | None, s
                            f"{one_line(exc)}") from None
 
 
-def credentials_problem() -> str | None:
-    """Why :func:`load_credentials` finds no credentials (one line); None if it finds some.
-    Reads files only: it says nothing about whether the apiserver answers."""
-    try:
-        load_credentials(client.Configuration())
-    except BackendError as exc:
-        return str(exc)
-    return None
-
-
 def connect(settings: Settings) -> KubeAccess:
     """The sidecar's API client: credentials by :func:`load_credentials`, no retries."""
     configuration = client.Configuration()

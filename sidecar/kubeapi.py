@@ -132,7 +132,8 @@ def _in_cluster() -> Credentials:
     if not token_file.exists():
         raise CredentialsError(
             f"kubernetes: no usable credentials (KUBECONFIG or in-cluster): "
-            f"no ServiceAccount token at {token_file} (automountServiceAccountToken off?)")
+            f"no ServiceAccount token at {token_file} (the pod mounts no ServiceAccount "
+            f"token: automountServiceAccountToken false?)")
     context = ssl.create_default_context(cafile=str(SERVICE_ACCOUNT_DIR / "ca.crt"))
     namespace_file = SERVICE_ACCOUNT_DIR / "namespace"
     namespace = namespace_file.read_text().strip() if namespace_file.exists() else None
@@ -143,6 +144,8 @@ def _in_cluster() -> Credentials:
 
 
 def _load_document(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"no kubeconfig at {path}")
     text = path.read_text()
     try:
         doc = json.loads(text)

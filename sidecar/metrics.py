@@ -79,7 +79,8 @@ class LeaseCollector(Collector):
         handovers = CounterMetricFamily(
             f"{PREFIX}handovers",
             "deliberate hand-overs by this contender as the leader, by reason (request: "
-            "POST /handover; app-unready: LEASE_APP_UNREADY_AFTER)", labels=["lease", "reason"])
+            "POST /handover; app-unready: LEASE_APP_UNREADY_AFTER; shutdown: "
+            "LEASE_SHUTDOWN_HANDOVER)", labels=["lease", "reason"])
         unready = CounterMetricFamily(
             f"{PREFIX}app_unready_leading_seconds",
             "seconds this contender held the lease while LEASE_APP_READY_URL did not answer "

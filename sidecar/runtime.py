@@ -99,10 +99,16 @@ class Sidecar:
         self.backend = create_backend(self.settings, self.clock)
         self._check_credentials()
         readiness = self._app_readiness()
+        successor = None
+        if self.settings.shutdown_handover == "youngest-ready":
+            from sidecar.rollout import ShutdownSuccessor
+
+            successor = ShutdownSuccessor(self.settings).choose
         for state in self.states:
             elector = Elector(self.backend.lease(state.lease), state, self.settings.timing,
                               self.settings.identity, self.publishers,
-                              sits_out=readiness.why_not if readiness else None)
+                              sits_out=readiness.why_not if readiness else None,
+                              shutdown_successor=successor)
             self.electors[state.lease] = elector
             self._tasks.append(asyncio.create_task(elector.run(), name=f"elector-{state.lease}"))
             if self.settings.work_stall_after is not None:
@@ -117,16 +123,22 @@ class Sidecar:
                                    "http_port": self.http.bound_port})
 
     def _app_readiness(self) -> AppReadiness | None:
-        url = self.settings.app_ready_url
-        if url is None:
+        settings = self.settings
+        pod = None
+        if settings.app_ready_containers and settings.pod_name and settings.pod_namespace:
+            pod = (settings.pod_namespace, settings.pod_name, settings.app_ready_containers)
+            url = f"pod {settings.pod_name}:"
+        elif settings.app_ready_url is not None:
+            url = settings.app_ready_url
+        else:
             return None
 
         def hand_over(name: str) -> bool:
             elector = self.electors.get(name)
             return elector is not None and elector.request_handover(why="app-unready")
 
-        return AppReadiness(url, self.settings.app_unready_after,
-                            self.settings.timing.renew_interval, self.states, hand_over)
+        return AppReadiness(url, settings.app_unready_after, settings.timing.renew_interval,
+                            self.states, hand_over, pod=pod)
 
     async def stop(self) -> None:
         """Unpublish and release every lease, then close everything."""
@@ -187,14 +199,16 @@ class Sidecar:
     def _check_credentials(self) -> None:
         if self.settings.store.backend != "kubernetes":
             return
-        from sidecar.kube import credentials_problem
+        from sidecar.kubeapi import CredentialsError, load_credentials
 
         self._credentials_checked = self.clock.monotonic()
-        problem = credentials_problem()
+        try:
+            load_credentials()  # reads files only: says nothing about the apiserver
+            problem = None
+        except CredentialsError as exc:
+            problem = str(exc)
         if problem and not self._no_credentials:
-            hint = (" (the pod mounts no ServiceAccount token: automountServiceAccountToken "
-                    "false?)" if os.environ.get("KUBERNETES_SERVICE_HOST") else "")
-            self._no_credentials = f"cannot lead: {problem}{hint}"
+            self._no_credentials = f"cannot lead: {problem}"
             log.error("no kubernetes credentials: this sidecar can never lead until it has "
                       "some; /healthz and /readyz answer 503",
                       extra={"reason": self._no_credentials})

@@ -177,6 +177,10 @@ class Settings:
     """Step down when the application has not POSTed ``/heartbeat`` for this long."""
     app_ready_url: str | None = None
     """Campaign only while this URL answers 2xx (None: always)."""
+    app_ready_containers: tuple[str, ...] | None = None
+    """Campaign only while these containers of the own pod are Ready (None: always)."""
+    shutdown_handover: str = "off"
+    """On SIGTERM in a pod: ``off`` or ``youngest-ready`` (:mod:`sidecar.rollout`)."""
     app_unready_after: float = 10.0
     """A leader whose application has not been ready this long hands over."""
     log_level: str = "info"
@@ -209,5 +213,8 @@ class Settings:
             "role": self.role,
             "work_stall_after": self.work_stall_after,
             "app_ready_url": self.app_ready_url,
+            "app_ready_containers": (list(self.app_ready_containers)
+                                     if self.app_ready_containers else None),
             "app_unready_after": self.app_unready_after,
+            "shutdown_handover": self.shutdown_handover,
         }

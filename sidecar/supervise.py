@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from sidecar import guard
+from sidecar.errors import EXIT_CANNOT_EXECUTE, EXIT_COMMAND_NOT_FOUND
 
 log = logging.getLogger("sidecar.exec")
 
@@ -34,14 +35,14 @@ def check_command(argv0: str) -> tuple[int, str] | None:
     """
     if "/" not in argv0:
         if shutil.which(argv0) is None:
-            return guard.EXIT_NOT_FOUND, f"{argv0}: command not found"
+            return EXIT_COMMAND_NOT_FOUND, f"{argv0}: command not found"
         return None
     if not os.path.exists(argv0):
-        return guard.EXIT_NOT_FOUND, f"{argv0}: No such file or directory"
+        return EXIT_COMMAND_NOT_FOUND, f"{argv0}: No such file or directory"
     if os.path.isdir(argv0):
-        return guard.EXIT_NOT_EXECUTABLE, f"{argv0}: Is a directory"
+        return EXIT_CANNOT_EXECUTE, f"{argv0}: Is a directory"
     if not os.access(argv0, os.X_OK):
-        return guard.EXIT_NOT_EXECUTABLE, f"{argv0}: Permission denied"
+        return EXIT_CANNOT_EXECUTE, f"{argv0}: Permission denied"
     return None
 
 

@@ -33,7 +33,7 @@ LEASE_DURATION = 2.0
 CLAIM_HORIZON = 0.1
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
-BACKENDS = ("sqlite", "postgres", "postgres-row")
+BACKENDS = ("sqlite", "postgres", "postgres-row", "kubernetes")
 
 
 def backend_args(backend: str, dsn: str) -> list[str]:
@@ -47,6 +47,10 @@ class Trial:
     target: str
     seconds: float  # request sent -> the target answers 200
     via: str  # "http" or "cli"
+    sent_wall: float = 0.0
+    # From the end of the old leader's last claim to the target's first claim seen by
+    # the recorder: the time nobody led (None: the recorder saw too little).
+    gap: float | None = None
 
 
 @dataclass
@@ -57,21 +61,27 @@ class Run:
     claims: int = 0
 
 
-def handover_cli(leader: SidecarProcess, target: str) -> int:
+def handover_cli(leader: SidecarProcess, target: str, lease: str = "handover") -> int:
     """``lease-sidecar handover --to`` against the leader's endpoint; its exit code."""
     return subprocess.run(
-        [sys.executable, "-m", "sidecar", "handover", "--name", "handover",
+        [sys.executable, "-m", "sidecar", "handover", "--name", lease,
          "--http-addr", f"127.0.0.1:{leader.port}", "--to", target],
         cwd=REPO, capture_output=True, timeout=30).returncode
 
 
 def run_trials(backend: str, dsn: str, workdir: Path, trials: int, seed: int = 21,
-               cli_every: int = 2) -> Run:
-    """``trials`` hand-overs on one backend; every ``cli_every``-th one through the CLI."""
+               cli_every: int = 2, procs: list[SidecarProcess] | None = None,
+               lease: str = "handover", lease_duration: float = LEASE_DURATION) -> Run:
+    """``trials`` hand-overs on one backend; every ``cli_every``-th one through the CLI.
+    ``procs``: sidecars made (not started) by the caller, where they need more than a DSN
+    (the kubernetes backend's pods and credentials)."""
     rng = random.Random(seed)
-    args = backend_args(backend, dsn)
-    procs = [SidecarProcess(workdir, f"{backend}-{i}", args=list(args)).start()
-             for i in range(3)]
+    if procs is None:
+        args = backend_args(backend, dsn)
+        procs = [SidecarProcess(workdir, f"{backend}-{i}", args=list(args))
+                 for i in range(3)]
+    for proc in procs:
+        proc.start()
     run = Run(backend)
     try:
         for proc in procs:
@@ -81,25 +91,38 @@ def run_trials(backend: str, dsn: str, workdir: Path, trials: int, seed: int = 2
                 leader = wait_until(lambda: one_leader(procs, timeout=0.5), timeout=30)
                 # Both standbys campaign again (the previous leader's sit-out is over),
                 # and each has reached its steady wait.
-                time.sleep(LEASE_DURATION + 0.5)
+                time.sleep(lease_duration + 0.5)
                 target = rng.choice([p for p in procs if p is not leader])
                 via = "cli" if cli_every and number % cli_every == 1 else "http"
-                sent = time.monotonic()
+                sent, sent_wall = time.monotonic(), time.time()
                 if via == "cli":
-                    code = handover_cli(leader, target.identity)
+                    code = handover_cli(leader, target.identity, lease)
                     assert code == 0, f"handover CLI exited {code}:\n{leader.logs()[-3000:]}"
                 else:
-                    status = post_json(f"{leader.url}/handover?to={target.identity}")[0]
+                    status = post_json(f"{leader.url}/handover/{lease}?to={target.identity}")[0]
                     assert status == 202, f"POST /handover answered {status}"
                 wait_until(lambda t=target: t.leader(timeout=0.5) == 200, timeout=30,
                            interval=0.002)
                 run.trials.append(Trial(leader.identity, target.identity,
-                                        time.monotonic() - sent, via))
+                                        time.monotonic() - sent, via, sent_wall))
             time.sleep(0.3)
         run.overlaps = len(recorder.overlaps())
         run.claims = len(recorder.claims)
+        for trial in run.trials:
+            trial.gap = leaderless_gap(recorder.claims, trial)
     finally:
         for proc in procs:
             proc.stop()
     return run
 
+
+def leaderless_gap(claims: list[tuple[str, float, float]], trial: Trial) -> float | None:
+    """Seconds between the old leader's last claim running out and the target's first
+    claim, both as the recorder saw them (wall clock of this one host)."""
+    first = min((seen for who, seen, _ in claims
+                 if who == trial.target and seen >= trial.sent_wall), default=None)
+    if first is None:
+        return None
+    last = max((until for who, seen, until in claims
+                if who == trial.leader and seen < first), default=None)
+    return None if last is None else max(0.0, first - last)

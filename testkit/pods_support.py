@@ -107,7 +107,8 @@ poll()
 # --------------------------------------------------------------------------- install
 
 
-def sidecar_image_archive(target: str = "sidecar") -> tuple[Path, str]:
+def sidecar_image_archive(target: str = "sidecar",
+                          digest: str | None = None) -> tuple[Path, str]:
     """One of the project's images (Dockerfile target ``sidecar`` or ``operator``) as
     (docker-archive, ref): built by the image test bed (cached on a hash of its inputs),
     or a prebuilt archive named by ``LEASE_TESTBED_SIDECAR_ARCHIVE=<path>=<ref>``
@@ -118,20 +119,21 @@ def sidecar_image_archive(target: str = "sidecar") -> tuple[Path, str]:
         return Path(path), ref
     from testkit.testbed import image  # the Dockerfile build; heavy, so only when needed
 
-    return image.build_image(target)
+    return image.build_image(target, digest)
 
 
 def load_sidecar_image(cluster: Cluster) -> str:
     """Load both images into the node; the sidecar's ref (the operator's is the same
     with ``-operator`` after the repository, as :func:`install_release` assumes)."""
-    refs = []
-    for target in ("sidecar", "operator"):
-        archive, ref = sidecar_image_archive(target)
-        if ref not in cluster.images():
-            cluster.load_image(archive)
-        refs.append(ref)
-    sidecar, operator = refs
-    assert operator == operator_ref(sidecar), (sidecar, operator)
+    archive, sidecar = sidecar_image_archive("sidecar")
+    if sidecar not in cluster.images():
+        cluster.load_image(archive)
+    archive, operator = sidecar_image_archive("operator", digest=sidecar.rsplit(":", 1)[1])
+    if operator not in cluster.images():
+        cluster.load_image(archive)
+    if operator != operator_ref(sidecar):
+        raise RuntimeError(f"the operator image {operator} is not named after the sidecar "
+                           f"image {sidecar} (LEASE_TESTBED_OPERATOR_ARCHIVE?)")
     return sidecar
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from sidecar.errors import ConfigError
 from sidecar.settings import Settings
 
 
@@ -20,7 +21,7 @@ class OwnPod:
     def of(cls, settings: Settings, needed_by: str) -> OwnPod:
         """``needed_by`` begins the error: "the pod label needs", "pod events need"."""
         if not (settings.pod_name and settings.pod_namespace):
-            raise ValueError(f"{needed_by} POD_NAME and POD_NAMESPACE")
+            raise ConfigError(f"{needed_by} POD_NAME and POD_NAMESPACE")
         return cls(settings.pod_name, settings.pod_namespace)
 
     def pods_path(self, name: str | None = None) -> str:

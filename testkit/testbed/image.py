@@ -539,9 +539,10 @@ def _prune(keep: Path) -> None:
     subprocess.run([*buildah_cmd(), "rmi", "--prune"], capture_output=True, timeout=600)
 
 
-def build_image(target: str = "sidecar") -> ImageArtifact:
+def build_image(target: str = "sidecar", digest: str | None = None) -> ImageArtifact:
     """The image of one Dockerfile target (``sidecar`` or ``operator``), as a
-    docker-archive tar and its ref.
+    docker-archive tar and its ref. ``digest``: tag it so (the other target's digest, so
+    one ref names the other even if the sources changed between the two builds).
 
     Cached on a hash of its inputs: a second call returns in well under a second.
     Raises ImageError (why, and the log's path) if it cannot be built.
@@ -550,7 +551,7 @@ def build_image(target: str = "sidecar") -> ImageArtifact:
     if reason:
         raise ImageError(reason)
     recipe = base_recipe()
-    digest = image_digest(recipe.ref)
+    digest = digest or image_digest(recipe.ref)
     final = _archive_path(digest, target)
     ref = f"{TARGETS[target]}:{digest}"
     if final.exists():

@@ -1,10 +1,12 @@
 """LEASE_APP_READY_URL with real sidecar processes on one SQLite file and real HTTP
-readiness endpoints: an application that never becomes ready never leads, and a leader
+readiness endpoints (and, in a pod, LEASE_APP_READY_CONTAINERS: the own pod's status on
+a real apiserver): an application that never becomes ready never leads, and a leader
 whose application turns unready hands over within LEASE_APP_UNREADY_AFTER + one
 hand-over, with no two overlapping claims."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from testkit.handover import FAST
+from testkit.kube_support import create_pods, install_rbac
 from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 
 UNREADY_AFTER = 1.0
@@ -102,6 +105,57 @@ def test_a_leader_whose_application_turns_unready_hands_over(tmp_path, endpoints
         assert metric(leader, 'lease_sidecar_handovers_total{lease="handover",'
                               'reason="app-unready"}') == 1.0
         assert metric(leader, "lease_sidecar_app_unready_leading_seconds_total") >= 0.5
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+# -- in a pod: LEASE_APP_READY_CONTAINERS, the own pod watched on a real apiserver -------
+
+def container_ready(cp, namespace: str, pod: str, ready: bool) -> None:  # type: ignore[no-untyped-def]
+    """Write the pod's container status as kubelet would (the test bed has no kubelet)."""
+    status = {"containerStatuses": [{
+        "name": "app", "ready": ready, "restartCount": 0, "image": "registry.invalid/app:1",
+        "imageID": "", "started": True, "state": {"running": {"startedAt": None}}}]}
+    cp.kubectl("-n", namespace, "patch", "pod", pod, "--subresource=status",
+               "--type=merge", "-p", json.dumps({"status": status}))
+
+
+@pytest.mark.kube
+def test_in_a_pod_the_app_containers_readiness_decides(control_plane, kube_namespace,
+                                                       tmp_path):  # type: ignore[no-untyped-def]
+    cp, namespace = control_plane, kube_namespace
+    kubeconfig = install_rbac(cp, namespace)
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    for pod in ("pod-a", "pod-b"):
+        container_ready(cp, namespace, pod, False)
+    procs = [SidecarProcess(tmp_path, pod, args=[
+        "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *FAST,
+        "--pod-label", "off", "--app-ready-containers", "app",
+        "--app-unready-after", f"{UNREADY_AFTER}s"],
+        env={"POD_NAME": pod, "POD_NAMESPACE": namespace, "KUBECONFIG": str(kubeconfig)},
+    ).start() for pod in ("pod-a", "pod-b")]
+    try:
+        for proc in procs:
+            proc.wait_http()
+        time.sleep(2.5)  # more than a lease duration: nobody may lead while not Ready
+        assert [p.leader() for p in procs] == [503, 503]
+        reason = get_json(procs[0].url + "/status")[1]["leases"][0]["reason"]
+        assert "container app is not Ready" in reason, reason
+        container_ready(cp, namespace, "pod-a", True)
+        wait_until(lambda: procs[0].leader() == 200, timeout=5)
+        container_ready(cp, namespace, "pod-b", True)
+        time.sleep(0.5)
+        with ClaimRecorder(procs) as recorder:
+            container_ready(cp, namespace, "pod-a", False)
+            turned = time.monotonic()
+            wait_until(lambda: procs[1].leader() == 200, timeout=10, interval=0.01)
+            took = time.monotonic() - turned
+            time.sleep(0.3)
+        assert recorder.overlaps() == []
+        assert UNREADY_AFTER <= took <= UNREADY_AFTER + 0.3 + 1.0, took
+        assert metric(procs[0], 'lease_sidecar_handovers_total{lease="handover",'
+                                'reason="app-unready"}') == 1.0
     finally:
         for proc in procs:
             proc.stop()

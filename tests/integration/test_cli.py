@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+import sidecar
 from sidecar.lease.postgres_advisory.sql import lock_id
 from sidecar.lease.sql.dialect import PostgresDialect, TsqlDialect
 from sidecar.settings import Store
@@ -35,7 +37,7 @@ from testkit.testbed.postgres import PgServer
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
-# /leader's format (sidecar.state.rfc3339): UTC, milliseconds, Z.
+# /leader's format (sidecar.clock.rfc3339): UTC, milliseconds, Z.
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 HEADER = ["LEASE", "HOLDER", "FENCING TOKEN", "EXPIRES"]
 
@@ -68,9 +70,12 @@ def parse_time(text: str) -> float:
 def test_version_is_the_package_version() -> None:
     result = cli("--version")
     assert result.returncode == 0, result.stderr
-    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    assert importlib.metadata.version("lease-sidecar") == declared
-    assert result.stdout.strip() == f"lease-sidecar {declared}"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert importlib.metadata.version("lease-sidecar") == sidecar.__version__
+    assert result.stdout.strip() == f"lease-sidecar {sidecar.__version__}"
+    chart = yaml.safe_load((REPO / "charts/lease-sidecar/Chart.yaml").read_text())
+    assert chart["appVersion"] == sidecar.__version__
 
 
 HOLDING = {"--backend", "--dsn", "--replica-dsn", "--replica-timeout", "--name", "--identity",
@@ -114,6 +119,30 @@ def test_a_flag_of_another_command_is_refused() -> None:
     assert "unrecognized arguments: --lease-duration" in result.stderr
 
 
+def test_a_bad_acquire_timeout_is_named() -> None:
+    result = cli("exec", "--backend", "sqlite", "--name", "x", "--identity", "a",
+                 "--acquire-timeout", "soon", "--", "true")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lease-sidecar: error: --acquire-timeout: "), \
+        lines
+    assert "soon" in lines[0]
+
+
+@pytest.mark.parametrize("command", [["run"], ["exec", "--", "true"]])
+def test_the_pod_label_outside_a_pod_is_not_blamed_on_another_flag(
+        command: list[str], tmp_path: Path) -> None:
+    # Only --acquire-timeout's own parse error names --acquire-timeout.
+    result = cli(*command, env={"LEASE_BACKEND": "sqlite", "LEASE_NAME": "x",
+                                "LEASE_IDENTITY": "a", "LEASE_POD_LABEL": "on",
+                                "LEASE_DSN": str(tmp_path / "l.db"),
+                                "LEASE_STATE_DIR": str(tmp_path / "state"),
+                                "LEASE_HTTP_ADDR": "127.0.0.1:0"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lease-sidecar: error: the pod label needs POD_NAME and POD_NAMESPACE")
+
+
 # -- schema --print needs no DSN ------------------------------------------------------------
 def test_schema_print_needs_no_dsn() -> None:
     result = cli("schema", "--print", "--backend", "postgres-row")
@@ -123,6 +152,46 @@ def test_schema_print_needs_no_dsn() -> None:
     tsql = cli("schema", "--print", "--backend", "sqlserver", "--table", "JobLeases")
     assert tsql.returncode == 0, tsql.stderr
     assert tsql.stdout.strip() == TsqlDialect("lease", "JobLeases").schema_script()
+
+
+# Run as ``python -c``: makes importing one top-level package fail as if it were not
+# installed, then runs the CLI with the remaining arguments.
+WITHOUT = """
+import sys
+missing = sys.argv[1]
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name == missing or name.startswith(missing + "."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Missing())
+from sidecar.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def cli_without(package: str, *args: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEASE_")}
+    return subprocess.run([sys.executable, "-c", WITHOUT, package, *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env=clean)
+
+
+@pytest.mark.parametrize(("backend", "driver", "extra"), [
+    ("postgres-row", "asyncpg", "postgres"), ("sqlserver", "pyodbc", "sqlserver")])
+def test_schema_print_needs_no_driver(backend: str, driver: str, extra: str) -> None:
+    result = cli_without(driver, "schema", "--print", "--backend", backend)
+    assert result.returncode == 0, result.stderr
+    dialect = PostgresDialect() if backend == "postgres-row" else TsqlDialect()
+    assert result.stdout.strip() == dialect.schema_script()
+    # A command that connects still says what is missing, before connecting.
+    dsn = ("postgresql://u@127.0.0.1:1/db" if backend == "postgres-row"
+           else "Server=127.0.0.1,1;Database=db;UID=u;PWD=p")
+    for command in (["schema", "--apply"], ["status"], ["run"]):
+        refused = cli_without(driver, *command, "--backend", backend, "--dsn", dsn)
+        assert refused.returncode == 2, (command, refused.stderr)
+        assert refused.stderr.strip().splitlines() == [
+            f"lease-sidecar: error: LEASE_BACKEND / --backend: the {backend} backend cannot "
+            f"load (No module named '{driver}'); install lease-sidecar[{extra}]"], command
 
 
 def test_schema_apply_still_needs_a_dsn() -> None:

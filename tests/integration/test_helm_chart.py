@@ -511,3 +511,21 @@ def test_leader_service_refuses_a_selector_that_would_reach_other_pods(
     proc = template("r", "ns", values, check=False)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+def test_app_ready_containers_reach_the_sidecar_env() -> None:
+    docs = documents(template("r", "ns", [
+        "example.enabled=true", "lease.appReadyContainers={app,worker}",
+        "lease.appUnreadyAfter=5s", "lease.shutdownHandover=youngest-ready"]).stdout)
+    deployment = find(docs, "Deployment", "-example")
+    container = next(c for c in deployment["spec"]["template"]["spec"]["initContainers"]
+                     if c["name"] == "lease-sidecar")
+    env = env_map(container)
+    assert env["LEASE_APP_READY_CONTAINERS"] == "app,worker"
+    assert env["LEASE_APP_UNREADY_AFTER"] == "5s"
+    assert env["LEASE_SHUTDOWN_HANDOVER"] == "youngest-ready"
+    default = documents(template("r", "ns", ["example.enabled=true"]).stdout)
+    container = next(c for c in find(default, "Deployment", "-example")["spec"]["template"]
+                     ["spec"]["initContainers"] if c["name"] == "lease-sidecar")
+    assert "LEASE_APP_READY_CONTAINERS" not in env_map(container)
+    assert "LEASE_SHUTDOWN_HANDOVER" not in env_map(container)

@@ -70,7 +70,7 @@ def test_waiter_cap_answers_at_once_with_the_true_claim(leader: SidecarProcess) 
             sock = connect(leader.port)
             sock.sendall(request)
             parked.append(sock)
-        wait_until(lambda: f"lease_http_waiters {MAX_WAITERS}.0" in str(
+        wait_until(lambda: f"lease_sidecar_http_waiters {MAX_WAITERS}.0" in str(
             get_json(leader.url + "/metrics")[1]), timeout=10)
         # One more: answered at once, with the leader's true claim, marked as not parked.
         started = time.monotonic()
@@ -123,7 +123,7 @@ def test_connection_cap_answers_503_retry_after(leader: SidecarProcess) -> None:
     wait_until(served, timeout=5)
     metrics = get_json(leader.url + "/metrics")[1]
     refused = next(float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith('lease_http_refused_total{bound="connections"}'))
+                   if line.startswith('lease_sidecar_http_refused_total{bound="connections"}'))
     assert 1 + seen["refused"] <= refused <= 1 + seen["refused"] + seen["unanswered"], (
         refused, seen)
 

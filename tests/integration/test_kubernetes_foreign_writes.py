@@ -44,6 +44,21 @@ def trio(control_plane: ControlPlane, kube_namespace: str,
     yield from sidecars_in_pods(control_plane, kube_namespace, tmp_path, kubeconfig, PODS)
 
 
+# A Lease as helm (or kubectl) creates it: no spec.
+EMPTY = json.dumps({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": OBJECT}})
+
+
+def chart_role(cp: ControlPlane, namespace: str) -> Path:
+    """deploy/rbac.yaml without create on Leases, as the chart's Role; its kubeconfig."""
+    docs = list(yaml.safe_load_all(rbac_manifest()))
+    role = next(d for d in docs if d["kind"] == "Role")
+    role["rules"] = [r for r in role["rules"] if r.get("verbs") != ["create"]
+                     or "leases" not in r["resources"]]
+    cp.kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    return cp.service_account_kubeconfig(namespace, "lease-sidecar", create=False)
+
+
 def assert_safe(trial: Trial) -> None:
     assert trial.overlaps == 0, trial
     assert trial.token_regressions == 0, trial
@@ -104,17 +119,8 @@ def test_deleted_with_the_charts_role_until_helm_brings_it_back(
     at once anyway (its watch saw the deletion; a renew would be refused 403, 'forbidden
     to update'), nobody leads until the object is back, and when it comes back empty, as
     ``helm upgrade`` re-creates it, the next term's token outranks the deleted object's."""
-    docs = list(yaml.safe_load_all(rbac_manifest()))
-    role = next(d for d in docs if d["kind"] == "Role")
-    role["rules"] = [r for r in role["rules"] if r.get("verbs") != ["create"]
-                     or "leases" not in r["resources"]]
-    control_plane.kubectl("-n", kube_namespace, "apply", "-f", "-",
-                          input=yaml.safe_dump_all(docs))
-    kubeconfig = control_plane.service_account_kubeconfig(kube_namespace, "lease-sidecar",
-                                                          create=False)
-    empty = json.dumps({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                        "metadata": {"name": OBJECT}})
-    control_plane.kubectl("-n", kube_namespace, "create", "-f", "-", input=empty)
+    kubeconfig = chart_role(control_plane, kube_namespace)
+    control_plane.kubectl("-n", kube_namespace, "create", "-f", "-", input=EMPTY)
     started = sidecars_in_pods(control_plane, kube_namespace, tmp_path, kubeconfig, PODS)
     procs = next(started)
     try:
@@ -124,7 +130,7 @@ def test_deleted_with_the_charts_role_until_helm_brings_it_back(
         assert trial.stepped_down_s is not None and trial.stepped_down_s < 2.0, trial
         assert leaders(procs) == []
         time.sleep(1.0)  # helm upgrade comes later
-        control_plane.kubectl("-n", kube_namespace, "create", "-f", "-", input=empty)
+        control_plane.kubectl("-n", kube_namespace, "create", "-f", "-", input=EMPTY)
         leader = wait_until(lambda: leaders(procs), timeout=10)[0]
         token = int(get_json(leader.url + "/leader")[1]["fencing_token"])
         assert token > before and token == lease_token(control_plane, kube_namespace)
@@ -133,6 +139,34 @@ def test_deleted_with_the_charts_role_until_helm_brings_it_back(
         assert "backend forbidden" in standby_logs
     finally:
         started.close()  # stops the sidecars
+
+
+def test_a_standby_failing_with_backoff_wakes_on_the_watch(
+    control_plane: ControlPlane, kube_namespace: str, tmp_path: Path
+) -> None:
+    """While its calls fail (here: 403, no create, while the Lease is missing) a standby
+    backs off up to the lease duration, but once one renew interval has passed its watch
+    wakes it when the Lease changes: it leads well within one backoff of the Lease coming
+    back (without the watch: anywhere up to 3.6 s later)."""
+    kubeconfig = chart_role(control_plane, kube_namespace)
+    create_pods(control_plane, kube_namespace, "pod-a")
+    proc = sidecar(tmp_path, "pod-a", kube_namespace, kubeconfig, "--pod-label", "off")
+    proc.start()
+    try:
+        proc.wait_http()
+        for _ in range(2):
+            time.sleep(4.5)  # 403s, backing off to the lease duration (3 s, jittered)
+            assert proc.leader() == 503
+            made = time.monotonic()
+            control_plane.kubectl("-n", kube_namespace, "create", "-f", "-", input=EMPTY)
+            wait_until(lambda: proc.leader(timeout=0.5) == 200, timeout=6, interval=0.01)
+            took = time.monotonic() - made
+            assert took < 1.0, f"led {took:.2f}s after the Lease came back"
+            control_plane.kubectl("-n", kube_namespace, "delete", "lease", OBJECT)
+            wait_until(lambda: proc.leader(timeout=0.5) == 503, timeout=3)
+        assert "backend forbidden" in proc.logs()
+    finally:
+        proc.stop()
 
 
 def test_a_token_edited_down_by_hand_does_not_go_back(

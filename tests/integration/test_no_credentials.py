@@ -51,10 +51,10 @@ def test_without_credentials_healthz_and_readyz_say_it_can_never_lead(
             pytest.skip(f"{TOKEN} exists here: this machine is a pod with a token")
         # In a pod whose spec says automountServiceAccountToken: false.
         env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "1"}
-        cause = "Service token file does not exist"
+        cause = f"no ServiceAccount token at {TOKEN}"
     else:
         env = {"KUBECONFIG": str(tmp_path / "missing-kubeconfig")}
-        cause = "No configuration found"
+        cause = f"no kubeconfig at {tmp_path / 'missing-kubeconfig'}"
     proc = _sidecar(tmp_path, env)
     try:
         probes = _probes(proc)

@@ -22,6 +22,7 @@ from testkit.kube_support import (
     install_rbac,
     leaders,
     lease_spec,
+    lease_token,
     role_column,
     sidecar,
 )
@@ -80,7 +81,8 @@ def test_kubectl_shows_one_leader_the_standbys_and_the_api_pod(
     until = note.pop("valid_until")  # the term's first claim, for the operator
     assert until > spec["acquireTime"]
     assert note == {"lease": "jobs", "identity": leader.identity, "role": "leader",
-                    "fencing_token": spec["leaseTransitions"], "backend": "kubernetes",
+                    "fencing_token": lease_token(control_plane, kube_namespace),
+                    "backend": "kubernetes",
                     "object": "lease-sidecar.jobs"}
     assert meta["labels"]["lease-sidecar/group"] == "lease-sidecar.jobs"
     api = pod(control_plane, kube_namespace, API_POD)["metadata"]

@@ -579,3 +579,21 @@ def test_app_readiness_is_off_unless_a_url_is_given():
 ])
 def test_a_bad_readiness_setting_fails_naming_it(env: dict[str, str], named: str):
     assert error(**env).startswith(named)
+
+
+@pytest.mark.parametrize(("env", "problem"), [
+    ({}, "needs POD_NAME and POD_NAMESPACE"),
+    ({"POD_NAME": "web-0", "POD_NAMESPACE": "apps", "LEASE_POD_LABEL": "off"},
+     "needs the pod label"),
+    ({"POD_NAME": "web-0", "POD_NAMESPACE": "apps", "LEASE_IDENTITY": "other"},
+     "needs the identity to be the pod name"),
+])
+def test_shutdown_handover_needs_the_pod_and_its_group(env: dict[str, str], problem: str):
+    message = error(LEASE_SHUTDOWN_HANDOVER="youngest-ready", **env)
+    assert message.startswith("LEASE_SHUTDOWN_HANDOVER / --shutdown-handover: ")
+    assert problem in message
+
+
+def test_shutdown_handover_in_a_pod():
+    s = load(LEASE_SHUTDOWN_HANDOVER="youngest-ready", POD_NAME="web-0", POD_NAMESPACE="apps")
+    assert s.shutdown_handover == "youngest-ready" and load().shutdown_handover == "off"

@@ -136,3 +136,38 @@ async def test_a_hand_over_is_its_own_event(why: str, kind: str):
     last = occurrences[-1]
     assert last is not None and (last.reason, last.type) == ("LeaseHandedOver", kind)
     assert "handed over to web-1" in last.note
+
+
+def pod(name: str, created: str, ready: bool = True, deleting: bool = False) -> dict:  # type: ignore[type-arg]
+    meta = {"name": name, "creationTimestamp": created}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:10:00Z"
+    return {"metadata": meta, "status": {"conditions": [
+        {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_the_successor_is_the_youngest_ready_pod_that_stays():
+    from sidecar.rollout import youngest_ready
+
+    pods = [pod("web-old", "2026-01-01T00:00:00Z"), pod("web-me", "2026-01-01T00:09:00Z"),
+            pod("web-new", "2026-01-01T00:05:00Z"),
+            pod("web-newer", "2026-01-01T00:06:00Z", ready=False),
+            pod("web-going", "2026-01-01T00:07:00Z", deleting=True)]
+    assert youngest_ready(pods, own="web-me") == "web-new"
+    assert youngest_ready([pod("web-me", "2026-01-01T00:09:00Z")], own="web-me") is None
+
+
+async def test_on_shutdown_the_chosen_successor_is_named_first():
+    lease = HintLease(FakeClock())
+    state = LeaseState(lease="jobs", identity="web-0", role="all",
+                       claim_horizon=TIMING.claim_horizon, clock=lease.clock)
+
+    async def choose() -> str | None:
+        return "web-2"
+
+    elector = Elector(lease, state, TIMING, "web-0", shutdown_successor=choose)
+    await elector._acquire_once()
+    await elector.shutdown()
+    assert names(lease)[-2:] == [f"hand_to web-2 {TIMING.lease_duration}", "release"]
+    assert state.facts.reason == "handed over to web-2 (shutdown)"
+    assert state.handovers == {"shutdown": 1}

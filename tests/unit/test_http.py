@@ -245,8 +245,8 @@ async def test_other_endpoints_and_errors():
         assert (await client.post("/release/nope")).status == 404
         # Bound-related metrics are served too.
         metrics = await (await client.get("/metrics")).text()
-        assert "lease_http_waiters 0.0" in metrics
-        assert 'lease_http_refused_total{bound="connections"} 0.0' in metrics
+        assert "lease_sidecar_http_waiters 0.0" in metrics
+        assert 'lease_sidecar_http_refused_total{bound="connections"} 0.0' in metrics
     finally:
         await client.close()
 
@@ -405,7 +405,7 @@ async def test_waiter_cap_answers_at_once_with_the_true_state() -> None:
         states[0].update(holder="someone-else")  # a change of the answer wakes them
         await asyncio.wait_for(asyncio.gather(*parked), 2)
         metrics = await (await client.get("/metrics")).text()
-        assert 'lease_http_refused_total{bound="waiters"} 2.0' in metrics
+        assert 'lease_sidecar_http_refused_total{bound="waiters"} 2.0' in metrics
     finally:
         await client.close()
 

@@ -13,13 +13,14 @@ import re
 from typing import Any
 
 import prometheus_client
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar import __version__
 from sidecar.elector import Elector
 from sidecar.lease import Grant
 from sidecar.metrics import registry_for
+from sidecar.publish.http.limits import Limits, LimitsCollector
 from sidecar.settings import Timing
 from sidecar.state import LeaseState
 from testkit.support import REPO
@@ -35,9 +36,17 @@ def make(clock: FakeClock, lease: Any) -> tuple[Elector, LeaseState]:
     return Elector(lease, state, TIMING, "me"), state
 
 
+def served(states: list[LeaseState]) -> CollectorRegistry:
+    """What a sidecar's /metrics serves: the lease and process collectors, and the HTTP
+    endpoint's bounds (registered by sidecar.publish.http.app)."""
+    registry = registry_for(states)
+    registry.register(LimitsCollector(Limits()))
+    return registry
+
+
 def scrape(states: list[LeaseState]) -> dict[str, float]:
     """Every sample as ``name{label="v",...}`` (labels sorted) -> value."""
-    text = generate_latest(registry_for(states)).decode()
+    text = generate_latest(served(states)).decode()
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -48,7 +57,7 @@ def scrape(states: list[LeaseState]) -> dict[str, float]:
 
 def families(states: list[LeaseState]) -> dict[str, str]:
     """Exposed family names (counters with their ``_total``) -> type."""
-    text = generate_latest(registry_for(states)).decode()
+    text = generate_latest(served(states)).decode()
     return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
 
 

@@ -159,6 +159,18 @@ env:
     value: {{ .Values.lease.claimHorizon | quote }}
   - name: LEASE_POD_LABEL
     value: {{ .Values.lease.podLabel | quote }}
+  {{- with .Values.lease.appReadyContainers }}
+  - name: LEASE_APP_READY_CONTAINERS
+    value: {{ join "," . | quote }}
+  {{- end }}
+  {{- if ne (.Values.lease.shutdownHandover | default "off") "off" }}
+  - name: LEASE_SHUTDOWN_HANDOVER
+    value: {{ .Values.lease.shutdownHandover | quote }}
+  {{- end }}
+  {{- with .Values.lease.appUnreadyAfter }}
+  - name: LEASE_APP_UNREADY_AFTER
+    value: {{ . | quote }}
+  {{- end }}
   - name: LEASE_HTTP_ADDR
     value: {{ include "lease-sidecar.httpAddr" . | quote }}
   - name: LEASE_STATE_DIR

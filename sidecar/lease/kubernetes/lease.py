@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -98,13 +99,15 @@ class KubeLease:
                     "Lease so that it is created anew"))
             wanted = replace(current, holder=self._identity, duration=self._duration,
                              transitions=count, acquire_time=now, renew_time=now)
+        # Before the write: the watch may deliver our own write before its reply does.
+        highest = self._highest
         try:
             if current is None:
                 written = await api.create(self._object, wanted)
-                if written.token() <= self._highest:
+                if written.token() <= highest:
                     # Re-created within the second the deleted object was created in.
                     written = await api.replace(self._object, replace(
-                        written, transitions=self._highest - written.token(0) + 1))
+                        written, transitions=highest - written.token(0) + 1))
             else:
                 written = await api.replace(self._object, wanted)
         except Conflict:
@@ -168,7 +171,7 @@ class KubeLease:
         if mine is None or self._ended:
             return
         api = await self._connected()
-        base = self._latest_ours(mine)
+        base = self._unpreferred(self._latest_ours(mine))
         for _ in range(2):
             now = micro_time(self._clock.wall())
             released = replace(base, holder="", duration=1, transitions=mine.transitions,
@@ -181,7 +184,33 @@ class KubeLease:
                 if not self._is_ours(current, mine):
                     return  # already someone else's: nothing of ours to give back
                 assert current is not None
-                base = current
+                base = self._unpreferred(current)
+
+    # -- the Successor capability (sidecar.lease.Successor) ----------------------------
+    async def hand_to(self, identity: str, bound: float) -> None:
+        """Name the next holder in ``spec.preferredHolder`` of our own Lease, the field
+        client-go's coordinated election reads. The release keeps it, and standbys of
+        either kind that it does not name defer to it for at most one lease duration
+        (:meth:`.expiry.Observer.free_in`; that is ``bound`` here). The apiserver drops
+        the field unless its CoordinatedLeaderElection gate is on: the hand-over then goes
+        on unnamed (the first standby wins)."""
+        mine = self._mine
+        if mine is None or self._ended:
+            return
+        api = await self._connected()
+        named = preferring(self._latest_ours(mine), identity)
+        self._preferred_at_start = identity  # our own wish, not a request to end our term
+        self._holding(await api.replace(self._object, self._renewed(named, mine)))
+
+    async def handing_to_other(self) -> str | None:
+        """None: ``try_acquire`` itself defers to a ``preferredHolder`` that names someone
+        else, whoever wrote it (a client-go coordinator or a sidecar's hand-over)."""
+        return None
+
+    def _unpreferred(self, record: Record) -> Record:
+        """A release clears a ``preferredHolder`` naming us: it has been served, and left
+        in place it would hold every standby back for a lease duration."""
+        return preferring(record, "") if record.preferred_holder == self._identity else record
 
     async def describe(self) -> Holder:
         record = await self._read(await self._connected())
@@ -299,3 +328,16 @@ class KubeLease:
                 loop.call_soon_threadsafe(self._observe, record)
 
         self._watch = self._api.watch(self._object, deliver)
+
+
+def preferring(record: Record, holder: str) -> Record:
+    """``record`` with ``spec.preferredHolder`` set to ``holder`` ("" removes it). The
+    apiserver wants a ``strategy`` beside it; ours is client-go's only one."""
+    source = copy.deepcopy(record.source)
+    spec = source.setdefault("spec", {})
+    if holder:
+        spec["preferredHolder"] = holder
+        spec.setdefault("strategy", "OldestEmulationVersion")
+    else:
+        spec.pop("preferredHolder", None)
+    return replace(record, preferred_holder=holder, source=source)

@@ -61,11 +61,11 @@ class LimitsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         limits = self._limits
-        yield GaugeMetricFamily("lease_http_connections", "open HTTP connections",
+        yield GaugeMetricFamily("lease_sidecar_http_connections", "open HTTP connections",
                                 value=limits.open_connections())
-        yield GaugeMetricFamily("lease_http_waiters", "parked blocking queries",
+        yield GaugeMetricFamily("lease_sidecar_http_waiters", "parked blocking queries",
                                 value=limits.waiters)
-        refused = CounterMetricFamily("lease_http_refused",
+        refused = CounterMetricFamily("lease_sidecar_http_refused",
                                       "requests turned away by a bound", labels=["bound"])
         refused.add_metric(["connections"], limits.refused_connections)
         refused.add_metric(["waiters"], limits.waits_refused)

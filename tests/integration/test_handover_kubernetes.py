@@ -1,0 +1,135 @@
+"""Deliberate hand-over on the kubernetes backend, with a real kube-apiserver whose
+CoordinatedLeaderElection gate is on (without it the apiserver drops
+``spec.preferredHolder``): the leader writes the named standby into ``preferredHolder``,
+then steps down as on SIGTERM; the other standbys defer to it (:mod:`sidecar.lease.
+kubernetes.expiry`), sidecars and client-go electors alike. No two overlapping claims.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from testkit.clientgo_support import GoElector
+from testkit.kube_support import (
+    create_pods,
+    install_rbac,
+    leaders,
+    lease_spec,
+    sidecar,
+    sidecars_in_pods,
+)
+from testkit.support import ClaimRecorder, SidecarProcess, post_json, wait_until
+from testkit.testbed import gobuild
+from testkit.testbed.kube import ControlPlane, ControlPlaneError
+
+pytestmark = pytest.mark.kube
+
+PODS = ("pod-a", "pod-b", "pod-c")
+LEASE_DURATION = 3.0  # testkit.kube_support.FAST
+CLAIM_HORIZON = 0.25  # the default
+# Two claim horizons, plus the round trips (preferredHolder, release, acquire through the
+# watch) on a 2-core machine shared with other tests.
+BOUND = 2 * CLAIM_HORIZON + 1.0
+
+
+@pytest.fixture(scope="module")
+def coordinated() -> Iterator[ControlPlane]:
+    cp = ControlPlane(apiserver_extra_args=[
+        "--feature-gates=CoordinatedLeaderElection=true",
+        "--runtime-config=coordination.k8s.io/v1beta1=true"])
+    try:
+        cp.start()
+    except (gobuild.BuildError, ControlPlaneError) as exc:
+        cp.stop()
+        pytest.fail(f"kube test bed with CoordinatedLeaderElection did not start:\n{exc}",
+                    pytrace=False)
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+def only_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
+    found = leaders(procs)
+    return found[0] if len(found) == 1 else None
+
+
+def test_the_named_standby_leads_and_a_later_sigterm_is_not_held_back(
+        coordinated: ControlPlane, tmp_path: Path) -> None:
+    namespace = coordinated.create_namespace()
+    kubeconfig = install_rbac(coordinated, namespace)
+    started = sidecars_in_pods(coordinated, namespace, tmp_path, kubeconfig, PODS)
+    procs = next(started)
+    rng = random.Random(21)
+    try:
+        with ClaimRecorder(procs) as recorder:
+            for _ in range(2):
+                leader = wait_until(lambda: only_leader(procs), timeout=15)
+                time.sleep(LEASE_DURATION + 0.5)  # both standbys campaign again
+                target = rng.choice([p for p in procs if p is not leader])
+                sent = time.monotonic()
+                status = post_json(f"{leader.url}/handover?to={target.identity}")[0]
+                assert status == 202
+                wait_until(lambda t=target: t.leader() == 200, timeout=10, interval=0.01)
+                took = time.monotonic() - sent
+                assert took <= BOUND, f"the named standby led {took:.2f}s after the request"
+                assert lease_spec(coordinated, namespace)["preferredHolder"] == target.identity
+            # The served preference must not hold the next SIGTERM hand-over back by a
+            # lease duration: the release clears a preferredHolder naming the releaser.
+            holder = wait_until(lambda: only_leader(procs), timeout=5)
+            holder.signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            rest = [p for p in procs if p is not holder]
+            wait_until(lambda: only_leader(rest), timeout=10, interval=0.01)
+            assert time.monotonic() - stopped < 1.5
+            time.sleep(0.3)
+        assert recorder.overlaps() == []
+        assert "preferredHolder" not in lease_spec(coordinated, namespace)
+    finally:
+        started.close()
+
+
+@pytest.fixture(scope="module")
+def clientgo_binary() -> Path:
+    try:
+        return gobuild.ensure_binary("clientgo-elector")
+    except gobuild.BuildError as exc:
+        pytest.fail(f"clientgo-elector could not be built: {exc}", pytrace=False)
+
+
+def test_a_clientgo_elector_as_the_named_target(
+        coordinated: ControlPlane, clientgo_binary: Path, tmp_path: Path) -> None:
+    """The other sidecar defers to the client-go elector named; client-go (polling every
+    100 ms) leads only after the sidecar's last claim ran out."""
+    namespace = coordinated.create_namespace()
+    kubeconfig = install_rbac(coordinated, namespace, ("lease-sidecar.interop",))
+    create_pods(coordinated, namespace, "pod-a", "pod-b")
+    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
+                     lease="interop") for pod in ("pod-a", "pod-b")]
+    go = GoElector(clientgo_binary, tmp_path, "go-1", namespace, kubeconfig)
+    try:
+        for proc in procs:
+            proc.start()
+        holder = wait_until(lambda: only_leader(procs), timeout=15)
+        go.start()
+        time.sleep(1.0)  # client-go is a standby now
+        with ClaimRecorder(procs) as recorder:
+            sent = time.time()
+            assert post_json(f"{holder.url}/handover/interop?to=go-1")[0] == 202
+            wait_until(go.leading, timeout=10, interval=0.01)
+            time.sleep(0.5)
+        started = go.first("started")
+        assert started is not None
+        assert started["at"] - sent <= BOUND + 0.2, started["at"] - sent  # its 100 ms poll
+        assert max(until for _, _, until in recorder.claims) <= started["at"]
+        assert leaders(procs) == []
+    finally:
+        go.stop()
+        for proc in procs:
+            proc.stop()

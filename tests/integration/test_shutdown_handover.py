@@ -1,0 +1,67 @@
+"""LEASE_SHUTDOWN_HANDOVER=youngest-ready with real sidecar processes (SQLite lease) whose
+pods live on a real apiserver (Pod objects; their status written as kubelet would): on
+SIGTERM the leader hands the lease to the youngest *Ready* pod of its group, although a
+younger pod that is not Ready campaigns too; no two overlapping claims."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from testkit.handover import FAST
+from testkit.kube_support import create_pods, install_rbac, role_column
+from testkit.support import ClaimRecorder, SidecarProcess, wait_until
+from testkit.testbed.kube import ControlPlane
+
+pytestmark = pytest.mark.kube
+
+
+def pod_ready(cp: ControlPlane, namespace: str, pod: str, ready: bool) -> None:
+    status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    cp.kubectl("-n", namespace, "patch", "pod", pod, "--subresource=status",
+               "--type=merge", "-p", json.dumps({"status": status}))
+
+
+def test_sigterm_hands_over_to_the_youngest_ready_pod(
+        control_plane: ControlPlane, kube_namespace: str, tmp_path: Path) -> None:
+    cp, namespace = control_plane, kube_namespace
+    kubeconfig = install_rbac(cp, namespace)
+    for pod in ("pod-a", "pod-b", "pod-c"):  # creationTimestamp has whole seconds
+        create_pods(cp, namespace, pod)
+        time.sleep(1.1)
+    pod_ready(cp, namespace, "pod-b", True)
+    pod_ready(cp, namespace, "pod-c", False)  # the youngest, but not Ready
+
+    def start(pod: str) -> SidecarProcess:
+        return SidecarProcess(tmp_path, pod, args=[
+            "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *FAST,
+            "--pod-label", "on", "--shutdown-handover", "youngest-ready"],
+            env={"POD_NAME": pod, "POD_NAMESPACE": namespace,
+                 "KUBECONFIG": str(kubeconfig)}).start()
+
+    leader = start("pod-a")
+    procs = [leader]
+    try:
+        wait_until(lambda: leader.leader() == 200, timeout=15)
+        procs += [start("pod-b"), start("pod-c")]
+        wait_until(lambda: role_column(cp, namespace) == {
+            "pod-a": "leader", "pod-b": "standby", "pod-c": "standby"}, timeout=15)
+        time.sleep(0.5)
+        with ClaimRecorder(procs) as recorder:
+            leader.signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            wait_until(lambda: procs[1].leader() == 200, timeout=10, interval=0.01)
+            took = time.monotonic() - stopped
+            time.sleep(0.5)
+            assert procs[2].leader() == 503
+        assert leader.proc is not None and leader.proc.wait(10) == 0
+        assert recorder.overlaps() == []
+        assert took < 1.5, took
+        assert "handed over to pod-b (shutdown)" in leader.logs()
+    finally:
+        for proc in procs:
+            proc.stop()
