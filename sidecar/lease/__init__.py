@@ -194,6 +194,10 @@ class BackendEntry:
     # when names is None, where the backend can list them); raises NotFound when the store
     # itself does not exist.
     list_leases: ListLeases | None = None
+    # Imports the client library the backend connects with, where the module defining
+    # ENTRY leaves it out so that ``schema --print`` works without it; ImportError when it
+    # is missing. Called by config loading for every command that connects.
+    load_driver: Callable[[], object] | None = None
 
 
 # backend name -> (module under sidecar.lease defining ENTRY, pip extra it needs)
@@ -214,13 +218,29 @@ def backend_entry(backend: str) -> BackendEntry:
 
     A backend whose library is missing raises ConfigError naming the extra to install.
     """
-    module, extra = _MODULES[backend]
+    module, _ = _MODULES[backend]
     try:
         entry: BackendEntry = importlib.import_module(f"sidecar.lease.{module}").ENTRY
     except ImportError as exc:
-        raise ConfigError(f"LEASE_BACKEND / --backend: the {backend} backend cannot load "
-                          f"({exc}); install lease-sidecar[{extra or 'all'}]") from None
+        raise _cannot_load(backend, exc) from None
     return entry
+
+
+def load_driver(backend: str) -> None:
+    """Import the library ``backend`` connects with, before anything connects: ConfigError
+    naming the extra to install when it is missing."""
+    load = backend_entry(backend).load_driver
+    if load is not None:
+        try:
+            load()
+        except ImportError as exc:
+            raise _cannot_load(backend, exc) from None
+
+
+def _cannot_load(backend: str, exc: ImportError) -> ConfigError:
+    extra = _MODULES[backend][1]
+    return ConfigError(f"LEASE_BACKEND / --backend: the {backend} backend cannot load "
+                       f"({exc}); install lease-sidecar[{extra or 'all'}]")
 
 
 def create_backend(settings: Settings, clock: Clock) -> Backend:
