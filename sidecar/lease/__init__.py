@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,6 +49,10 @@ class Grant:
     # ``preferredHolder``), so it steps down as on SIGTERM — unpublish, wait out its
     # claims, then ``release`` — instead of just stopping.
     release: bool = False
+    # With ``held`` false: a live holder has this contender's identity (a second process
+    # with the same identity; identities must be unique). The elector counts these into
+    # the state: the metric ``lease_sidecar_duplicate_identity_total``.
+    duplicate_identity: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,12 +157,6 @@ class Backend(Protocol):
     def lease(self, name: str) -> Lease: ...
 
     async def close(self) -> None: ...
-
-
-# (identity, lease) -> acquire attempts that found a live lease under our identity while
-# we did not hold it: a second process with the same identity. Exported as the metric
-# ``lease_sidecar_duplicate_identity_total`` by :mod:`sidecar.metrics`.
-duplicate_identity: Counter[tuple[str, str]] = Counter()
 
 
 ListLeases = Callable[[Settings, "tuple[str, ...] | None"], Awaitable["list[LeaseInfo]"]]
