@@ -202,7 +202,7 @@ _MODULES: dict[str, tuple[str, str | None]] = {
     "postgres": ("postgres_advisory", "postgres"),
     "postgres-row": ("postgres_row", "postgres"),
     "sqlserver": ("sqlserver", "sqlserver"),
-    "kubernetes": ("kubernetes", "kubernetes"),
+    "kubernetes": ("kubernetes", None),  # sidecar.kubeapi: aiohttp, a core dependency
 }
 
 BACKENDS = tuple(_MODULES)
