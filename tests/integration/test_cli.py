@@ -423,7 +423,7 @@ def test_status_kubernetes_reads_and_never_creates_a_lease(
         # Listing every Lease needs list without resourceNames, which this Role lacks:
         # one line saying so, exit 1.
         listed = status()
-        assert listed.returncode == 1 and "cannot list resource" in listed.stderr
+        assert listed.returncode == 1 and "forbidden to list leases in namespace" in listed.stderr
         assert len(listed.stderr.strip().splitlines()) == 1
 
         missing = status("--name", "nosuch")
