@@ -203,7 +203,7 @@ def test_schema_apply_still_needs_a_dsn() -> None:
 
 # -- status on SQLite ------------------------------------------------------------------------
 @pytest.fixture
-def holder(tmp_path: Path):  # type: ignore[no-untyped-def]
+def holder(tmp_path: Path):
     """One real sidecar holding ``jobs`` and ``reports`` in a SQLite file."""
     proc = SidecarProcess(tmp_path, "node-a", args=["--dsn", str(tmp_path / "leases.db"),
                                                     "--name", "jobs,reports", *FAST]).start()
@@ -280,7 +280,7 @@ def test_expired_lease_exists_but_is_free(holder: SidecarProcess, tmp_path: Path
     """SIGKILL leaves the row behind: the lease exists, nobody holds it once it expires."""
     token = leader_body(holder, "jobs")["fencing_token"]
     holder.signal(signal.SIGKILL)
-    holder.proc.wait(5)  # type: ignore[union-attr]
+    holder.proc.wait(5)  # type: ignore[union-attr]  # the fixture started it
     db = str(tmp_path / "leases.db")
 
     def expired() -> subprocess.CompletedProcess[str] | None:
@@ -301,7 +301,7 @@ def test_released_lease_has_no_row_and_is_unknown(holder: SidecarProcess,
                                                   tmp_path: Path) -> None:
     """SIGTERM releases, and release deletes the row: nothing is left to show."""
     holder.signal(signal.SIGTERM)
-    assert holder.proc.wait(10) == 0  # type: ignore[union-attr]
+    assert holder.proc.wait(10) == 0  # type: ignore[union-attr]  # the fixture started it
     db = str(tmp_path / "leases.db")
     listing = cli("status", "--dsn", db)
     assert listing.returncode == 0, listing.stderr
