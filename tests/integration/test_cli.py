@@ -82,7 +82,9 @@ HOLDING = {"--backend", "--dsn", "--replica-dsn", "--replica-timeout", "--name",
            "--key-prefix", "--lease-duration", "--renew-interval", "--renew-deadline",
            "--safety-margin", "--claim-horizon", "--http-addr", "--state-dir", "--role",
            "--schema", "--table", "--odbc-driver", "--pod-label", "--log-level",
-           "--work-stall-after", "--help"}
+           "--work-stall-after", "--ensure-schema", "--app-ready-url", "--app-unready-after",
+           "--app-ready-containers", "--shutdown-handover",
+           "--help"}
 FLAGS = {
     "run": HOLDING,
     "exec": HOLDING | {"--grace", "--acquire-timeout"},
