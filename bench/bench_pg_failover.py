@@ -57,6 +57,7 @@ async def run_one(backend: str, style: str, failovers: int, seed: int,
         "token_problems": token_problems(result.recorder.spans),
         "violations": verdict.violations,
         "terms": len({(s.identity, s.token) for s in result.recorder.spans}),
+        "log_tracebacks": sum(m.process.logs().count("Traceback") for m in result.members),
         "leaderless_gap": summary([g["leaderless"] for g in measured]) if measured else None,
         "promotion_to_claim": (summary([g["promotion_to_claim"] for g in measured])
                                if measured else None),
@@ -69,8 +70,9 @@ def line(report: dict[str, Any]) -> str:
     gap, promo = report["leaderless_gap"] or {}, report["promotion_to_claim"] or {}
     return (f"| {report['backend']} | {report['style']} | {report['failovers']} | "
             f"{report['handovers_during_lag']} | {report['overlaps']} | "
-            f"{len(report['token_problems'])} | {gap.get('p50_ms')} / {gap.get('p99_ms')} / "
-            f"{gap.get('max_ms')} | {promo.get('p50_ms')} / {promo.get('max_ms')} |")
+            f"{len(report['token_problems'])} | {report['log_tracebacks']} | "
+            f"{gap.get('p50_ms')} / {gap.get('p99_ms')} / {gap.get('max_ms')} | "
+            f"{promo.get('p50_ms')} / {promo.get('max_ms')} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     timing = Timing()
     reports = []
     print("| backend | connection | failovers | handovers in lag | overlaps | token "
-          "problems | leaderless gap ms p50 / p99 / max | promotion → claim ms p50 / max |")
-    print("|---|---|---:|---:|---:|---:|---|---|")
+          "problems | tracebacks | leaderless gap ms p50 / p99 / max | promotion → claim ms "
+          "p50 / max |")
+    print("|---|---|---:|---:|---:|---:|---:|---|---|")
     for backend in args.backends.split(","):
         for style in args.styles.split(","):
             _, report = asyncio.run(run_one(backend, style, args.failovers, args.seed,
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             reports.append(report)
             print(line(report), flush=True)
     ok = all(r["overlaps"] == 0 and not r["token_problems"] and not r["violations"]
-             and r["failovers"] >= args.failovers for r in reports)
+             and r["failovers"] >= args.failovers and r["log_tracebacks"] == 0
+             for r in reports)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": "python -m bench.bench_pg_failover " + shlex.join(argv),

@@ -29,7 +29,7 @@ from typing import Any
 from sidecar.dsn import DsnError
 from sidecar.durations import format_duration, parse_duration
 from sidecar.errors import ConfigError
-from sidecar.lease import BACKENDS, BackendEntry, backend_entry
+from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
 from sidecar.lease.sql.dialect import validate_identifier
 from sidecar.redact import remember_secrets
 from sidecar.settings import MAX_IDENTITY, Settings, Store, Timing, TimingError
@@ -314,6 +314,8 @@ def _validate(s: Settings, entry: BackendEntry, blame: _Blame, *, dsn_required: 
     store = s.store
     if dsn_required and entry.needs_dsn and not store.dsn:
         raise _error("dsn", f"the {store.backend} backend needs a DSN")
+    if dsn_required:  # a command that connects: its driver must be there
+        load_driver(store.backend)
     if store.replica_dsn and not entry.takes_replica:
         raise _error("replica_dsn", "replica confirmation needs a row backend on a server, "
                      f"not {store.backend}")

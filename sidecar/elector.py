@@ -386,6 +386,8 @@ class Elector:
             return None
         self.state.observe_call(what, self._clock.monotonic() - started,
                                 "held" if result.held else "refused")
+        if result.duplicate_identity:
+            self.state.duplicate_identity += 1
         if not self.state.facts.backend_ok:
             if self._failures:
                 log.info("backend reachable again", extra={

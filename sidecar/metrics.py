@@ -23,7 +23,6 @@ from prometheus_client.registry import Collector
 
 from sidecar import __version__
 from sidecar.elector import HANDOVER_REASONS
-from sidecar.lease import duplicate_identity
 from sidecar.state import LeaseState
 from sidecar.stats import OPERATIONS, OUTCOMES
 
@@ -109,7 +108,7 @@ class LeaseCollector(Collector):
                 handovers.add_metric([state.lease, reason], state.handovers.get(reason, 0))
             unready.add_metric(lease, state.unready_leading_seconds)
             changes.add_metric(lease, facts.version)
-            duplicates.add_metric(lease, duplicate_identity[(state.identity, state.lease)])
+            duplicates.add_metric(lease, state.duplicate_identity)
             for (op, outcome), histogram in state.stats.histograms.items():
                 # 16 lines per histogram, most of a scrape's cost: the rarer outcomes
                 # appear with their first call, "held" always.

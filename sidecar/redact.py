@@ -62,6 +62,10 @@ _KEY_VALUE = re.compile(
 
 # Bare passwords of the configured DSNs; short ones would mask ordinary words.
 _MIN_REMEMBERED = 4
+# Process-wide on purpose: a password must be masked in every line this process writes —
+# the JSON log formatter, exception text from any library, /status, the CLI's errors —
+# and those reach redact() through no object we could hand a set to. Written once, by
+# config loading; tests reset it with forget_secrets().
 _remembered: set[str] = set()
 
 

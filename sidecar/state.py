@@ -110,6 +110,8 @@ class LeaseState:
     # Seconds this contender held the lease while its application was not ready
     # (LEASE_APP_READY_URL), summed over terms: the cost the option bounds.
     unready_leading_seconds: float = 0.0
+    # Acquire attempts that found a live holder with this contender's identity.
+    duplicate_identity: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _encoded_key: tuple[int, bool, int | None] | None = None
     _encoded: bytes = b""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,6 +49,10 @@ class Grant:
     # ``preferredHolder``), so it steps down as on SIGTERM — unpublish, wait out its
     # claims, then ``release`` — instead of just stopping.
     release: bool = False
+    # With ``held`` false: a live holder has this contender's identity (a second process
+    # with the same identity; identities must be unique). The elector counts these into
+    # the state: the metric ``lease_sidecar_duplicate_identity_total``.
+    duplicate_identity: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def successor_of(lease: Lease) -> Successor | None:
     """The lease's :class:`Successor` capability, or None where its backend has none."""
     if callable(getattr(lease, "hand_to", None)) and callable(
             getattr(lease, "handing_to_other", None)):
-        return lease  # type: ignore[return-value]
+        return lease  # type: ignore[return-value]  # the checks above are the Protocol
     return None
 
 
@@ -154,12 +157,6 @@ class Backend(Protocol):
     def lease(self, name: str) -> Lease: ...
 
     async def close(self) -> None: ...
-
-
-# (identity, lease) -> acquire attempts that found a live lease under our identity while
-# we did not hold it: a second process with the same identity. Exported as the metric
-# ``lease_sidecar_duplicate_identity_total`` by :mod:`sidecar.metrics`.
-duplicate_identity: Counter[tuple[str, str]] = Counter()
 
 
 ListLeases = Callable[[Settings, "tuple[str, ...] | None"], Awaitable["list[LeaseInfo]"]]
@@ -194,6 +191,10 @@ class BackendEntry:
     # when names is None, where the backend can list them); raises NotFound when the store
     # itself does not exist.
     list_leases: ListLeases | None = None
+    # Imports the client library the backend connects with, where the module defining
+    # ENTRY leaves it out so that ``schema --print`` works without it; ImportError when it
+    # is missing. Called by config loading for every command that connects.
+    load_driver: Callable[[], object] | None = None
 
 
 # backend name -> (module under sidecar.lease defining ENTRY, pip extra it needs)
@@ -214,13 +215,29 @@ def backend_entry(backend: str) -> BackendEntry:
 
     A backend whose library is missing raises ConfigError naming the extra to install.
     """
-    module, extra = _MODULES[backend]
+    module, _ = _MODULES[backend]
     try:
         entry: BackendEntry = importlib.import_module(f"sidecar.lease.{module}").ENTRY
     except ImportError as exc:
-        raise ConfigError(f"LEASE_BACKEND / --backend: the {backend} backend cannot load "
-                          f"({exc}); install lease-sidecar[{extra or 'all'}]") from None
+        raise _cannot_load(backend, exc) from None
     return entry
+
+
+def load_driver(backend: str) -> None:
+    """Import the library ``backend`` connects with, before anything connects: ConfigError
+    naming the extra to install when it is missing."""
+    load = backend_entry(backend).load_driver
+    if load is not None:
+        try:
+            load()
+        except ImportError as exc:
+            raise _cannot_load(backend, exc) from None
+
+
+def _cannot_load(backend: str, exc: ImportError) -> ConfigError:
+    extra = _MODULES[backend][1]
+    return ConfigError(f"LEASE_BACKEND / --backend: the {backend} backend cannot load "
+                       f"({exc}); install lease-sidecar[{extra or 'all'}]")
 
 
 def create_backend(settings: Settings, clock: Clock) -> Backend:

@@ -15,15 +15,23 @@ at their retry interval (see :mod:`sidecar.lease.sql.asyncpg_driver`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sidecar.dsn import check_postgres_url
-from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
 from sidecar.lease.sql.dialect import PostgresDialect
 from sidecar.lease.sql.entry import SqlRowEntry
 from sidecar.settings import Store
 
+if TYPE_CHECKING:
+    from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
+
 
 def _driver(store: Store, dsn: str, timeout: float, label: str) -> AsyncpgDriver:
+    # Imported on first use: ``schema --print`` shows the DDL without asyncpg installed.
+    from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
+
     return AsyncpgDriver(dsn, timeout=timeout, label=label)
 
 
-ENTRY = SqlRowEntry("postgres-row", PostgresDialect, _driver, check_postgres_url).entry()
+ENTRY = SqlRowEntry("postgres-row", PostgresDialect, _driver, check_postgres_url,
+                    "sidecar.lease.sql.asyncpg_driver").entry()

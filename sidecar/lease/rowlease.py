@@ -8,8 +8,9 @@ statements; this module holds the rules that are the same everywhere:
   only called while we do not hold the lease, so such a row belongs to a second process
   with our identity (or to our previous term, whose release failed). Refreshing it, as
   a re-entrant acquire would, gives two processes the same lease and the same token; we
-  wait for it to expire instead, log a warning once and count it
-  (``lease_sidecar_duplicate_identity_total``). An acquire while holding is a renew;
+  wait for it to expire instead, log a warning once and say so in the Grant (the
+  elector counts it: ``lease_sidecar_duplicate_identity_total``). An acquire while
+  holding is a renew;
 - renew only touches a row we own that has not expired, by the database's clock, and
   (PostgreSQL) still carries the version of our last write: after a promotion a row that
   is missing or older than our last write means the lease is lost (fail closed);
@@ -35,7 +36,7 @@ from typing import Protocol
 
 from sidecar.clock import Clock, SystemClock
 from sidecar.errors import BackendError
-from sidecar.lease import Grant, Holder, duplicate_identity
+from sidecar.lease import Grant, Holder
 from sidecar.settings import Settings, Timing
 
 log = logging.getLogger("sidecar.lease")
@@ -161,7 +162,6 @@ class RowLease:
         if sent < self._own_row_until:
             return Grant(held=False, holder=row.owner,
                          reason="our previous term's row has not expired yet")
-        duplicate_identity[(self._owner, self.name)] += 1
         if not self._duplicate_warned:
             self._duplicate_warned = True
             log.warning("another live holder has our identity; not taking the lease over "
@@ -169,7 +169,7 @@ class RowLease:
                             "lease": self.name, "identity": self._owner,
                             "expires_at": row.expires_at.isoformat() if row.expires_at
                             else None})
-        return Grant(held=False, holder=row.owner,
+        return Grant(held=False, holder=row.owner, duplicate_identity=True,
                      reason="held by another process with our identity")
 
     async def try_renew(self) -> Grant:

@@ -13,16 +13,24 @@ when the connection string names none.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sidecar.dsn import check_odbc
 from sidecar.lease.sql.dialect import TsqlDialect
 from sidecar.lease.sql.entry import SqlRowEntry
-from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 from sidecar.settings import Store
+
+if TYPE_CHECKING:
+    from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 
 
 def _driver(store: Store, dsn: str, timeout: float, label: str) -> PyodbcDriver:
+    # Imported on first use: ``schema --print`` shows the DDL without pyodbc installed.
+    from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
+
     return PyodbcDriver(dsn, odbc_driver=store.odbc_driver, login_timeout=timeout,
                         query_timeout=timeout, label=label)
 
 
-ENTRY = SqlRowEntry("sqlserver", TsqlDialect, _driver, check_odbc).entry()
+ENTRY = SqlRowEntry("sqlserver", TsqlDialect, _driver, check_odbc,
+                    "sidecar.lease.sql.pyodbc_driver").entry()

@@ -82,7 +82,9 @@ HOLDING = {"--backend", "--dsn", "--replica-dsn", "--replica-timeout", "--name",
            "--key-prefix", "--lease-duration", "--renew-interval", "--renew-deadline",
            "--safety-margin", "--claim-horizon", "--http-addr", "--state-dir", "--role",
            "--schema", "--table", "--odbc-driver", "--pod-label", "--log-level",
-           "--work-stall-after", "--help"}
+           "--work-stall-after", "--ensure-schema", "--app-ready-url", "--app-unready-after",
+           "--app-ready-containers", "--shutdown-handover",
+           "--help"}
 FLAGS = {
     "run": HOLDING,
     "exec": HOLDING | {"--grace", "--acquire-timeout"},
@@ -154,6 +156,46 @@ def test_schema_print_needs_no_dsn() -> None:
     assert tsql.stdout.strip() == TsqlDialect("lease", "JobLeases").schema_script()
 
 
+# Run as ``python -c``: makes importing one top-level package fail as if it were not
+# installed, then runs the CLI with the remaining arguments.
+WITHOUT = """
+import sys
+missing = sys.argv[1]
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name == missing or name.startswith(missing + "."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Missing())
+from sidecar.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def cli_without(package: str, *args: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LEASE_")}
+    return subprocess.run([sys.executable, "-c", WITHOUT, package, *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env=clean)
+
+
+@pytest.mark.parametrize(("backend", "driver", "extra"), [
+    ("postgres-row", "asyncpg", "postgres"), ("sqlserver", "pyodbc", "sqlserver")])
+def test_schema_print_needs_no_driver(backend: str, driver: str, extra: str) -> None:
+    result = cli_without(driver, "schema", "--print", "--backend", backend)
+    assert result.returncode == 0, result.stderr
+    dialect = PostgresDialect() if backend == "postgres-row" else TsqlDialect()
+    assert result.stdout.strip() == dialect.schema_script()
+    # A command that connects still says what is missing, before connecting.
+    dsn = ("postgresql://u@127.0.0.1:1/db" if backend == "postgres-row"
+           else "Server=127.0.0.1,1;Database=db;UID=u;PWD=p")
+    for command in (["schema", "--apply"], ["status"], ["run"]):
+        refused = cli_without(driver, *command, "--backend", backend, "--dsn", dsn)
+        assert refused.returncode == 2, (command, refused.stderr)
+        assert refused.stderr.strip().splitlines() == [
+            f"lease-sidecar: error: LEASE_BACKEND / --backend: the {backend} backend cannot "
+            f"load (No module named '{driver}'); install lease-sidecar[{extra}]"], command
+
+
 def test_schema_apply_still_needs_a_dsn() -> None:
     result = cli("schema", "--apply", "--backend", "postgres-row")
     assert result.returncode == 2
@@ -163,7 +205,7 @@ def test_schema_apply_still_needs_a_dsn() -> None:
 
 # -- status on SQLite ------------------------------------------------------------------------
 @pytest.fixture
-def holder(tmp_path: Path):  # type: ignore[no-untyped-def]
+def holder(tmp_path: Path):
     """One real sidecar holding ``jobs`` and ``reports`` in a SQLite file."""
     proc = SidecarProcess(tmp_path, "node-a", args=["--dsn", str(tmp_path / "leases.db"),
                                                     "--name", "jobs,reports", *FAST]).start()
@@ -240,7 +282,7 @@ def test_expired_lease_exists_but_is_free(holder: SidecarProcess, tmp_path: Path
     """SIGKILL leaves the row behind: the lease exists, nobody holds it once it expires."""
     token = leader_body(holder, "jobs")["fencing_token"]
     holder.signal(signal.SIGKILL)
-    holder.proc.wait(5)  # type: ignore[union-attr]
+    holder.proc.wait(5)  # type: ignore[union-attr]  # the fixture started it
     db = str(tmp_path / "leases.db")
 
     def expired() -> subprocess.CompletedProcess[str] | None:
@@ -261,7 +303,7 @@ def test_released_lease_has_no_row_and_is_unknown(holder: SidecarProcess,
                                                   tmp_path: Path) -> None:
     """SIGTERM releases, and release deletes the row: nothing is left to show."""
     holder.signal(signal.SIGTERM)
-    assert holder.proc.wait(10) == 0  # type: ignore[union-attr]
+    assert holder.proc.wait(10) == 0  # type: ignore[union-attr]  # the fixture started it
     db = str(tmp_path / "leases.db")
     listing = cli("status", "--dsn", db)
     assert listing.returncode == 0, listing.stderr

@@ -258,11 +258,11 @@ def test_fields_we_do_not_own_survive_acquire_renew_and_release(
                      "annotations": annotations, "ownerReferences": owners},
         "spec": {**foreign_spec, "leaseTransitions": 41}}))
 
-    def lease() -> dict:  # type: ignore[type-arg]
+    def lease() -> dict:
         return json.loads(cp.kubectl("-n", namespace, "get", "lease", "lease-sidecar.jobs",
                                      "-o", "json").stdout)
 
-    def assert_kept(obj: dict, when: str) -> None:  # type: ignore[type-arg]
+    def assert_kept(obj: dict, when: str) -> None:
         meta, spec = obj["metadata"], obj["spec"]
         assert meta.get("labels") == labels, when
         assert annotations.items() <= (meta.get("annotations") or {}).items(), when

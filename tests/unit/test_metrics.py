@@ -90,6 +90,25 @@ async def test_round_trips_are_timed_by_operation_and_outcome():
     assert samples['lease_sidecar_transitions_total{event="released",lease="jobs"}'] == 0
 
 
+class TwinHolds(FakeLease):
+    """Another live process with our identity holds the lease (as RowLease reports it)."""
+
+    async def try_acquire(self) -> Grant:
+        return Grant(held=False, holder="me", duplicate_identity=True,
+                     reason="held by another process with our identity")
+
+
+async def test_acquires_refused_for_our_own_identity_are_counted_per_state():
+    clock = FakeClock()
+    elector, state = make(clock, TwinHolds(clock))
+    _, other = make(clock, FakeLease(clock))
+    await elector._acquire_once()
+    await elector._acquire_once()
+    samples = scrape([state])
+    assert samples['lease_sidecar_duplicate_identity_total{lease="jobs"}'] == 2
+    assert other.duplicate_identity == 0  # no process-wide count leaks into another state
+
+
 class HangingRenew(FakeLease):
     """Grants the acquire; every renew hangs until the elector gives up on it."""
 

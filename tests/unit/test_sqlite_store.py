@@ -106,8 +106,6 @@ def test_sqlite_dsn_forms():
 
 
 async def test_a_second_process_with_our_identity_is_refused_and_counted(tmp_path):
-    from sidecar.lease import duplicate_identity
-
     first = SqliteStore(str(tmp_path / "l.db"), "leases")
     second = SqliteStore(str(tmp_path / "l.db"), "leases")  # the twin "process"
     try:
@@ -115,12 +113,11 @@ async def test_a_second_process_with_our_identity_is_refused_and_counted(tmp_pat
                           duration=0.6, safety_margin=0.1)
         twin = RowLease(second, name="twins", key="p.twins", owner="same",
                         duration=0.6, safety_margin=0.1)
-        before = duplicate_identity[("same", "twins")]
         held = await holder.try_acquire()
         assert held.held
         refused = await twin.try_acquire()
         assert not refused.held and refused.holder == "same"
-        assert duplicate_identity[("same", "twins")] == before + 1
+        assert refused.duplicate_identity
         assert (await holder.try_renew()).held  # the twin did not touch the row
         await asyncio.sleep(0.8)
         taken = await twin.try_acquire()  # expired: now it is a new term
@@ -131,8 +128,6 @@ async def test_a_second_process_with_our_identity_is_refused_and_counted(tmp_pat
 
 
 async def test_our_own_unreleased_row_is_not_a_duplicate(tmp_path):
-    from sidecar.lease import duplicate_identity
-
     store = SqliteStore(str(tmp_path / "l.db"), "leases")
     try:
         mine = RowLease(store, name="solo", key="p.solo", owner="me", duration=0.6,
@@ -141,7 +136,7 @@ async def test_our_own_unreleased_row_is_not_a_duplicate(tmp_path):
         mine._token = None  # as after a step-down whose release failed
         again = await mine.try_acquire()
         assert not again.held and "previous term" in again.reason
-        assert duplicate_identity[("me", "solo")] == 0
+        assert not again.duplicate_identity
     finally:
         await store.close()
 

@@ -211,10 +211,16 @@ def test_cli_prints_the_tsql_script_without_connecting() -> None:
     ("sqlserver", "pyodbc", "asyncpg"), ("postgres-row", "asyncpg", "pyodbc")])
 def test_each_sql_backend_imports_its_own_driver_only(backend: str, own: str,
                                                       other: str) -> None:
-    """The two share one entry builder; loading one must not load the other's library."""
-    probe = ("import json, sys; from sidecar.lease import backend_entry; "
-             f"backend_entry({backend!r}); print(json.dumps(sorted(sys.modules)))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            timeout=30, check=True)
-    loaded = {name.split(".")[0] for name in json.loads(result.stdout)}
-    assert own in loaded and other not in loaded
+    """The two share one entry builder; loading one must not load the other's library.
+    The entry alone loads neither (``schema --print`` needs no driver); ``load_driver``,
+    which config loading calls for every command that connects, loads its own."""
+    def loaded(call: str) -> set[str]:
+        probe = ("import json, sys; from sidecar.lease import backend_entry, load_driver; "
+                 f"{call}({backend!r}); print(json.dumps(sorted(sys.modules)))")
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                                text=True, timeout=30, check=True)
+        return {name.split(".")[0] for name in json.loads(result.stdout)}
+
+    assert not {own, other} & loaded("backend_entry")
+    with_driver = loaded("load_driver")
+    assert own in with_driver and other not in with_driver

@@ -101,13 +101,15 @@ class KubeLease:
                     "Lease so that it is created anew"))
             wanted = replace(current, holder=self._identity, duration=self._duration,
                              transitions=count, acquire_time=now, renew_time=now)
+        # Before the write: the watch may deliver our own write before its reply does.
+        highest = self._highest
         try:
             if current is None:
                 written = await api.create(self._object, wanted)
-                if written.token() <= self._highest:
+                if written.token() <= highest:
                     # Re-created within the second the deleted object was created in.
                     written = await api.replace(self._object, replace(
-                        written, transitions=self._highest - written.token(0) + 1))
+                        written, transitions=highest - written.token(0) + 1))
             else:
                 written = await api.replace(self._object, wanted)
         except Conflict:

@@ -7,6 +7,7 @@ stores for the primary and the replica, the leases, provisioning, ``status`` —
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,12 +49,18 @@ class SqlRowEntry:
     driver: DriverFactory
     # The syntax check of LEASE_DSN and LEASE_REPLICA_DSN.
     check_dsn: Callable[[str], None]
+    # The module of the driver: ``driver`` imports it on first use, so the dialect's DDL
+    # prints without the client library (``schema --print``).
+    driver_module: str
 
     def entry(self) -> BackendEntry:
         return BackendEntry(create=self.create, needs_dsn=True, takes_replica=True,
                             check_dsn=self.check_dsn, validate=check_names,
                             schema_sql=self.schema_sql, apply_schema=self.apply_schema,
-                            list_leases=self.list_leases)
+                            list_leases=self.list_leases, load_driver=self.load_driver)
+
+    def load_driver(self) -> object:
+        return importlib.import_module(self.driver_module)
 
     def store(self, settings: Settings, dsn: str, replica: bool = False) -> SqlRowStore:
         label = f"{self.backend} replica" if replica else self.backend
