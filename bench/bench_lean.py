@@ -175,7 +175,7 @@ def watch_fanout(cp: ControlPlane, workdir: Path, size: int, changes: int = 3
             old.signal(signal.SIGTERM)
             rest = [p for p in procs if p is not old and p.proc and p.proc.poll() is None]
             wait_until(lambda r=rest: leaders(r), timeout=30)
-            old.proc.wait(10)  # type: ignore[union-attr]
+            old.proc.wait(10)  # type: ignore[union-attr]  # a started process
             time.sleep(3)  # the label writes and their deliveries
             procs = rest
         after = counter_sum(metrics(cp), "apiserver_watch_events_total", ("leases", "pods"))

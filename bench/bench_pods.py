@@ -128,7 +128,7 @@ def resources(cluster: Cluster, ns: str) -> dict[str, Any]:
     for role in ("leader", "standby"):
         names = [n for n in pods if table.get(n) == role]
         rows = [s for n in names for s in samples[n]]
-        cgroup_cpu = [(int(paths[n].read_text()) - start[n]) / 1e9 / elapsed * 100  # type: ignore[union-attr]
+        cgroup_cpu = [(int(paths[n].read_text()) - start[n]) / 1e9 / elapsed * 100  # type: ignore[union-attr]  # paths only for found cgroups
                       for n in names if n in start]
         out[role] = {
             "pods": len(names),

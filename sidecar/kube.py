@@ -1,15 +1,11 @@
-"""Access to the Kubernetes API through the ``kubernetes`` client, for the parts of
-lease-sidecar that carry it: the ``kubernetes`` backend's transport (for now), the
-injector and the operator. The pod label and the pod Events use the sidecar's own small
+"""Credentials for the ``kubernetes`` client and kopf, in the operator and the injector
+only. The sidecar process (the backend, the pod label, the pod Events) uses its own small
 client, :mod:`sidecar.kubeapi`, which follows the same rule.
 
 One rule for where credentials come from (:func:`load_credentials`), so every part talks
 to the same cluster as the same ServiceAccount: an explicit ``KUBECONFIG`` wins; else,
 inside a pod, the mounted ServiceAccount token (in-cluster config); else
 ``~/.kube/config``.
-
-The namespace is ``POD_NAMESPACE``, else the kubeconfig context's (or the mounted
-ServiceAccount's) namespace, else ``default``.
 
 Imported only by Kubernetes code paths: it imports the ``kubernetes`` client.
 """
@@ -19,31 +15,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from sidecar.errors import BackendError
-from sidecar.settings import Settings
 
 if TYPE_CHECKING:
     import kopf
 
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-# (connect, read) seconds for one request: a hung apiserver must fail a call, not park
-# a worker thread forever. Watches set their own, longer read timeout.
-REQUEST_TIMEOUT = (3.0, 5.0)
-
-
-@dataclass(frozen=True)
-class KubeAccess:
-    api: client.ApiClient
-    namespace: str
-    source: str  # "kubeconfig <path>" or "in-cluster", for logs
 
 
 def load_credentials(configuration: client.Configuration) -> tuple[str | None, str]:
@@ -70,20 +54,6 @@ def load_credentials(configuration: client.Configuration) -> tuple[str | None, s
                            f"{one_line(exc)}") from None
 
 
-def connect(settings: Settings) -> KubeAccess:
-    """The sidecar's API client: credentials by :func:`load_credentials`, no retries."""
-    configuration = client.Configuration()
-    namespace, source = load_credentials(configuration)
-    # The elector retries on its own schedule; urllib3's silent retries would only
-    # stretch one call past the deadlines the elector computes.
-    configuration.retries = False
-    api = client.ApiClient(configuration)
-    api.user_agent = "lease-sidecar"
-    return KubeAccess(api=api,
-                      namespace=settings.pod_namespace or namespace or "default",
-                      source=source)
-
-
 def one_line(exc: BaseException) -> str:
     """A short, single-line description of a client error (never a response body dump)."""
     if isinstance(exc, ApiException):
@@ -94,31 +64,6 @@ def one_line(exc: BaseException) -> str:
         text = str(exc)
     text = " ".join(text.split())
     return (text[:200] + "…") if len(text) > 200 else (text or type(exc).__name__)
-
-
-def request(api: client.ApiClient, method: str, path: str, body: Any = None,
-            content_type: str = "application/json",
-            timeout: tuple[float, float] = REQUEST_TIMEOUT) -> dict[str, Any]:
-    """One API call with plain JSON in and out; raises ``ApiException`` on non-2xx.
-
-    The generated client validates bodies into pydantic models and re-serialises
-    datetimes with ``isoformat()``, which drops a zero fraction that the apiserver's
-    MicroTime format requires; sending and reading plain JSON keeps every field exactly
-    as the apiserver wrote it (and skips model building on the hot path).
-    """
-    headers = {"Accept": "application/json"}
-    if body is not None:
-        headers["Content-Type"] = content_type
-    serialized = api.param_serialize(method=method, resource_path=path, header_params=headers,
-                                     body=body, auth_settings=["BearerToken"])
-    response = api.call_api(*serialized, _request_timeout=timeout)
-    # read() returns the body bytes (the client declares it untyped).
-    data = cast(bytes, response.read())
-    if not 200 <= response.status <= 299:
-        raise ApiException.from_response(http_resp=response,
-                                         body=data.decode(errors="replace"), data=None)
-    document: dict[str, Any] = json.loads(data)
-    return document
 
 
 def kopf_connection(configuration: client.Configuration,

@@ -95,6 +95,7 @@ class Credentials:
     ssl: ssl.SSLContext | bool
     token: str | None = None
     token_file: Path | None = None
+    insecure: bool = False  # insecure-skip-tls-verify: the apiserver is not authenticated
     _read_at: float = field(default=-float("inf"), repr=False)
 
     def bearer(self, fresh: bool = False) -> str | None:
@@ -193,7 +194,8 @@ def _from_kubeconfig(path: Path, source: str) -> Credentials:
         if cluster.get("tls-server-name"):
             raise ValueError("tls-server-name in the kubeconfig is not supported")
         _load_client_cert(tls, user, base)
-    creds = Credentials(server, context.get("namespace"), source, tls)
+    creds = Credentials(server, context.get("namespace"), source, tls,
+                        insecure=bool(cluster.get("insecure-skip-tls-verify")))
     if user.get("token"):
         creds.token = user["token"]
     elif user.get("tokenFile"):

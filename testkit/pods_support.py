@@ -373,7 +373,7 @@ class PodObserver:
         assert self._watch is not None and self._watch.stdout is not None
         decoder = json.JSONDecoder()
         buffer = ""
-        for chunk in iter(lambda: self._watch.stdout.readline(), ""):  # type: ignore[union-attr]
+        for chunk in iter(lambda: self._watch.stdout.readline(), ""):  # type: ignore[union-attr]  # stdout=PIPE
             buffer += chunk
             while buffer.strip():
                 try:

@@ -180,7 +180,7 @@ def one_leader(procs: list[SidecarProcess], timeout: float = 3.0) -> SidecarProc
     return found[0] if len(found) == 1 else None
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.02):  # type: ignore[no-untyped-def]
+def wait_until(predicate, timeout: float, interval: float = 0.02):
     """Poll ``predicate`` until it returns something truthy; return it or raise."""
     deadline = time.monotonic() + timeout
     while True:

@@ -137,7 +137,7 @@ def _authority_key_id(ca: x509.Certificate) -> x509.AuthorityKeyIdentifier:
         # A CA's key signs, so it is never one of the key-agreement types (X25519, X448)
         # that widen public_key()'s declared type beyond what an issuer can have.
         return x509.AuthorityKeyIdentifier.from_issuer_public_key(
-            ca.public_key())  # type: ignore[arg-type]
+            ca.public_key())  # type: ignore[arg-type]  # see the comment above
     return x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski)
 
 

@@ -136,7 +136,7 @@ def successor_of(lease: Lease) -> Successor | None:
     """The lease's :class:`Successor` capability, or None where its backend has none."""
     if callable(getattr(lease, "hand_to", None)) and callable(
             getattr(lease, "handing_to_other", None)):
-        return lease  # type: ignore[return-value]
+        return lease  # type: ignore[return-value]  # the checks above are the Protocol
     return None
 
 
@@ -203,7 +203,7 @@ _MODULES: dict[str, tuple[str, str | None]] = {
     "postgres": ("postgres_advisory", "postgres"),
     "postgres-row": ("postgres_row", "postgres"),
     "sqlserver": ("sqlserver", "sqlserver"),
-    "kubernetes": ("kubernetes", "kubernetes"),
+    "kubernetes": ("kubernetes", None),  # sidecar.kubeapi: aiohttp, a core dependency
 }
 
 BACKENDS = tuple(_MODULES)

@@ -164,7 +164,7 @@ def fencing_violations(spans: list[Span]) -> list[str]:
     term: tuple[str, int] | None = None  # the current run of one identity and token
     best: tuple[int, str] | None = None  # the largest token seen so far, and its owner
     for span in sorted((s for s in spans if s.token is not None), key=lambda s: s.start):
-        token = int(span.token)  # type: ignore[arg-type]
+        token = int(span.token)  # type: ignore[arg-type]  # filtered to tokens above
         if (span.identity, token) == term:
             continue
         term = (span.identity, token)

@@ -127,7 +127,7 @@ def log(msg: str) -> None:
 
 
 def _kube_ldflags(version: str) -> tuple[str, ...]:
-    major, minor = re.match(r"v(\d+)\.(\d+)\.", version).groups()  # type: ignore[union-attr]
+    major, minor = re.match(r"v(\d+)\.(\d+)\.", version).groups()  # type: ignore[union-attr]  # versions are vX.Y.Z
     build_date = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     values = {
         "gitVersion": version,

@@ -408,5 +408,5 @@ class HostLock:
 
     def release(self) -> None:
         if self._fh is not None:
-            self._fh.close()  # type: ignore[attr-defined]
+            self._fh.close()  # type: ignore[attr-defined]  # a file once not None
             self._fh = None

@@ -161,7 +161,7 @@ def issue_cert(
         sans: list[x509.GeneralName] = [x509.DNSName(n) for n in server_names]
         sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips]
         builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    cert = builder.sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]  # the CA key signs
     pair = CertPair(directory / f"{stem}.crt", directory / f"{stem}.key")
     pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_key(key, pair.key)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 SECONDS = float(os.environ.get("CHAOS_SECONDS", "110"))
 
 
-async def _run(backend: str, seed: int, tmp_path, server=None,  # type: ignore[no-untyped-def]
+async def _run(backend: str, seed: int, tmp_path, server=None,
                control_plane=None) -> Result:
     timing = Timing.for_backend(backend)
     env = make_env(backend, timing, server, control_plane)
@@ -53,20 +53,20 @@ def _assert_sound(result: Result) -> None:
     assert len(leaders) >= 2
 
 
-async def test_chaos_sqlite(tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_chaos_sqlite(tmp_path) -> None:
     _assert_sound(await _run("sqlite", seed=11, tmp_path=tmp_path))
 
 
 @pytest.mark.postgres
 @pytest.mark.parametrize("backend", ["postgres", "postgres-row"])
-async def test_chaos_postgres(backend: str, pg, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_chaos_postgres(backend: str, pg, tmp_path) -> None:
     """Restarts the session's shared test-bed server (immediate mode); it is up again
     when the test ends."""
     _assert_sound(await _run(backend, seed=12, tmp_path=tmp_path, server=pg))
 
 
 @pytest.mark.kube
-async def test_chaos_kubernetes(control_plane, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_chaos_kubernetes(control_plane, tmp_path) -> None:
     """Restarts the session's shared kube-apiserver (SIGKILL, same port and etcd); it is
     up again when the test ends. Runs in its own namespace."""
     _assert_sound(await _run("kubernetes", seed=13, tmp_path=tmp_path,

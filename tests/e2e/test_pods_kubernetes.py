@@ -174,7 +174,7 @@ def test_native_sidecar_is_answering_before_the_app_starts(app: App) -> None:
         assert sidecar_started <= app_started
 
 
-def test_leader_pod_deletion_hands_over_in_order(app: App, follow_logs) -> None:  # type: ignore[no-untyped-def]
+def test_leader_pod_deletion_hands_over_in_order(app: App, follow_logs) -> None:
     c, ns = app.cluster, app.namespace
     old = ps.wait_one_leader(c, ns)
     with ps.PodObserver(c, ns) as observer:

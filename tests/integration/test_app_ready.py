@@ -112,7 +112,7 @@ def test_a_leader_whose_application_turns_unready_hands_over(tmp_path, endpoints
 
 # -- in a pod: LEASE_APP_READY_CONTAINERS, the own pod watched on a real apiserver -------
 
-def container_ready(cp, namespace: str, pod: str, ready: bool) -> None:  # type: ignore[no-untyped-def]
+def container_ready(cp, namespace: str, pod: str, ready: bool) -> None:
     """Write the pod's container status as kubelet would (the test bed has no kubelet)."""
     status = {"containerStatuses": [{
         "name": "app", "ready": ready, "restartCount": 0, "image": "registry.invalid/app:1",
@@ -123,7 +123,7 @@ def container_ready(cp, namespace: str, pod: str, ready: bool) -> None:  # type:
 
 @pytest.mark.kube
 def test_in_a_pod_the_app_containers_readiness_decides(control_plane, kube_namespace,
-                                                       tmp_path):  # type: ignore[no-untyped-def]
+                                                       tmp_path):
     cp, namespace = control_plane, kube_namespace
     kubeconfig = install_rbac(cp, namespace)
     create_pods(cp, namespace, "pod-a", "pod-b")

@@ -82,7 +82,9 @@ HOLDING = {"--backend", "--dsn", "--replica-dsn", "--replica-timeout", "--name",
            "--key-prefix", "--lease-duration", "--renew-interval", "--renew-deadline",
            "--safety-margin", "--claim-horizon", "--http-addr", "--state-dir", "--role",
            "--schema", "--table", "--odbc-driver", "--pod-label", "--log-level",
-           "--work-stall-after", "--help"}
+           "--work-stall-after", "--ensure-schema", "--app-ready-url", "--app-unready-after",
+           "--app-ready-containers", "--shutdown-handover",
+           "--help"}
 FLAGS = {
     "run": HOLDING,
     "exec": HOLDING | {"--grace", "--acquire-timeout"},
@@ -203,7 +205,7 @@ def test_schema_apply_still_needs_a_dsn() -> None:
 
 # -- status on SQLite ------------------------------------------------------------------------
 @pytest.fixture
-def holder(tmp_path: Path):  # type: ignore[no-untyped-def]
+def holder(tmp_path: Path):
     """One real sidecar holding ``jobs`` and ``reports`` in a SQLite file."""
     proc = SidecarProcess(tmp_path, "node-a", args=["--dsn", str(tmp_path / "leases.db"),
                                                     "--name", "jobs,reports", *FAST]).start()
@@ -280,7 +282,7 @@ def test_expired_lease_exists_but_is_free(holder: SidecarProcess, tmp_path: Path
     """SIGKILL leaves the row behind: the lease exists, nobody holds it once it expires."""
     token = leader_body(holder, "jobs")["fencing_token"]
     holder.signal(signal.SIGKILL)
-    holder.proc.wait(5)  # type: ignore[union-attr]
+    holder.proc.wait(5)  # type: ignore[union-attr]  # the fixture started it
     db = str(tmp_path / "leases.db")
 
     def expired() -> subprocess.CompletedProcess[str] | None:
@@ -301,7 +303,7 @@ def test_released_lease_has_no_row_and_is_unknown(holder: SidecarProcess,
                                                   tmp_path: Path) -> None:
     """SIGTERM releases, and release deletes the row: nothing is left to show."""
     holder.signal(signal.SIGTERM)
-    assert holder.proc.wait(10) == 0  # type: ignore[union-attr]
+    assert holder.proc.wait(10) == 0  # type: ignore[union-attr]  # the fixture started it
     db = str(tmp_path / "leases.db")
     listing = cli("status", "--dsn", db)
     assert listing.returncode == 0, listing.stderr
@@ -463,7 +465,7 @@ def test_status_kubernetes_reads_and_never_creates_a_lease(
         # Listing every Lease needs list without resourceNames, which this Role lacks:
         # one line saying so, exit 1.
         listed = status()
-        assert listed.returncode == 1 and "cannot list resource" in listed.stderr
+        assert listed.returncode == 1 and "forbidden to list leases in namespace" in listed.stderr
         assert len(listed.stderr.strip().splitlines()) == 1
 
         missing = status("--name", "nosuch")

@@ -92,7 +92,7 @@ def workers(log: Path, births: dict[int, int] | None = None) -> list[Worker]:
 
 
 @pytest.fixture
-def job(tmp_path: Path):  # type: ignore[no-untyped-def]
+def job(tmp_path: Path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     log = tmp_path / "workers.log"

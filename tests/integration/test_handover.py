@@ -21,7 +21,7 @@ TRIALS = 3
 BOUND = 2 * CLAIM_HORIZON + 0.6
 
 
-def check(run) -> None:  # type: ignore[no-untyped-def]
+def check(run) -> None:
     assert run.overlaps == 0, f"{run.overlaps} overlapping claims"
     assert len(run.trials) == TRIALS
     for trial in run.trials:
@@ -44,7 +44,7 @@ def test_handover_postgres_row(pg, pg_dsn: str, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def lone(tmp_path: Path):  # type: ignore[no-untyped-def]
+def lone(tmp_path: Path):
     proc = SidecarProcess(tmp_path, "lone", args=["--dsn", str(tmp_path / "l.db")]).start()
     proc.wait_http()
     yield proc

@@ -258,11 +258,11 @@ def test_fields_we_do_not_own_survive_acquire_renew_and_release(
                      "annotations": annotations, "ownerReferences": owners},
         "spec": {**foreign_spec, "leaseTransitions": 41}}))
 
-    def lease() -> dict:  # type: ignore[type-arg]
+    def lease() -> dict:
         return json.loads(cp.kubectl("-n", namespace, "get", "lease", "lease-sidecar.jobs",
                                      "-o", "json").stdout)
 
-    def assert_kept(obj: dict, when: str) -> None:  # type: ignore[type-arg]
+    def assert_kept(obj: dict, when: str) -> None:
         meta, spec = obj["metadata"], obj["spec"]
         assert meta.get("labels") == labels, when
         assert annotations.items() <= (meta.get("annotations") or {}).items(), when
@@ -443,8 +443,8 @@ def test_preferred_holder_hands_over_from_coordinated_clientgo_to_a_sidecar(
 def test_an_insecure_kubeconfig_logs_json_lines_only(
     control_plane: ControlPlane, kube_namespace: str, sa_kubeconfig: Path, tmp_path: Path
 ) -> None:
-    """urllib3 warns on every request to an unverified apiserver; that warning reaches
-    the log once, as a JSON line like every other line."""
+    """An unverified apiserver is worth one warning, as a JSON line like every other line
+    (urllib3 used to warn on every request, in lines of its own)."""
     insecure = tmp_path / "insecure.kubeconfig"
     doc = yaml.safe_load(sa_kubeconfig.read_text())
     cluster = doc["clusters"][0]["cluster"]
@@ -461,6 +461,6 @@ def test_an_insecure_kubeconfig_logs_json_lines_only(
         assert proc.stop() == 0
     lines = proc.logs().splitlines()
     parsed = [json.loads(line) for line in lines]  # every line is JSON
-    warned = [p for p in parsed if "Unverified HTTPS request" in p["msg"]]
+    warned = [p for p in parsed if "insecure-skip-tls-verify" in p["msg"]]
     assert len(warned) == 1, warned
-    assert warned[0]["logger"] == "py.warnings"
+    assert warned[0]["logger"] == "sidecar.lease.kubernetes"

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 @pytest.mark.parametrize("style", ["multi-host", "proxy"])
 @pytest.mark.parametrize("backend", ["postgres", "postgres-row"])
 async def test_failover_during_lag_never_gives_two_leaders_or_an_old_token(
-        backend: str, style: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+        backend: str, style: str, tmp_path) -> None:
     timing = Timing.for_backend(backend)
     env = make_env(backend, timing, style=style)
     config = Config(backend=backend, seed=18, duration=300.0, faults=("failover",),
@@ -54,7 +54,7 @@ async def test_failover_during_lag_never_gives_two_leaders_or_an_old_token(
 
 
 async def test_server_restarts_cost_one_token_each_and_no_term(
-        tmp_path) -> None:  # type: ignore[no-untyped-def]
+        tmp_path) -> None:
     """Advisory lock, fast and immediate restarts: the first holder after a restart waits
     out ``renew_deadline - uptime`` heartbeating, so its term survives: one new token per
     restart at most, and no term ends because its validity ran out."""

@@ -57,7 +57,7 @@ class ClaimRecorder(support.ClaimRecorder):
     claims that were handed out after the other had ended.
     """
 
-    def overlaps(self):  # type: ignore[no-untyped-def]
+    def overlaps(self):
         self.claims = [(who, max(sent, until - HORIZON), until)
                        for who, sent, until in self.claims]
         return super().overlaps()

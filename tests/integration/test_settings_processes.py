@@ -102,7 +102,7 @@ def test_a_busy_http_address_is_still_named_as_such(tmp_path: Path):
         f"lease-sidecar: error: LEASE_HTTP_ADDR / --http-addr: cannot listen on 127.0.0.1:{port}")
 
 
-def _strict_json(text: str):  # type: ignore[no-untyped-def]
+def _strict_json(text: str):
     def refuse(constant: str) -> None:
         raise ValueError(f"{constant} is not JSON")
 
@@ -195,7 +195,7 @@ async def test_a_horizon_the_rule_refuses_really_ends_every_term_before_its_firs
 # -- DSN verdicts against asyncpg and a real PostgreSQL server ------------------------------
 
 @pytest.mark.postgres
-async def test_accepted_urls_connect_and_refused_ones_never_could(pg) -> None:  # type: ignore[no-untyped-def]
+async def test_accepted_urls_connect_and_refused_ones_never_could(pg) -> None:
     """Every URL form we accept connects to a real server through asyncpg; every one we
     refuse fails in asyncpg or at the server, so refusing it up front loses nothing."""
     import urllib.parse

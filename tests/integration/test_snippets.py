@@ -155,7 +155,7 @@ class Snippet:
 
     def work(self) -> list[tuple[int, int, int]]:
         """(token, now_ms, until_ms) of every unit of work so far."""
-        return [tuple(int(g) for g in m.groups())  # type: ignore[misc]
+        return [tuple(int(g) for g in m.groups())  # type: ignore[misc]  # the regex has 3 groups
                 for _, line in list(self.lines) if (m := WORK.match(line))]
 
     def standbys(self) -> int:

@@ -25,7 +25,7 @@ LEASE_DURATION = 2.0
 
 
 @pytest.fixture
-def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
+def pair(tmp_path: Path):
     db = tmp_path / "db" / "leases.sqlite3"
     procs = [SidecarProcess(tmp_path, f"node-{i}", args=["--dsn", str(db), *FAST]).start()
              for i in range(2)]

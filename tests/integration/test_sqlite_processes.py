@@ -21,7 +21,7 @@ LEASE_DURATION = 2.0
 
 
 @pytest.fixture
-def trio(tmp_path: Path):  # type: ignore[no-untyped-def]
+def trio(tmp_path: Path):
     procs = [SidecarProcess(tmp_path, f"node-{i}",
                             args=["--dsn", str(tmp_path / "leases.db"), *FAST]).start()
              for i in range(3)]

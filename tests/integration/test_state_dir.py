@@ -104,7 +104,7 @@ def test_the_normal_private_dir_still_works(tmp_path):
 
 
 @pytest.fixture
-def kubelet_emptydir(tmp_path):  # type: ignore[no-untyped-def]
+def kubelet_emptydir(tmp_path):
     """A tmpfs mounted as the kubelet mounts ``emptyDir: {medium: Memory}``."""
     mounted: list[Path] = []
 
@@ -173,7 +173,7 @@ def test_a_pod_directory_that_is_not_a_mount_is_still_refused(tmp_path):
 
 
 @pytest.fixture
-def public_tmp():  # type: ignore[no-untyped-def]
+def public_tmp():
     """A root-owned, sticky, world-writable directory: a private copy of ``/tmp``."""
     base = Path(tempfile.mkdtemp(prefix="lease-sidecar-test-", dir="/tmp"))
     base.chmod(0o1777)

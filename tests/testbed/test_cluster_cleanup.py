@@ -87,7 +87,7 @@ def assert_restored(before: dict[str, object], during: dict[str, object],
     ran, nothing is left. (Other test runs on the machine may make cgroups or links of
     their own meanwhile; those are not the cluster's to remove.)"""
     assert after["sysctls"] == before["sysctls"]
-    left = {k: sorted(after[k] & (during[k] - before[k]))  # type: ignore[operator]
+    left = {k: sorted(after[k] & (during[k] - before[k]))  # type: ignore[operator]  # these facts are sets
             for k in before if k != "sysctls"}
     left = {k: v for k, v in left.items() if v}
     assert not left, f"the cluster left these behind: {left}"
@@ -128,16 +128,16 @@ class Boom(Exception):
 
 def test_teardown_after_a_failing_test_restores_the_host(cluster_host_free: None) -> None:
     before = host_facts()
-    assert BRIDGE not in before["links"]  # type: ignore[operator]
+    assert BRIDGE not in before["links"]  # type: ignore[operator]  # links is a set
     with pytest.raises(Boom), Cluster() as cluster:
         cluster.kubectl("apply", "-f", "-", input=_busy_pod(cluster.busybox()))
         _wait_running(_kubectl(cluster.kubeconfig))
         during = host_facts()
         # The cluster really changed the host, so the comparison below means something.
-        assert BRIDGE in during["links"]  # type: ignore[operator]
+        assert BRIDGE in during["links"]  # type: ignore[operator]  # links is a set
         assert during["chains"] and during["processes"] and during["mounts"]
         assert during["sysctls"] != before["sysctls"]
-        assert during["cgroups"] - before["cgroups"]  # type: ignore[operator]
+        assert during["cgroups"] - before["cgroups"]  # type: ignore[operator]  # cgroups is a set
         raise Boom
     assert_restored(before, during, host_facts())
 
@@ -171,7 +171,7 @@ def test_a_killed_run_is_swept_by_the_next_cleanup(cluster_host_free: None) -> N
         left = host_facts()
         # What a kill leaves: the containers and their shims, mounts, chains, sysctls.
         assert left["processes"], "expected the shims and containers to survive the kill"
-        assert left["chains"] and BRIDGE in left["links"]  # type: ignore[operator]
+        assert left["chains"] and BRIDGE in left["links"]  # type: ignore[operator]  # links is a set
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
@@ -216,7 +216,7 @@ def test_an_interrupted_test_run_restores_the_host(cluster_host_free: None,
             break
     assert "READY" in "".join(lines), "".join(lines[-30:])
     during = host_facts()
-    assert during["processes"] and BRIDGE in during["links"]  # type: ignore[operator]
+    assert during["processes"] and BRIDGE in during["links"]  # type: ignore[operator]  # links is a set
     os.kill(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert "KeyboardInterrupt" in out, out[-2000:]

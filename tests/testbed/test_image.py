@@ -59,9 +59,9 @@ def artifact() -> image.ImageArtifact:
 def archive_config(artifact: image.ImageArtifact) -> dict[str, Any]:
     """manifest.json and the image config, read from the archive itself."""
     with tarfile.open(artifact.path) as tar:
-        manifest = json.load(tar.extractfile("manifest.json"))  # type: ignore[arg-type]
+        manifest = json.load(tar.extractfile("manifest.json"))  # type: ignore[arg-type]  # a file member
         assert len(manifest) == 1, manifest
-        config = json.load(tar.extractfile(manifest[0]["Config"]))  # type: ignore[arg-type]
+        config = json.load(tar.extractfile(manifest[0]["Config"]))  # type: ignore[arg-type]  # a file member
     return {"manifest": manifest[0], "config": config["config"]}
 
 

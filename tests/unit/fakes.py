@@ -73,7 +73,7 @@ class RecordingPublisher:
 
     async def start(self) -> None: ...
 
-    async def changed(self, state) -> None:  # type: ignore[no-untyped-def]
+    async def changed(self, state) -> None:
         leader = state.claim().leader
         self.events.append(("changed", leader))
         if self.sink is not None and self.clock is not None:

@@ -120,7 +120,7 @@ def _handshake(bundle: certs.Bundle, tmp_path: Path) -> None:
     ],
     ids=["none", "empty", "junk", "foreign-ca"],
 )
-def test_renewal_reasons(change, reason: str) -> None:  # type: ignore[no-untyped-def]
+def test_renewal_reasons(change, reason: str) -> None:
     assert certs.renewal_reason(change(certs.make_bundle(HOSTS)), HOSTS) == reason
 
 

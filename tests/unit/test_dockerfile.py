@@ -89,7 +89,7 @@ def test_hadolint_finds_nothing() -> None:
     assert proc.stdout.strip() == ""
 
 
-def test_hadolint_would_catch_a_regression(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_hadolint_would_catch_a_regression(tmp_path) -> None:
     """The linter run above is not vacuous: the same file with an unpinned, uncleaned
     apt-get and a root user fails it."""
     broken = DOCKERFILE.read_text().replace("USER 10001:10001", "USER root") + (

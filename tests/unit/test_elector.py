@@ -21,14 +21,14 @@ FAST = Timing(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,
               safety_margin=0.1, claim_horizon=0.05)
 
 
-def make(clock: FakeClock, lease: FakeLease, sink=None):  # type: ignore[no-untyped-def]
+def make(clock: FakeClock, lease: FakeLease, sink=None):
     state = LeaseState(lease="default", identity="me", role="all",
                        claim_horizon=FAST.claim_horizon, clock=clock)
     publisher = RecordingPublisher(sink=sink, clock=clock)
     return Elector(lease, state, FAST, "me", [publisher]), state, publisher
 
 
-async def until(predicate, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+async def until(predicate, timeout: float = 2.0) -> None:
     async def poll() -> None:
         while not predicate():
             await asyncio.sleep(0.001)
@@ -58,7 +58,7 @@ async def test_validity_counts_from_the_send_time():
 
 
 async def drive(clock: FakeClock, task: asyncio.Task, step: float = 0.005,
-                limit: float = 2.0, until=None) -> None:  # type: ignore[no-untyped-def]
+                limit: float = 2.0, until=None) -> None:
     """Move the fake clock in small steps while ``task`` runs (its sleeps are real and
     short; what it waits for is fake time), until it ends or ``until()`` holds."""
     loop = asyncio.get_running_loop()
@@ -329,7 +329,7 @@ def test_jitter_stays_in_bounds(spread):
 async def test_a_lost_event_wakes_the_holder_at_once():
     clock = FakeClock()
     lease = FakeLease(clock)
-    lease.lost = asyncio.Event()  # type: ignore[attr-defined]
+    lease.lost = asyncio.Event()
     slow = Timing(lease_duration=60.0, renew_interval=30.0, renew_deadline=40.0,
                   safety_margin=1.0, claim_horizon=0.01)
     state = LeaseState(lease="default", identity="me", role="all", claim_horizon=0.01,
@@ -338,7 +338,7 @@ async def test_a_lost_event_wakes_the_holder_at_once():
     task = asyncio.create_task(elector.run())
     await until(lambda: state.facts.holding)
     lease.grant = False
-    lease.lost.set()  # type: ignore[attr-defined]
+    lease.lost.set()
     await until(lambda: not state.facts.holding, timeout=2.0)  # not after 30 s
     await stop(task)
 
@@ -365,7 +365,7 @@ async def test_a_backend_claim_delay_longer_than_the_horizon_is_honoured():
         lease.calls.append(("acquire", clock.now))
         return Grant(held=True, valid_for=10.0, fencing_token=8, claim_delay=0.06)
 
-    lease.try_acquire = restarted  # type: ignore[method-assign]
+    lease.try_acquire = restarted
     elector, state, _ = make(clock, lease)
     await drive(clock, asyncio.create_task(elector._acquire_once()))
     replied = lease.calls[0][1]  # the fake acquire takes no time
@@ -384,7 +384,7 @@ async def test_a_claim_delay_longer_than_the_validity_keeps_the_term_alive():
         lease.calls.append(("acquire", clock.now))
         return Grant(held=True, valid_for=0.3, fencing_token=8, claim_delay=1.0)
 
-    lease.try_acquire = restarted  # type: ignore[method-assign]
+    lease.try_acquire = restarted
     elector, state, publisher = make(clock, lease)
     acquired = clock.now
     task = asyncio.create_task(elector._acquire_once())
@@ -415,7 +415,7 @@ async def test_a_cooperative_end_of_term_unpublishes_waits_and_releases():
     async def end_of_term() -> Grant:
         return Grant(held=False, release=True, reason="preferredHolder set to pod-b")
 
-    lease.try_renew = end_of_term  # type: ignore[method-assign]
+    lease.try_renew = end_of_term
     task = asyncio.create_task(elector._renew_once())
     await drive(clock, task)
     assert not state.facts.holding

@@ -40,7 +40,7 @@ class HintLease(FakeLease):
         return self.hint if self.hint not in (None, self.own) else None
 
 
-def contender(lease: FakeLease, sits_out=None) -> tuple[Elector, LeaseState]:  # type: ignore[no-untyped-def]
+def contender(lease: FakeLease, sits_out=None) -> tuple[Elector, LeaseState]:
     state = LeaseState(lease="jobs", identity="web-0", role="all",
                        claim_horizon=TIMING.claim_horizon, clock=lease.clock)
     return Elector(lease, state, TIMING, "web-0", sits_out=sits_out), state
@@ -114,7 +114,7 @@ async def test_a_standby_whose_application_is_not_ready_does_not_campaign():
     elector, state = contender(lease, sits_out=lambda: why[0])
     await elector._acquire_once()
     assert lease.calls == [] and state.facts.reason == why[0]
-    why[0] = None  # type: ignore[call-overload]
+    why[0] = None
     await elector._acquire_once()
     assert state.facts.holding
 
@@ -138,7 +138,7 @@ async def test_a_hand_over_is_its_own_event(why: str, kind: str):
     assert "handed over to web-1" in last.note
 
 
-def pod(name: str, created: str, ready: bool = True, deleting: bool = False) -> dict:  # type: ignore[type-arg]
+def pod(name: str, created: str, ready: bool = True, deleting: bool = False) -> dict:
     meta = {"name": name, "creationTimestamp": created}
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:10:00Z"

@@ -33,7 +33,7 @@ from tests.unit.fakes import FakeClock
 
 
 def make_app(clock: FakeClock, released: list[str | None] | None = None,
-             limits: Limits | None = None, holding: bool = True):  # type: ignore[no-untyped-def]
+             limits: Limits | None = None, holding: bool = True):
     states = [LeaseState(lease=n, identity="me", role="all", claim_horizon=0.25, clock=clock)
               for n in ("first", "second")]
 
@@ -508,14 +508,14 @@ async def test_malformed_requests_are_a_400_and_one_debug_line(
 
 # -- POST /heartbeat: the work watchdog's input -------------------------------------------
 
-def beat_app(clock: FakeClock):  # type: ignore[no-untyped-def]
+def beat_app(clock: FakeClock):
     from sidecar import watchdog
 
     states = [LeaseState(lease=n, identity="me", role="all", claim_horizon=0.25, clock=clock)
               for n in ("first", "second")]
     by_name = {s.lease: s for s in states}
 
-    def heartbeat(name: str | None):  # type: ignore[no-untyped-def]
+    def heartbeat(name: str | None):
         state = by_name.get(name or "first")
         return watchdog.beat(state) if state else ("no-such-lease", {})
 

@@ -213,7 +213,7 @@ def test_database_backends_keep_their_wider_names() -> None:
 def test_malformed_pod_is_one_clear_line(pod: object, message: str) -> None:
     """Before: TypeError/AttributeError text, which kopf sent back as a 500."""
     with pytest.raises(InjectionError, match=f"malformed pod: {message}"):
-        inject(pod, SPEC)  # type: ignore[arg-type]
+        inject(pod, SPEC)  # type: ignore[arg-type]  # malformed on purpose
 
 
 def test_an_override_keeps_the_variables_place() -> None:

@@ -30,7 +30,7 @@ def log_lines() -> Iterator[io.StringIO]:
              logging.getLogger(jsonlog.KOPF_WATCH_LOGGER).level)
     buffer = io.StringIO()
     jsonlog.setup("info")
-    root.handlers[0].setStream(buffer)  # type: ignore[attr-defined]
+    root.handlers[0].setStream(buffer)  # type: ignore[attr-defined]  # jsonlog installs a StreamHandler
     try:
         yield buffer
     finally:

@@ -70,9 +70,4 @@ def test_a_running_sidecar_loads_neither_kopf_nor_the_kubernetes_client(
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["labels"] is True  # the label publisher really ran
     loaded = {name.split(".")[0] for name in report["modules"]}
-    heavy = {"kopf", "kubernetes"}
-    if backend == "kubernetes":
-        # Until its transport moves to sidecar.kubeapi, the backend itself still uses
-        # the kubernetes client; kopf is gone everywhere.
-        heavy = {"kopf"}
-    assert not loaded & heavy, loaded & heavy
+    assert not loaded & {"kopf", "kubernetes"}, loaded & {"kopf", "kubernetes"}

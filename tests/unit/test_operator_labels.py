@@ -51,7 +51,7 @@ def test_the_lease_object_decides_on_the_kubernetes_backend() -> None:
     assert needs_lease(pods)
     lease = LeaseTruth.of({"spec": {"holderIdentity": "b", "leaseDurationSeconds": 15,
                                     "renewTime": "2026-01-01T00:00:00.000000Z"}})
-    at = lease.expires - 1  # type: ignore[operator]
+    at = lease.expires - 1  # type: ignore[operator]  # this lease has a renewTime
     # Not the highest token: the Lease names b.
     assert desired_labels(pods, lease, at) == {"a": {"lease-role": "standby"}}
     # Expired, nobody renews it: nobody leads.

@@ -11,7 +11,7 @@ from sidecar.redact import forget_secrets, redact, redact_tree, remember_secrets
 
 
 @pytest.fixture(autouse=True)
-def _clean_secrets():  # type: ignore[no-untyped-def]
+def _clean_secrets():
     forget_secrets()
     yield
     forget_secrets()

@@ -110,7 +110,7 @@ def test_valid_until_ms_is_the_same_instant_rounded_down():
 def _term(clock: FakeClock, **changes: object) -> Facts:
     """Holding since ``clock.now``: first claim 0.25 s later, validity 10 s."""
     base = {"holding": True, "claim_from": clock.now + 0.25, "valid_until": clock.now + 10}
-    return Facts(**{**base, **changes})  # type: ignore[arg-type]
+    return Facts(**{**base, **changes})  # type: ignore[arg-type]  # the test's overrides are Facts fields
 
 
 def test_leads_at_from_the_first_claim_up_to_but_not_at_the_end_of_validity():

@@ -54,7 +54,7 @@ async def watched(state: LeaseState, recorder: Recorder) -> AsyncIterator[WorkWa
             await task
 
 
-async def wait_for(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+async def wait_for(predicate, timeout: float = 3.0) -> None:
     async def poll() -> None:
         while not predicate():
             await asyncio.sleep(0.005)

@@ -66,7 +66,7 @@ def test_good_reviews_have_no_problem() -> None:
 
 
 @pytest.fixture
-async def served():  # type: ignore[no-untyped-def]
+async def served():
     calls: list[dict[str, Any]] = []
 
     async def engine(request: dict[str, Any], **_: Any) -> dict[str, Any]:
@@ -93,7 +93,7 @@ async def served():  # type: ignore[no-untyped-def]
     await runner.cleanup()
 
 
-async def test_create_goes_to_kopf(served) -> None:  # type: ignore[no-untyped-def]
+async def test_create_goes_to_kopf(served) -> None:
     session, calls = served
     response = await session.post("/lease-sidecar-inject", json=review())
     assert response.status == 200
@@ -102,7 +102,7 @@ async def test_create_goes_to_kopf(served) -> None:  # type: ignore[no-untyped-d
 
 
 @pytest.mark.parametrize("operation", ["UPDATE", "DELETE", "CONNECT"])
-async def test_other_operations_are_allowed_unchanged(served, operation: str) -> None:  # type: ignore[no-untyped-def]
+async def test_other_operations_are_allowed_unchanged(served, operation: str) -> None:
     """Before: kopf ran the mutating handler for UPDATE reviews too."""
     session, calls = served
     response = await session.post("/lease-sidecar-inject",
@@ -120,7 +120,7 @@ async def test_other_operations_are_allowed_unchanged(served, operation: str) ->
      "request is missing or not a map"),
     (b"\xff\xfe", 400, "the body is not a JSON AdmissionReview"),
 ])
-async def test_malformed_without_uid_is_a_plain_400(served, raw: bytes, status: int,  # type: ignore[no-untyped-def]
+async def test_malformed_without_uid_is_a_plain_400(served, raw: bytes, status: int,
                                                     text: str) -> None:
     session, calls = served
     response = await session.post("/lease-sidecar-inject", data=raw,
@@ -131,7 +131,7 @@ async def test_malformed_without_uid_is_a_plain_400(served, raw: bytes, status: 
     assert calls == []
 
 
-async def test_malformed_with_uid_is_an_admission_denial(served) -> None:  # type: ignore[no-untyped-def]
+async def test_malformed_with_uid_is_an_admission_denial(served) -> None:
     session, calls = served
     response = await session.post("/lease-sidecar-inject", json=review(userInfo="x"))
     assert response.status == 200
@@ -143,7 +143,7 @@ async def test_malformed_with_uid_is_an_admission_denial(served) -> None:  # typ
     assert calls == []
 
 
-async def test_a_failure_of_ours_is_a_denial_without_exception_text(served) -> None:  # type: ignore[no-untyped-def]
+async def test_a_failure_of_ours_is_a_denial_without_exception_text(served) -> None:
     session, _ = served
     bad = review()
     bad["request"]["object"]["metadata"]["name"] = "boom"

@@ -7,7 +7,7 @@ namespace, else ``default``). The parts, one job each:
 
 - :mod:`.record`: the five spec fields we own and how a write keeps everyone else's;
 - :mod:`.expiry`: client-go's skew-tolerant expiry rule, on our own monotonic clock;
-- :mod:`.transport`: the Lease calls and the watch, in worker threads;
+- :mod:`.transport`: the Lease calls and the watch (:mod:`sidecar.kubeapi`, aiohttp);
 - :mod:`.lease`: one contender's acquire, renew, release and wait;
 - this module: the backend, ``lease-sidecar status`` and the registry entry.
 """
@@ -64,7 +64,7 @@ class KubeBackend:
     async def close(self) -> None:
         for lease in self._leases:
             lease.stop_watch()
-        self._connection.close()
+        await self._connection.close()
 
 
 def create(settings: Settings, clock: Clock) -> KubeBackend:
@@ -100,7 +100,7 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
                                   details={"object": where}))
         return rows
     finally:
-        connection.close()
+        await connection.close()
 
 
 ENTRY = BackendEntry(

@@ -21,7 +21,6 @@ Every contender watches the Lease once connected.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import math
 from collections.abc import Awaitable, Callable
@@ -72,11 +71,14 @@ class KubeLease:
     async def try_acquire(self) -> Grant:
         api = await self._connected()
         watched = self._observer.record
-        if (self._watch is not None and watched is not None
-                and self._observer.free_in(self._identity) == 0):
-            # The watch just showed the lease free (a release, or it ran out): skip the
-            # GET, saving a round trip on every handover. A stale view costs nothing but
-            # a 409, because the write is guarded by the version we saw.
+        if watched is not None and self._watch is not None and (
+                self._watch.up or self._observer.free_in(self._identity) == 0):
+            # A standby reads the Lease once, then follows the watch: while the watch is
+            # up, what it delivered is the Lease as it is, and no GET is sent (it polls
+            # only while the watch is down). And when the watch just showed the lease
+            # free (a release, or it ran out), the GET is skipped anyway, saving a round
+            # trip on every handover. A stale view costs nothing but a 409, because the
+            # write is guarded by the version we saw.
             current: Record | None = watched
         else:
             current = await self._read(api)
@@ -327,14 +329,8 @@ class KubeLease:
         # Not before a call has connected: until then nothing was observed to wait for.
         if self._watch is not None or self._api is None:
             return
-        loop = asyncio.get_running_loop()
-
-        def deliver(record: Record | None) -> None:
-            # Runs in the watch thread; the observer belongs to the event loop.
-            with contextlib.suppress(RuntimeError):  # the loop is closing
-                loop.call_soon_threadsafe(self._observe, record)
-
-        self._watch = self._api.watch(self._object, deliver)
+        # The watch is a task on our event loop: it hands records to the observer directly.
+        self._watch = self._api.watch(self._object, self._observe)
 
 
 def preferring(record: Record, holder: str, until: str = "") -> Record:

@@ -1,8 +1,10 @@
-"""Talking to the apiserver about Lease objects without blocking the event loop.
+"""Talking to the apiserver about Lease objects: :mod:`sidecar.kubeapi` (aiohttp, on the
+event loop; no worker threads and no ``kubernetes`` package in the sidecar).
 
-The official ``kubernetes`` client is synchronous; every call runs in a worker thread with
-a request timeout, so the event loop never blocks and a hung apiserver fails a call
-instead of parking it. A watch runs in a daemon thread of its own.
+Every call has a connect and a read timeout, so a hung apiserver fails a call instead of
+parking it. The watch is a task that follows one Lease by name and says whether it is up
+(:attr:`LeaseWatch.up`): while it is, a standby believes what it delivers and reads the
+Lease no more; while it is down, the elector's retries read it (GET), as before.
 """
 
 from __future__ import annotations
@@ -10,26 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
-
-from kubernetes import client, watch
-from kubernetes.client.exceptions import ApiException
+from typing import Any
+from urllib.parse import quote
 
 from sidecar.errors import BackendError, Forbidden
-from sidecar.kube import REQUEST_TIMEOUT, KubeAccess, connect, one_line, request
+from sidecar.kubeapi import Gone, KubeClient, KubeError
 from sidecar.lease.kubernetes.record import Record
 from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar.lease.kubernetes")
 
-T = TypeVar("T")
-
-# A watch request ends after this many seconds and is re-opened; re-opening without a
-# resourceVersion replays the current object, so a missed event heals within one period.
-WATCH_SECONDS = 60
+# A watch request ends after this many seconds and is re-opened from the last version it
+# delivered, so nothing is replayed; after 410 Gone (that version is too old) it is
+# re-opened from scratch, and the apiserver replays the current object.
+WATCH_SECONDS = 300
 WATCH_RETRY_MAX = 5.0
 
 
@@ -39,138 +36,117 @@ class Conflict(Exception):
 
 
 class LeaseWatch:
-    """A daemon thread that watches one Lease and hands every record to ``deliver``."""
+    """A task that watches one Lease and hands every record (None: deleted) to
+    ``deliver``, on the event loop."""
 
-    def __init__(self, access: KubeAccess, name: str,
+    def __init__(self, client: KubeClient, path: str, name: str,
                  deliver: Callable[[Record | None], None]) -> None:
-        self._api = client.CoordinationV1Api(access.api)
-        self._namespace = access.namespace
+        self._client = client
+        self._path = path
         self._name = name
         self._deliver = deliver
-        self._stopped = threading.Event()
-        self._watch: watch.Watch | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"lease-watch-{name}")
-
-    def start(self) -> None:
-        self._thread.start()
+        # True while a watch request is open: what it delivers is the Lease as it is.
+        self.up = False
+        self._task = asyncio.get_running_loop().create_task(self._run(),
+                                                            name=f"lease-watch-{name}")
 
     def stop(self) -> None:
-        self._stopped.set()
-        if self._watch is not None:
-            with contextlib.suppress(Exception):
-                self._watch.stop()
+        self.up = False
+        self._task.cancel()
 
-    def _run(self) -> None:
-        delay = 0.2
-        while not self._stopped.is_set():
-            self._watch = watch.Watch()
+    def _opened(self) -> None:
+        self.up = True
+
+    async def _run(self) -> None:
+        delay, version = 0.2, None
+        while True:
             try:
-                for event in self._watch.stream(
-                        self._api.list_namespaced_lease, self._namespace,
-                        field_selector=f"metadata.name={self._name}",
-                        timeout_seconds=WATCH_SECONDS, deserialize=False,
-                        _request_timeout=(REQUEST_TIMEOUT[0], WATCH_SECONDS + 10)):
-                    if self._stopped.is_set():
-                        return
-                    kind = event.get("type")
+                async for kind, obj in self._client.watch(
+                        self._path, version, timeout_seconds=WATCH_SECONDS,
+                        opened=self._opened, fieldSelector=f"metadata.name={self._name}"):
+                    version = (obj.get("metadata") or {}).get("resourceVersion") or version
                     if kind in ("ADDED", "MODIFIED"):
-                        self._deliver(Record.from_object(event["object"]))
+                        self._deliver(Record.from_object(obj))
                     elif kind == "DELETED":
                         self._deliver(None)
-                delay = 0.2
-            except Exception as exc:
+                delay = 0.2  # ended by its timeout: re-open from ``version`` at once
+            except Gone:
+                self.up, version = False, None
+            except KubeError as exc:
                 # The elector's own reads report unreachability; here we only retry.
-                log.debug("lease watch failed", extra={"lease": self._name,
-                                                       "error": one_line(exc)})
-                self._stopped.wait(delay)
+                self.up = False
+                log.debug("lease watch failed", extra={"lease": self._name, "error": str(exc)})
+                await asyncio.sleep(delay)
                 delay = min(delay * 2, WATCH_RETRY_MAX)
 
 
 class LeaseApi:
-    """The Lease calls of one namespace, each run in a worker thread and mapped to our
-    errors: ``Conflict`` for a lost race, ``BackendError`` for anything else."""
+    """The Lease calls of one namespace, mapped to our errors: ``Conflict`` for a lost
+    race, ``Forbidden`` for a 403, ``BackendError`` for anything else."""
 
-    def __init__(self, access: KubeAccess, pool: ThreadPoolExecutor) -> None:
-        self.access = access
-        self.namespace = access.namespace
-        self._pool = pool
-        self._base = f"/apis/coordination.k8s.io/v1/namespaces/{access.namespace}/leases"
+    def __init__(self, client: KubeClient) -> None:
+        self.client = client
+        self.namespace = client.namespace
+        self._base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(client.namespace)}/leases"
 
-    async def _run(self, verb: str, name: str, call: Callable[[], T]) -> T:
-        """Run ``call`` in a worker thread; ``verb`` and ``name`` (the Lease, or "" for
-        all of them) say what it does, as RBAC names it, for the error message."""
+    async def _run(self, verb: str, name: str, call: Any) -> Any:
+        """Await ``call``; ``verb`` and ``name`` (the Lease, or "" for all of them) say
+        what it does, as RBAC names it, for the error message."""
         resource = f"leases/{name}" if name else "leases"
         where = f"{resource} in namespace {self.namespace}"
-
-        def guarded() -> T:
-            try:
-                return call()
-            except ApiException as exc:
-                if exc.status in (404, 409):  # reads map 404 to None before this
-                    raise Conflict(one_line(exc)) from None
-                if exc.status == 403:
-                    raise Forbidden(f"kubernetes: forbidden to {verb} {where}: "
-                                    f"{one_line(exc)}") from None
-                raise BackendError(f"kubernetes: {verb} {where}: {one_line(exc)}") from None
-            except Exception as exc:
-                raise BackendError(f"kubernetes: {verb} {where}: {one_line(exc)}") from None
-
-        return await asyncio.get_running_loop().run_in_executor(self._pool, guarded)
-
-    def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
-        return request(self.access.api, method, path, body)
+        try:
+            return await call
+        except KubeError as exc:
+            if exc.status in (404, 409):  # reads map 404 to None before this
+                raise Conflict(str(exc)) from None
+            if exc.status == 403:
+                raise Forbidden(f"kubernetes: forbidden to {verb} {where}") from None
+            raise BackendError(f"kubernetes: {verb} {where}: {exc}") from None
 
     async def get(self, name: str) -> Record | None:
-        def call() -> Record | None:
-            try:
-                return Record.from_object(self._call("GET", f"{self._base}/{name}"))
-            except ApiException as exc:
-                if exc.status == 404:
-                    return None
-                raise
-
-        return await self._run("get", name, call)
+        found = await self._run("get", name, self.client.get_or_none(f"{self._base}/{name}"))
+        return None if found is None else Record.from_object(found)
 
     async def create(self, name: str, record: Record) -> Record:
-        return await self._run("create", name, lambda: Record.from_object(
-            self._call("POST", self._base, record.body(name))))
+        return Record.from_object(await self._run(
+            "create", name, self.client.post(self._base, record.body(name))))
 
     async def replace(self, name: str, record: Record) -> Record:
-        return await self._run("update", name, lambda: Record.from_object(
-            self._call("PUT", f"{self._base}/{name}", record.body(name))))
+        return Record.from_object(await self._run(
+            "update", name, self.client.put(f"{self._base}/{name}", record.body(name))))
 
     async def list(self) -> list[dict[str, Any]]:
-        return await self._run("list", "", lambda: self._call("GET", self._base)["items"])
+        return (await self._run("list", "", self.client.list(self._base)))["items"]
 
     def watch(self, name: str, deliver: Callable[[Record | None], None]) -> LeaseWatch:
-        """A started watch of Lease ``name``; ``deliver`` runs in the watch's thread."""
-        lease_watch = LeaseWatch(self.access, name, deliver)
-        lease_watch.start()
-        return lease_watch
+        """A started watch of Lease ``name``; ``deliver`` runs on the event loop."""
+        return LeaseWatch(self.client, self._base, name, deliver)
 
 
 class Connection:
-    """Connects on first use, once, so a bad kubeconfig is a backend error (reported on
-    ``/readyz`` and in the log) rather than a crash; owns the worker threads."""
+    """Connects on first use, once, so missing credentials are a backend error (reported
+    on ``/readyz`` and in the log) rather than a crash."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._api: LeaseApi | None = None
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kube-lease")
-        self._connecting = asyncio.Lock()
 
     async def api(self) -> LeaseApi:
-        async with self._connecting:  # several leases start at once; connect only once
-            if self._api is None:
-                loop = asyncio.get_running_loop()
-                access = await loop.run_in_executor(self._pool, connect, self._settings)
-                self._api = LeaseApi(access, self._pool)
-                log.info("kubernetes backend connected", extra={
-                    "namespace": access.namespace, "credentials": access.source})
-            return self._api
+        if self._api is None:
+            try:
+                client = KubeClient.connect(self._settings.pod_namespace)
+            except KubeError as exc:
+                raise BackendError(str(exc)) from None
+            self._api = LeaseApi(client)
+            log.info("kubernetes backend connected", extra={
+                "namespace": client.namespace, "credentials": client.credentials.source})
+            if client.credentials.insecure:
+                log.warning("the kubeconfig sets insecure-skip-tls-verify: the apiserver's "
+                            "certificate is not verified", extra={"server":
+                                                                 client.credentials.server})
+        return self._api
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    async def close(self) -> None:
         if self._api is not None:
-            self._api.access.api.close()
+            with contextlib.suppress(Exception):
+                await self._api.client.close()
