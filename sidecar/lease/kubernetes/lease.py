@@ -30,7 +30,13 @@ from sidecar.clock import Clock
 from sidecar.errors import Forbidden
 from sidecar.lease import Grant, Holder
 from sidecar.lease.kubernetes.expiry import Observer, newer
-from sidecar.lease.kubernetes.record import TOKEN_COUNT_LIMIT, Record, micro_time
+from sidecar.lease.kubernetes.record import (
+    HINT_ANNOTATION,
+    HINT_UNTIL_ANNOTATION,
+    TOKEN_COUNT_LIMIT,
+    Record,
+    micro_time,
+)
 from sidecar.lease.kubernetes.transport import Conflict, LeaseApi, LeaseWatch
 from sidecar.settings import Timing
 
@@ -194,13 +200,14 @@ class KubeLease:
         client-go's coordinated election reads. The release keeps it, and standbys of
         either kind that it does not name defer to it for at most one lease duration
         (:meth:`.expiry.Observer.free_in`; that is ``bound`` here). The apiserver drops
-        the field unless its CoordinatedLeaderElection gate is on: the hand-over then goes
-        on unnamed (the first standby wins)."""
+        the field unless its CoordinatedLeaderElection gate is on; the hint annotations,
+        counting for ``bound``, keep sidecar standbys deferring then (:mod:`.record`)."""
         mine = self._mine
         if mine is None or self._ended:
             return
         api = await self._connected()
-        named = preferring(self._latest_ours(mine), identity)
+        until = micro_time(self._clock.wall() + bound)
+        named = preferring(self._latest_ours(mine), identity, until)
         self._preferred_at_start = identity  # our own wish, not a request to end our term
         self._holding(await api.replace(self._object, self._renewed(named, mine)))
 
@@ -326,14 +333,21 @@ class KubeLease:
         self._watch = self._api.watch(self._object, self._observe)
 
 
-def preferring(record: Record, holder: str) -> Record:
-    """``record`` with ``spec.preferredHolder`` set to ``holder`` ("" removes it). The
-    apiserver wants a ``strategy`` beside it; ours is client-go's only one."""
+def preferring(record: Record, holder: str, until: str = "") -> Record:
+    """``record`` with ``spec.preferredHolder`` set to ``holder`` ("" removes it) and the
+    same in the hint annotations, counting until MicroTime ``until`` (the apiserver drops
+    the field without its CoordinatedLeaderElection gate; see :mod:`.record`). The
+    apiserver wants a ``strategy`` beside the field; ours is client-go's only one."""
     source = copy.deepcopy(record.source)
     spec = source.setdefault("spec", {})
+    metadata = source.setdefault("metadata", {})
     if holder:
         spec["preferredHolder"] = holder
         spec.setdefault("strategy", "OldestEmulationVersion")
+        metadata.setdefault("annotations", {}).update(
+            {HINT_ANNOTATION: holder, HINT_UNTIL_ANNOTATION: until})
     else:
         spec.pop("preferredHolder", None)
+        for key in (HINT_ANNOTATION, HINT_UNTIL_ANNOTATION):
+            (metadata.get("annotations") or {}).pop(key, None)
     return replace(record, preferred_holder=holder, source=source)

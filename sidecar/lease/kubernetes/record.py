@@ -28,6 +28,16 @@ seen (:mod:`.lease` writes the count so its token exceeds it); a count edited to
 more would reach into the next second's tokens, so such a term is refused with a reason.
 ``leaseTransitions`` itself stays a small int32, as client-go reads it.
 
+The next holder a hand-over names lives in ``spec.preferredHolder``, which client-go's
+coordinated election reads — but the apiserver keeps that field only with its
+CoordinatedLeaderElection gate on (beta, off by default), and silently drops it
+otherwise. So the same name also goes into the annotation :data:`HINT_ANNOTATION`, with
+:data:`HINT_UNTIL_ANNOTATION` saying until when it counts (the writer's clock): it counts
+while the object's ``renewTime`` — written by the same holder when it releases — is not
+past that, so a hint left behind by a holder that never clears it (client-go keeps the
+metadata) goes stale by itself instead of holding a later release back. The field wins
+where the apiserver keeps it.
+
 Every other field is someone else's and survives every write of ours: each write is the
 object as last read (or as the apiserver returned our previous write) with only those
 five fields changed — labels, annotations, ownerReferences, ``spec.preferredHolder``,
@@ -50,6 +60,9 @@ from typing import Any
 # The fencing token's low part: leaseTransitions must stay below 2**TOKEN_COUNT_BITS.
 TOKEN_COUNT_BITS = 20
 TOKEN_COUNT_LIMIT = 1 << TOKEN_COUNT_BITS
+# spec.preferredHolder's stand-in where the apiserver drops the field (see the module doc).
+HINT_ANNOTATION = "lease-sidecar/preferred-holder"
+HINT_UNTIL_ANNOTATION = "lease-sidecar/preferred-until"
 
 
 def micro_time(wall: float) -> str:
@@ -87,7 +100,7 @@ class Record:
                    transitions=int(spec.get("leaseTransitions") or 0),
                    version=str(obj["metadata"]["resourceVersion"]),
                    acquire_time=spec.get("acquireTime"), renew_time=spec.get("renewTime"),
-                   preferred_holder=spec.get("preferredHolder") or "",
+                   preferred_holder=spec.get("preferredHolder") or _hinted(obj),
                    created=_unix_seconds(obj["metadata"].get("creationTimestamp")),
                    source=obj)
 
@@ -139,6 +152,24 @@ class Record:
             return None
         renewed = datetime.fromisoformat(self.renew_time.replace("Z", "+00:00"))
         return renewed + timedelta(seconds=self.duration)
+
+
+def _hinted(obj: dict[str, Any]) -> str:
+    """The hint annotation's holder, while it counts (see the module doc); else ""."""
+    annotations = obj["metadata"].get("annotations") or {}
+    holder, until = annotations.get(HINT_ANNOTATION), annotations.get(HINT_UNTIL_ANNOTATION)
+    renewed = (obj.get("spec") or {}).get("renewTime")
+    if not holder or not until or not renewed:
+        return ""
+    try:
+        fresh = _instant(renewed) <= _instant(until)
+    except ValueError:
+        return ""  # a hand edit: no hint
+    return str(holder) if fresh else ""
+
+
+def _instant(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 
 
 def _unix_seconds(stamp: str | None) -> int:

@@ -1,0 +1,199 @@
+"""Rolling updates in real pods: how often leadership changes hands per rollout, with and
+without ``LEASE_SHUTDOWN_HANDOVER=youngest-ready``, and how soon the chart's leader
+Service follows a hand-over. Prints a table and writes results/rollout.json.
+
+    nice -n 10 flock /tmp/lease-bench.lock python -m bench.bench_rollout [--trials 10]
+
+Needs root (see testkit/testbed/cluster.py). One cluster, the chart with its injector
+(``kubernetes`` backend, chart timings: 15 s lease, 2 s renew interval, 250 ms claim
+horizon), a 3-replica opted-in Deployment per mode (``off``: a plain release on SIGTERM,
+the "before"; ``youngest-ready``), ``--trials`` ``kubectl rollout restart`` per update
+strategy and mode. Every figure is on this host's one clock:
+
+- **hand-overs per rollout**: changes of the pod claiming leadership, from every pod's
+  ``/leader`` polled through its pod IP every 20 ms and its leader file read every 10 ms
+  (testkit/chaos/recorder.py), from the restart until the old pods are gone and one pod
+  leads. The target (issue 21): exactly one in ≥ 9 of 10 rollouts with youngest-ready.
+- **gap per hand-over**: the old leader's last claim's end → the new leader's first claim.
+- **overlaps**: moments two pods claimed at once (target 0); also two pods labelled
+  ``leader`` at once in the pod watch.
+- **leader Service settle** (youngest-ready namespace, which renders the Service): the
+  new leader's first claim → its pod label ``leader`` → the Service's EndpointSlices list
+  exactly its pod IP as ready (an EndpointSlice watch). The test bed has no kube-proxy,
+  so the last hop (kube-proxy's rule sync on each node) is not in it; the bench then asks
+  every ready endpoint's ``/leader`` and counts answers that are not the leader's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.failover import summary
+from testkit import pods_support as ps
+from testkit import rollout_support as rs
+from testkit.support import REPO
+from testkit.testbed.cluster import Cluster, unavailable_reason
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RELEASE = "ls"
+MODES = ("off", "youngest-ready")
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                         text=True, check=False).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "sidecar",
+                            "charts", "Dockerfile"], capture_output=True, text=True,
+                           check=False).stdout.strip()
+    return out + ("+dirty" if dirty else "")
+
+
+def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
+             strategies: list[str]) -> dict[str, Any]:
+    ns = cluster.create_namespace(f"rollout-{mode}"[:20])
+    service_values, service = rs.leader_service_values(RELEASE)
+    ps.install_release(cluster, ns, image, release=RELEASE, extra=(
+        "lease.name=bench", f"lease.shutdownHandover={mode}", *service_values))
+    ps.deploy_app(cluster, ns, image, "bench")
+    ps.wait_one_leader(cluster, ns)
+    out: dict[str, Any] = {}
+    watch = rs.SliceWatch(cluster, ns, service)
+    try:
+        with ps.PodObserver(cluster, ns) as obs:
+            for strategy in strategies:
+                rs.set_strategy(cluster, ns, "web", strategy)
+                rows = []
+                for i in range(trials):
+                    row = rs.rollout(cluster, ns, obs)
+                    row["settle"] = rs.settle_times(obs, watch, row["moves"])
+                    # Through the Service's endpoints once settled: who answers?
+                    ready = watch.ready_now()
+                    answers = [rs.leader_answers(a) for a in ready]
+                    row["endpoints_not_leader"] = sum(
+                        status != 200 or body.get("identity") != row["final_leader"]
+                        for status, body in answers)
+                    row["endpoints"] = len(ready)
+                    rows.append(row)
+                    print(f"{mode} {strategy} {i + 1}/{trials}: hand-overs {row['handovers']} "
+                          f"gaps {[round(g * 1000) for g in row['gaps']]} ms, overlaps "
+                          f"{row['overlaps']}, settle "
+                          f"{[round(s['claim_to_endpoints'] * 1000) for s in row['settle']]} ms"
+                          f", loadavg {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+                out[strategy] = rows
+            http_periods = [p for s in obs.recorder.http_stats.values() for p in s.periods]
+            out["_http_poll_period_ms_p50"] = round(
+                sorted(http_periods)[len(http_periods) // 2] * 1000, 1) if http_periods else None
+            out["_anomalies"] = list(obs.recorder.anomalies)[:20]
+    finally:
+        watch.stop()
+        cluster.helm("uninstall", RELEASE, "-n", ns, check=False)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    return out
+
+
+def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    counts = [r["handovers"] for r in rows]
+    gaps = [g for r in rows for g in r["gaps"]]
+    settle = [s for r in rows for s in r.get("settle", [])]
+    return {
+        "rollouts": len(rows),
+        "exactly_one_handover": sum(c == 1 for c in counts),
+        "handovers_per_rollout": counts,
+        "handovers_to_an_old_pod": sum(r["to_old_pod"] for r in rows),
+        "gap": summary(gaps) if gaps else None,
+        "overlaps": sum(r["overlaps"] for r in rows),
+        "fencing_violations": sum(r["fencing_violations"] for r in rows),
+        "two_leader_labels": sum(r["two_leader_labels"] for r in rows),
+        "rollout_duration": summary([r["duration"] for r in rows]),
+        "service_claim_to_label": summary([s["claim_to_label"] for s in settle])
+        if settle else None,
+        "service_claim_to_endpoints": summary([s["claim_to_endpoints"] for s in settle])
+        if settle else None,
+        "service_label_to_endpoints": summary([s["label_to_endpoints"] for s in settle])
+        if settle else None,
+        "service_endpoints_not_leader_after_settle": sum(r["endpoints_not_leader"]
+                                                         for r in rows),
+    }
+
+
+def run(trials: int, strategies: list[str], modes: list[str]) -> dict[str, Any]:
+    cluster = Cluster()
+    load_start = [round(x, 1) for x in os.getloadavg()]
+    cluster.start()
+    try:
+        image = ps.load_sidecar_image(cluster)
+        raw = {mode: run_mode(cluster, image, mode, trials, strategies) for mode in modes}
+    finally:
+        cluster.stop()
+    result: dict[str, Any] = {
+        "commit": _commit(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "cores": os.cpu_count(),
+        "loadavg_at_start": load_start,
+        "loadavg_at_end": [round(x, 1) for x in os.getloadavg()],
+        "image": image,
+        "trials": trials,
+        "timing": "chart defaults: 15 s lease, 2 s renew interval, 250 ms claim horizon",
+        "results": {mode: {s: figures(raw[mode][s]) for s in strategies} for mode in modes},
+        "http_poll_period_ms_p50": {m: raw[m]["_http_poll_period_ms_p50"] for m in modes},
+        "anomalies": {m: raw[m]["_anomalies"] for m in modes},
+        "raw": {m: {s: raw[m][s] for s in strategies} for m in modes},
+    }
+    return result
+
+
+def table(r: dict[str, Any]) -> str:
+    def ms(s: dict[str, float] | None) -> str:
+        return f"{s['p50_ms']:.0f} / {s['p99_ms']:.0f} ms" if s else "-"
+
+    lines = ["| shutdown hand-over | strategy | exactly one hand-over | hand-overs per "
+             "rollout | to an old pod | gap p50 / p99 | overlaps |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, by_strategy in r["results"].items():
+        for strategy, f in by_strategy.items():
+            lines.append(f"| `{mode}` | {strategy} | {f['exactly_one_handover']} of "
+                         f"{f['rollouts']} | {f['handovers_per_rollout']} | "
+                         f"{f['handovers_to_an_old_pod']} | {ms(f['gap'])} | "
+                         f"{f['overlaps']} |")
+    lines += ["", "| leader Service (mode, strategy) | first claim → label | first claim → "
+              "endpoints only the leader | label → endpoints | endpoints answering, not the "
+              "leader |", "|---|---|---|---|---|"]
+    for mode, by_strategy in r["results"].items():
+        for strategy, f in by_strategy.items():
+            lines.append(f"| `{mode}`, {strategy} | {ms(f['service_claim_to_label'])} | "
+                         f"{ms(f['service_claim_to_endpoints'])} | "
+                         f"{ms(f['service_label_to_endpoints'])} | "
+                         f"{f['service_endpoints_not_leader_after_settle']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--strategies", default=",".join(rs.STRATEGIES))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--out", default=str(RESULTS / "rollout.json"))
+    args = parser.parse_args(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"bench_rollout: {reason}", file=sys.stderr)
+        return 2
+    result = run(args.trials, args.strategies.split(","), args.modes.split(","))
+    out = Path(args.out)
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(result))
+    print(f"\ncommit {result['commit']}, {result['cores']} cores, load average "
+          f"{result['loadavg_at_start']} → {result['loadavg_at_end']}; results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""What the rollout e2e test and bench/bench_rollout.py share: rolling updates of the
+injected Deployment, hand-overs counted from the claims the pod observer saw, and the
+leader Service's EndpointSlices followed on the same clock.
+
+A *hand-over* is one change of the pod that claims leadership: the observer's claims
+(every pod's ``/leader`` polled every 20 ms and its leader file read every 10 ms) in time
+order, consecutive claims of one pod taken together. Its *gap* is the time from the end
+of the old leader's last claim (its ``valid_until``) to the new leader's first claim.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from testkit import pods_support as ps
+from testkit.chaos.checker import claim_time
+from testkit.testbed.cluster import Cluster
+
+# The chart's leader Service, selecting the app's pods and lease-role=leader; its port is
+# the sidecar's HTTP port, so whoever it reaches answers /leader.
+LEADER_SERVICE_PORT = 8099
+STRATEGIES: dict[str, dict[str, Any]] = {
+    # The Deployment default, written out (25 % of 3 replicas: surge 1, unavailable 0).
+    "default": {"type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
+    "surge1-unavailable0": {"type": "RollingUpdate",
+                            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+}
+
+
+def leader_service_values(release: str) -> tuple[tuple[str, ...], str]:
+    """helm ``--set`` values rendering the leader Service for the app's pods; its name."""
+    return (
+        "leaderService.enabled=true",
+        f"leaderService.podSelector.app={ps.APP_LABEL}",
+        "leaderService.ports[0].name=http",
+        f"leaderService.ports[0].port={LEADER_SERVICE_PORT}",
+        f"leaderService.ports[0].targetPort={LEADER_SERVICE_PORT}",
+    ), f"{release}-lease-sidecar-leader"
+
+
+def set_strategy(cluster: Cluster, namespace: str, deployment: str, strategy: str) -> None:
+    """Patch the Deployment's update strategy (no rollout: the pod template is unchanged)."""
+    cluster.kubectl("-n", namespace, "patch", f"deployment/{deployment}", "--type=merge",
+                    "-p", json.dumps({"spec": {"strategy": STRATEGIES[strategy]}}))
+
+
+@dataclass
+class Handover:
+    old: str
+    new: str
+    at: float  # the new leader's first claim
+    gap: float  # the old leader's last claim's end -> the new leader's first claim
+
+
+def handovers(obs: ps.PodObserver, begin: float, end: float) -> list[Handover]:
+    """Changes of the claiming pod between ``begin`` and ``end``, in order."""
+    spans = [s for s in obs.spans() if s.end > begin and s.start < end]
+    runs = sorted((iv for ivs in claim_time(spans).values() for iv in ivs),
+                  key=lambda iv: iv.start)
+    out: list[Handover] = []
+    current = None
+    for iv in runs:
+        who = iv.who[0]
+        if current is not None and who != current.who[0]:
+            out.append(Handover(current.who[0], who, iv.start, iv.start - current.end))
+        if current is None or who != current.who[0] or iv.end > current.end:
+            current = iv
+    return out
+
+
+def rollout(cluster: Cluster, namespace: str, obs: ps.PodObserver,
+            deployment: str = "web") -> dict[str, Any]:
+    """One ``kubectl rollout restart``, until the old pods are gone and one new pod
+    leads: its hand-overs, overlaps, fencing violations and label history verdict."""
+    ps.wait_one_leader(cluster, namespace)
+    before = {p["metadata"]["name"] for p in ps.app_pods(cluster, namespace)}
+    cluster.wait_for(obs.leader_now, 30, "the observer to see a leader")
+    begin = time.time()
+    cluster.kubectl("-n", namespace, "rollout", "restart", f"deployment/{deployment}")
+    ps.wait_rolled_out(cluster, namespace, deployment)
+    cluster.wait_for(lambda: not before & set(ps.roles(cluster, namespace)), 120,
+                     "the old pods to be gone")
+    leader = ps.wait_one_leader(cluster, namespace)
+    cluster.wait_for(lambda: obs.leader_now() == leader, 30, "the observer to see the leader")
+    end = time.time()
+    verdict = obs.verdict(begin, end)
+    moves = handovers(obs, begin, end)
+    return {
+        "duration": end - begin,
+        "handovers": len(moves),
+        "gaps": [m.gap for m in moves],
+        "moves": [(m.old, m.new, m.at) for m in moves],
+        "to_old_pod": sum(m.new in before for m in moves),
+        "overlaps": len(verdict.overlaps),
+        "fencing_violations": len(verdict.fencing),
+        "two_leader_labels": len(ps.two_leader_labels(
+            [e for e in obs.label_history() if begin <= e.t <= end])),
+        "final_leader": leader,
+    }
+
+
+@dataclass
+class SliceWatch:
+    """``kubectl get endpointslices --watch`` of one Service: after every event, when it
+    arrived and the ready endpoint addresses of all its slices together."""
+
+    cluster: Cluster
+    namespace: str
+    service: str
+    history: list[tuple[float, frozenset[str]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._slices: dict[str, frozenset[str]] = {}
+        self._lock = threading.Lock()
+        from testkit.testbed import gobuild
+
+        self._proc = subprocess.Popen(
+            [str(gobuild.ensure_binary("kubectl")), f"--kubeconfig={self.cluster.kubeconfig}",
+             "-n", self.namespace, "get", "endpointslices",
+             "-l", f"kubernetes.io/service-name={self.service}",
+             "--watch", "--output-watch-events", "-o", "json"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        decoder = json.JSONDecoder()
+        buffer = ""
+        for chunk in iter(self._proc.stdout.readline, ""):
+            buffer += chunk
+            while buffer.strip():
+                try:
+                    event, end = decoder.raw_decode(buffer.lstrip())
+                except ValueError:
+                    break
+                buffer = buffer.lstrip()[end:]
+                self._on_event(event)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        now = time.time()
+        obj = event["object"]
+        ready = frozenset(a for e in obj.get("endpoints") or []
+                          if (e.get("conditions") or {}).get("ready")
+                          for a in e["addresses"])
+        with self._lock:
+            if event["type"] == "DELETED":
+                self._slices.pop(obj["metadata"]["name"], None)
+            else:
+                self._slices[obj["metadata"]["name"]] = ready
+            self.history.append((now, frozenset().union(*self._slices.values())))
+
+    def ready_now(self) -> frozenset[str]:
+        with self._lock:
+            return self.history[-1][1] if self.history else frozenset()
+
+    def only_after(self, address: str, t: float) -> float | None:
+        """When the ready endpoints first became exactly ``{address}`` after ``t``."""
+        with self._lock:
+            history = list(self.history)
+        was = next((ready for at, ready in reversed(history) if at <= t), frozenset())
+        if was == {address}:
+            return t
+        return next((at for at, ready in history if at > t and ready == {address}), None)
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
+
+
+def pod_ip(obs: ps.PodObserver, pod: str) -> str | None:
+    seen = obs.pods.get(pod)
+    return seen["status"].get("podIP") if seen else None
+
+
+def settle_times(obs: ps.PodObserver, watch: SliceWatch,
+                 moves: list[tuple[str, str, float]]) -> list[dict[str, float]]:
+    """Per hand-over: the new leader's first claim -> its label ``leader`` (pod watch)
+    -> the leader Service's ready endpoints exactly its pod IP (EndpointSlice watch)."""
+    out = []
+    labels = obs.label_history()
+    for _, new, at in moves:
+        ip = pod_ip(obs, new)
+        labelled = next((e.t for e in labels
+                         if e.pod == new and e.role == "leader" and e.t >= at - 1.0), None)
+        settled = watch.only_after(ip, at) if ip else None
+        if settled is None or labelled is None:
+            continue
+        out.append({"claim_to_label": max(0.0, labelled - at),
+                    "claim_to_endpoints": settled - at,
+                    "label_to_endpoints": max(0.0, settled - labelled)})
+    return out
+
+
+def leader_answers(address: str, timeout: float = 2.0) -> tuple[int, dict[str, Any]]:
+    """GET ``/leader`` of the pod at ``address`` (the leader Service's target port)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{address}:{LEADER_SERVICE_PORT}/leader",
+                                    timeout=timeout) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
