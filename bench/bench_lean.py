@@ -43,9 +43,10 @@ from testkit.testbed.kube import ControlPlane
 
 RESULTS = Path(__file__).resolve().parent / "results" / "lean.json"
 IDLE_SECONDS = 10.0
-WINDOW = 90.0  # seconds per request-rate window (watches are re-opened within it)
+WINDOW = 60.0  # seconds per request-rate window (watches are re-opened within it)
 WARMUP = 15.0
 RESOURCES = ("leases", "pods", "events")
+CLIENTGO_LEASE = "lease-sidecar.clientgo"
 CLIENTGO_DEFAULTS = ["-lease-duration", "15s", "-renew-deadline", "10s", "-retry-period", "2s"]
 
 
@@ -79,7 +80,8 @@ class Bed:
     def __init__(self, cp: ControlPlane, workdir: Path) -> None:
         self.cp, self.workdir = cp, workdir
         self.ns = cp.create_namespace("lean")
-        self.kubeconfig = install_rbac(cp, self.ns)
+        # The sidecars' Lease and the client-go electors' (both named in the Role).
+        self.kubeconfig = install_rbac(cp, self.ns, ("lease-sidecar.jobs", CLIENTGO_LEASE))
         self.made: set[str] = set()
 
     def sidecar(self, pod: str, backend: str, dsn: str | None, *args: str) -> SidecarProcess:
@@ -145,7 +147,7 @@ def group_requests(cp: ControlPlane, workdir: Path) -> dict[str, Any]:
             out = (workdir / f"go-{i}.jsonl").open("wb")
             electors.append(subprocess.Popen(
                 [str(binary), "-kubeconfig", str(bed.kubeconfig), "-namespace", bed.ns,
-                 "-lease", "lease-sidecar.clientgo", "-identity", f"go-{i}",
+                 "-lease", CLIENTGO_LEASE, "-identity", f"go-{i}",
                  *CLIENTGO_DEFAULTS], stdout=out, stderr=subprocess.DEVNULL))
         clientgo = request_rate(cp, electors) - baseline
     finally:

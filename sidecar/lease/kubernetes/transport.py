@@ -116,7 +116,9 @@ class LeaseApi:
             "update", name, self.client.put(f"{self._base}/{name}", record.body(name))))
 
     async def list(self) -> list[dict[str, Any]]:
-        return (await self._run("list", "", self.client.list(self._base)))["items"]
+        items: list[dict[str, Any]] = (
+            await self._run("list", "", self.client.list(self._base)))["items"]
+        return items
 
     def watch(self, name: str, deliver: Callable[[Record | None], None]) -> LeaseWatch:
         """A started watch of Lease ``name``; ``deliver`` runs on the event loop."""
