@@ -196,7 +196,12 @@ class Elector:
         sent = self._clock.monotonic()
         grant = await self._call("acquire", self.lease.try_acquire())
         if grant is not None and grant.held:
-            await self._became_holder(sent, grant)
+            replied = self._clock.monotonic()
+            other = await self._successor_named()
+            if other is not None:
+                await self._stand_aside(other)
+                return
+            await self._became_holder(sent, grant, replied)
             return
         if grant is not None:
             self.state.update(holder=grant.holder, reason=grant.reason or "standby")
@@ -211,12 +216,27 @@ class Elector:
         if delay > floor and not self._wake.is_set():
             await self._sleep_or_wake(delay - floor, watch_lease=True)
 
-    async def _became_holder(self, sent: float, grant: Grant) -> None:
+    async def _stand_aside(self, other: str) -> None:
+        """The acquire won while a hand-over names another standby: a wait queued in the
+        server (the advisory lock) can be granted at the leader's release, after this
+        standby last looked for a hint. Give the lease back before any claim, so the
+        named one gets it (a failed release frees itself: the session drops, the row's
+        TTL runs out)."""
+        try:
+            async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
+                await self.lease.release()
+        except Exception as exc:
+            log.warning("could not give back a lease handed to another standby", extra={
+                "lease": self.state.lease, "identity": self.identity, "successor": other,
+                "error": str(exc) or type(exc).__name__})
+        self.state.update(reason=f"standing aside: the lease is being handed to {other}")
+        await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
+
+    async def _became_holder(self, sent: float, grant: Grant, replied: float) -> None:
         # Validity counts from the send time (the earliest the grant can have been
         # decided); the first claim waits one horizon from the *reply* (the latest it can
         # have been decided), since an acquire may wait in the server for the release.
         delay = max(self.timing.claim_horizon, grant.claim_delay)
-        replied = self._clock.monotonic()
         self._release_requested = False  # asked of an earlier term, which has ended
         self._handover = None
         self.state.update(

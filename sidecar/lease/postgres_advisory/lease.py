@@ -198,10 +198,12 @@ class AdvisoryLease:
         await self._hint.name(identity, bound)
 
     async def handing_to_other(self) -> str | None:
+        # Also asked right after a grant (an in-server wait granted at a hand-over's
+        # release): the elector then gives the lock back to the named standby.
         await self._settle_waiter()
         async with self._busy:
-            if self._link.levels or self.pooler:
-                return None  # we hold it (an in-server wait was granted): the acquire says
+            if self.pooler:
+                return None
             session = await self._link.connect()
             return await self._hint.named_other(session)
 
