@@ -186,7 +186,7 @@ class Elector:
             self.state.update(reason=why_not)
             await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
             return
-        other = await self._successor_named()
+        other = await self._successor_named(before_acquire=True)
         if other is not None:
             # A leader handed the lease to another standby: stay out of the race while
             # the hint lives (at most one lease duration), so the named one wins.
@@ -347,16 +347,22 @@ class Elector:
                 **self._fields(self.state.facts.fencing_token), "successor": to,
                 "error": str(exc) or type(exc).__name__})
 
-    async def _successor_named(self) -> str | None:
+    async def _successor_named(self, before_acquire: bool = False) -> str | None:
         """The standby another leader handed the lease to, if not us (None: none, or
-        the backend keeps no hints, or it cannot be read now: the acquire then tells)."""
+        the backend keeps no hints, or it cannot be read now). A read that fails before
+        an acquire counts as that acquire's failure (logged once per outage): it is the
+        first call of the attempt, and a backend that blocks it (a locked SQLite file)
+        would otherwise hide the outage behind its timeout."""
         successor = successor_of(self.lease)
         if successor is None:
             return None
+        started = self._clock.monotonic()
         try:
             async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
                 return await successor.handing_to_other()
-        except Exception:
+        except Exception as exc:
+            if before_acquire:
+                self._failed("acquire", started, exc)
             return None
 
     async def _claims_expired(self, until: float) -> float:
@@ -391,18 +397,7 @@ class Elector:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.state.observe_call(what, self._clock.monotonic() - started, "error")
-            self._failures += 1
-            if self.state.facts.backend_ok or self._failures == 1:
-                self._down_since = self._clock.monotonic()
-                self._down_cause = str(exc) or type(exc).__name__
-                # Refused is not unreachable: the fix is a permission, not the network.
-                cause = "backend forbidden" if isinstance(exc, Forbidden) else \
-                    "backend unreachable"
-                log.warning(cause, extra={
-                    "lease": self.state.lease, "identity": self.identity,
-                    "operation": what, "error": self._down_cause})
-                self.state.update(backend_ok=False, reason=f"{cause}: {exc}")
+            self._failed(what, started, exc)
             return None
         self.state.observe_call(what, self._clock.monotonic() - started,
                                 "held" if result.held else "refused")
@@ -417,6 +412,21 @@ class Elector:
             self.state.update(backend_ok=True)
         self._failures = 0
         return result
+
+    def _failed(self, what: str, started: float, exc: Exception) -> None:
+        """A backend call failed: time it, count it, and log when reachability changes."""
+        self.state.observe_call(what, self._clock.monotonic() - started, "error")
+        self._failures += 1
+        if self.state.facts.backend_ok or self._failures == 1:
+            self._down_since = self._clock.monotonic()
+            self._down_cause = str(exc) or type(exc).__name__
+            # Refused is not unreachable: the fix is a permission, not the network.
+            cause = "backend forbidden" if isinstance(exc, Forbidden) else \
+                "backend unreachable"
+            log.warning(cause, extra={
+                "lease": self.state.lease, "identity": self.identity,
+                "operation": what, "error": self._down_cause})
+            self.state.update(backend_ok=False, reason=f"{cause}: {exc}")
 
     def _retry_delay(self) -> float:
         base = self.timing.renew_interval

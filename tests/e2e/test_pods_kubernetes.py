@@ -348,6 +348,6 @@ def test_a_sidecar_without_a_token_is_not_ready_and_not_restarted(app: App) -> N
         assert [x["msg"] for x in said] == [
             "no kubernetes credentials: this sidecar can never lead until it has some; "
             "/healthz and /readyz answer 503"]
-        assert "Service token file does not exist" in said[0]["reason"]
+        assert "no ServiceAccount token at" in said[0]["reason"]
     finally:
         c.kubectl("-n", ns, "delete", "pod", name, "--wait=false", check=False)

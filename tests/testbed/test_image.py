@@ -245,7 +245,7 @@ def _unpacked_mb(bundle: Path) -> float:
 
 CHECK_EXTRAS = """
 import errno, os
-import asyncpg, pyodbc, kubernetes
+import aiohttp, asyncpg, pyodbc  # no kubernetes package in the sidecar image
 print("uid", os.getuid(), os.getgid())
 print("drivers", pyodbc.drivers())
 try:
