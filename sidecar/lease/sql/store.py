@@ -78,10 +78,7 @@ class SqlRowStore:
                 "name": name, "owner": owner, "duration": duration,
                 "duration_ms": round(duration * 1000)})
         except NotFound as exc:
-            if not_created is None:
-                raise
-            raise NotFound(f"{exc}; LEASE_ENSURE_SCHEMA could not create it: "
-                           f"{not_created}") from None
+            raise _not_created(exc, not_created) from None
         self._schema_ready = True
         if not rows:
             return None
@@ -129,7 +126,13 @@ class SqlRowStore:
         await self.driver.fetch(self.dialect.release, {"name": name, "owner": owner})
 
     async def read(self, name: str) -> Row | None:
-        return await self._one(self._read, {"name": name})
+        # A standby reads the hand-over hint before its first acquire: provision first
+        # here too, or a fresh database answers that read with a missing table.
+        not_created = await self._ensure_schema()
+        try:
+            return await self._one(self._read, {"name": name})
+        except NotFound as exc:
+            raise _not_created(exc, not_created) from None
 
     async def list_all(self) -> list[tuple[str, Row, bool]]:
         """Every row, expired ones included: ``(name, row, live)``."""
@@ -164,3 +167,10 @@ class SqlRowStore:
 
     async def close(self) -> None:
         await self.driver.close()
+
+
+def _not_created(missing: NotFound, not_created: BackendError | None) -> NotFound:
+    """The missing table's error, naming why LEASE_ENSURE_SCHEMA did not create it."""
+    if not_created is None:
+        return missing
+    return NotFound(f"{missing}; LEASE_ENSURE_SCHEMA could not create it: {not_created}")
