@@ -261,23 +261,6 @@ class PostgresEnv(BackendEnv):
         await asyncio.sleep(down_for)
         await asyncio.to_thread(self.server.start)
 
-    async def foreign_write(self, edit: str, standby: str) -> None:
-        """kubectl, as admin, edits or deletes the Lease (deploy/rbac.yaml grants the
-        sidecars create, so one of them re-creates a deleted Lease)."""
-        from testkit.chaos.harness import LEASE_NAME
-
-        assert self.cp is not None
-        name = f"lease-sidecar.{LEASE_NAME}"
-        if edit == "deleted":
-            args = ["delete", "lease", name, "--ignore-not-found"]
-        else:
-            spec = {"holder-cleared": {"holderIdentity": None},
-                    "holder-to-standby": {"holderIdentity": standby},
-                    "duration-1s": {"leaseDurationSeconds": 1}}[edit]
-            args = ["patch", "lease", name, "--type", "merge",
-                    "-p", json.dumps({"spec": spec})]
-        await asyncio.to_thread(self.cp.kubectl, "-n", self.namespace, *args, check=False)
-
     async def teardown(self) -> None:
         for proxy in self.proxies:
             await proxy.close()
