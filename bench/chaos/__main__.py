@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench import record
 from sidecar.durations import parse_duration
-from testkit.chaos.backends import Timing, make_env
+from testkit.chaos.backends import ChaosTiming, make_env
 from testkit.chaos.faults import ALL_FAULTS
 from testkit.chaos.harness import Config, Harness
 from testkit.chaos.report import markdown, summarize
@@ -40,10 +40,10 @@ def _parser() -> argparse.ArgumentParser:
                         "DSN naming primary and standby")
     p.add_argument("--leader-bias", type=float, default=0.5,
                    help="probability that a fault targets the current leader")
-    p.add_argument("--lease-duration", type=parse_duration, default=Timing.lease_duration)
-    p.add_argument("--renew-interval", type=parse_duration, default=Timing.renew_interval)
-    p.add_argument("--renew-deadline", type=parse_duration, default=Timing.renew_deadline)
-    p.add_argument("--claim-horizon", type=parse_duration, default=Timing.claim_horizon)
+    p.add_argument("--lease-duration", type=parse_duration, default=ChaosTiming.lease_duration)
+    p.add_argument("--renew-interval", type=parse_duration, default=ChaosTiming.renew_interval)
+    p.add_argument("--renew-deadline", type=parse_duration, default=ChaosTiming.renew_deadline)
+    p.add_argument("--claim-horizon", type=parse_duration, default=ChaosTiming.claim_horizon)
     p.add_argument("--safety-margin", type=parse_duration, default=None,
                    help="default 500ms; 1s on kubernetes, the least that backend accepts")
     p.add_argument("--workdir", type=Path, default=None,
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     margin = (args.safety_margin if args.safety_margin is not None
-              else Timing.default_margin(args.backend))
-    timing = Timing(args.lease_duration, args.renew_interval, args.renew_deadline,
+              else ChaosTiming.default_margin(args.backend))
+    timing = ChaosTiming(args.lease_duration, args.renew_interval, args.renew_deadline,
                     args.claim_horizon, margin)
     env = make_env(args.backend, timing, style=args.pg_connect)
     faults = tuple(args.faults.split(",")) if args.faults else env.faults
