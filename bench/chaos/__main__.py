@@ -13,11 +13,12 @@ import shlex
 import sys
 from pathlib import Path
 
+from bench import record
 from sidecar.durations import parse_duration
 from testkit.chaos.backends import ChaosTiming, make_env
 from testkit.chaos.faults import ALL_FAULTS
 from testkit.chaos.harness import Config, Harness
-from testkit.chaos.report import markdown, summarize, write
+from testkit.chaos.report import markdown, summarize
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(backend=args.backend, seed=args.seed, duration=args.duration,
                     faults=faults, sidecars=args.sidecars, max_faults=args.max_faults,
                     leader_bias=args.leader_bias, timing=timing, workdir=args.workdir)
+    run = record.start(args.max_faults or 0)
     try:
         result = asyncio.run(Harness(config, env).run())
     except (ValueError, RuntimeError) as exc:
@@ -73,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(summary))
     print(f"sidecar logs: {result.workdir}")
     if args.out:
-        write(summary, args.out)
+        # A chaos run's trials are its faults: --max-faults bounds them, --duration too.
+        run["trials"] = summary["faults_injected"]
+        record.write(args.out.name + ".json", run, summary, args.out.with_suffix(".json"))
+        args.out.with_suffix(".md").write_text(markdown(summary))
     return 0 if summary["ok"] else 1
 
 
