@@ -4,8 +4,8 @@ Every setting has one ``LEASE_*`` variable and one flag; a flag wins over the va
 the variable over the default. Two defaults are derived from the lease duration when
 unset, as client-go's are (15s lease, 10s renew deadline, 2s retry period): the renew
 deadline (2/3 of it) and the renew interval (2/15 of it; on kubernetes, where each renew
-is an apiserver request, 1/3 of it less the safety margin: :data:`DERIVED_BY_BACKEND`), so
-``LEASE_DURATION=3s`` alone works. Loading reports the first bad setting as one line naming
+is an apiserver request, 1/3 of it less the safety margin: ``BackendEntry.renew_share``),
+so ``LEASE_DURATION=3s`` alone works. Loading reports the first bad setting as one line naming
 both spellings, the values it compared and which of them were defaults; the CLI exits with
 code 2.
 
@@ -32,14 +32,13 @@ from sidecar.dsn import DsnError
 from sidecar.durations import format_duration, parse_duration
 from sidecar.errors import ConfigError
 from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
-from sidecar.lease.sql.dialect import validate_identifier
+from sidecar.names import validate_identifier
 from sidecar.redact import remember_secrets
 from sidecar.settings import MAX_IDENTITY, Settings, Store, Timing, TimingError
 
 ROLES = ("all", "worker", "api")
 POD_LABEL_MODES = ("auto", "on", "off")
 SHUTDOWN_HANDOVERS = ("off", "youngest-ready")
-DEFAULT_SQLITE_PATH = "/var/tmp/lease-sidecar/leases.sqlite3"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 HOUR = 3600.0
 
@@ -162,8 +161,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("lease_duration", "LEASE_DURATION", "--lease-duration", parse_duration, "15s",
            "TTL of row and Lease backends", (1.0, HOUR)),
     Option("renew_interval", "LEASE_RENEW_INTERVAL", "--renew-interval", parse_duration, None,
-           "renew / retry / heartbeat period (longer on kubernetes: each renew is an "
-           "apiserver request)", (0.01, HOUR),
+           "renew / retry / heartbeat period (kubernetes: 1/3 of the lease duration "
+           "minus the safety margin unless given, as each renew is an apiserver request)",
+           (0.01, HOUR),
            "a faster renew loop only burns CPU"),
     Option("renew_deadline", "LEASE_RENEW_DEADLINE", "--renew-deadline", parse_duration, None,
            "postgres (advisory lock): step down when no heartbeat succeeded for this long",
@@ -249,19 +249,14 @@ DERIVED: dict[str, Share] = {
     "renew_deadline": Share(Fraction(2, 3)),
     "renew_interval": Share(Fraction(2, 15)),
 }
-# Where a backend derives a default differently. kubernetes: a renew is a PUT to the
-# apiserver, the only request an idle group makes besides its watches (standbys follow
-# the watch, so a crashed holder is taken over at the lease's expiry, whatever the renew
-# period). A third of the validity (4.67s for the defaults) always leaves two renew
-# attempts before the claim ends, and costs the apiserver 12 PUTs a minute, not 30.
-DERIVED_BY_BACKEND: dict[str, dict[str, Share]] = {
-    "kubernetes": {"renew_interval": Share(Fraction(1, 3), of_validity=True)},
-}
 
 
-def derived(backend: str) -> dict[str, Share]:
-    """The derived defaults ``backend`` uses: :data:`DERIVED` with its own shares."""
-    return {**DERIVED, **DERIVED_BY_BACKEND.get(backend, {})}
+def derived(entry: BackendEntry) -> dict[str, Share]:
+    """The derived defaults a backend uses: :data:`DERIVED`, with the backend's own renew
+    interval where it has one (``BackendEntry.renew_share``, of the validity)."""
+    if entry.renew_share is None:
+        return DERIVED
+    return {**DERIVED, "renew_interval": Share(entry.renew_share, of_validity=True)}
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -272,9 +267,6 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         default = option.default
         if option.field in DERIVED:
             default = DERIVED[option.field].text(env=False)
-            default += "".join(f"; {shares[option.field].text(env=False)} on {backend}"
-                               for backend, shares in DERIVED_BY_BACKEND.items()
-                               if option.field in shares)
         where = option.env if default is None else f"{option.env}; default {default}"
         parser.add_argument(option.flag, dest=option.field, default=None,
                             help=f"{option.help} [{where}]")
@@ -306,19 +298,20 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         except ValueError as exc:
             raise ConfigError(f"{option.env} / {option.flag}: {exc}") from None
         _check_bounds(option, values[option.field])
-    for name, share in derived(values["backend"]).items():
+    entry = backend_entry(values["backend"])
+    shares = derived(entry)
+    for name, share in shares.items():
         if values[name] is None:
             values[name] = share.of(values)
     values["pod_name"] = env.get("POD_NAME") or None
     values["pod_namespace"] = env.get("POD_NAMESPACE") or None
     if not values["identity"]:
         values["identity"] = values["pod_name"] or f"{socket.gethostname()}:{os.getpid()}"
-    if values["backend"] == "sqlite" and not values["dsn"]:
-        values["dsn"] = DEFAULT_SQLITE_PATH
+    values["dsn"] = values["dsn"] or entry.default_dsn
+    values["table"] = values["table"] or entry.default_table
     # Before any check can fail: every later line that might echo a DSN masks these.
     remember_secrets([values["dsn"], values["replica_dsn"]])
-    entry = backend_entry(values["backend"])
-    blame = _Blame(values, frozenset(explicit), derived(values["backend"]))
+    blame = _Blame(values, frozenset(explicit), shares)
     try:
         timing = Timing(**{name: values.pop(name) for name in _TIMING_FIELDS},
                         holds_by=entry.holds_by)

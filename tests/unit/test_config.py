@@ -12,6 +12,7 @@ import pytest
 from sidecar import config
 from sidecar.config import ConfigError, format_duration, parse_duration
 from sidecar.dsn import DsnError, check_odbc, check_postgres_url, check_sqlite, parse_odbc
+from sidecar.lease import backend_entry
 from sidecar.redact import forget_secrets
 
 
@@ -153,7 +154,7 @@ def test_defaults_match_client_go():
     assert s.http_addr == ("127.0.0.1", 8099)
     assert s.state_dir == "/run/lease"
     assert s.role == "all"
-    assert s.store.dsn == config.DEFAULT_SQLITE_PATH
+    assert s.store.dsn == backend_entry("sqlite").default_dsn
     assert ":" in s.identity  # host:pid without POD_NAME
 
 
@@ -214,8 +215,8 @@ def test_help_names_the_derived_defaults():
                             capture_output=True, text=True, timeout=30, check=True)
     text = " ".join(result.stdout.split())
     assert "LEASE_RENEW_DEADLINE; default 2/3 of the lease duration" in text
-    assert ("LEASE_RENEW_INTERVAL; default 2/15 of the lease duration; 1/3 of the lease "
-            "duration minus the safety margin on kubernetes") in text
+    assert "LEASE_RENEW_INTERVAL; default 2/15 of the lease duration" in text
+    assert "kubernetes: 1/3 of the lease duration minus the safety margin" in text
 
 
 # -- the timing rules: each names the values it compared and which were defaults ----------
