@@ -163,6 +163,7 @@ def install_release(
         f"image.repository={repo}",
         f"image.tag={tag}",
         f"image.operatorRepository={repo}-operator",
+        f"image.sqlserverRepository={repo}-sqlserver",
         "image.pullPolicy=Never",
         "injector.enabled=true",
         f"lease.backend={backend}",
