@@ -370,7 +370,6 @@ class Table:
 TABLES: dict[str, Table] = {
     "core": Table("core.json", core, "core"),
     "core-costs": Table("core.json", core_costs, "core"),
-    "core-idle": Table("core-idle.json", core_costs, "core"),
     "http-limits": Table("http-limits.json", http_limits, "http_limits"),
     "exec": Table("exec.json", exec_, "exec"),
     "sqlite-commit": Table("sqlite-commit.json", sqlite_commit, "sqlite_commit"),
