@@ -19,7 +19,7 @@ layers and grouped by what they are for:
   load.
 
 Sizes are MB (10^6 bytes) of regular files (a symlink counts 0). Prints a table and writes
-results/image.json.
+results/image.json (``python -m bench.report`` puts it in docs/operator.md).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from testkit.testbed import image
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = ("sidecar", "sidecar-sqlserver", "operator")
 SITE = re.compile(r"^opt/lease-sidecar/lib/python3\.\d+/site-packages/")
 STDLIB = re.compile(r"^usr/(local/)?lib/python3\.\d+/")
@@ -81,14 +81,14 @@ def distributions(files: dict[str, tuple[int, bytes | None]]) -> dict[str, int]:
     """Installed distribution -> bytes of its files in the image, from each RECORD."""
     sizes: dict[str, int] = defaultdict(int)
     owned: set[str] = set()
-    for path, (_, record) in files.items():
-        if record is None:
+    for path, (_, rec) in files.items():
+        if rec is None:
             continue
         site = SITE.match(path)
         assert site is not None
         dist = path[site.end():].split("/", 1)[0].removesuffix(".dist-info")
         name = dist.rsplit("-", 1)[0].lower().replace("_", "-")
-        for row in csv.reader(io.StringIO(record.decode())):
+        for row in csv.reader(io.StringIO(rec.decode())):
             if not row:
                 continue
             rel = posixpath.normpath(site.group(0) + row[0])  # bin/ is ../../../bin
@@ -143,6 +143,7 @@ def main() -> int:
         print(f"bench_image: {reason}", file=sys.stderr)
         return 1
     started = time.monotonic()
+    meta = record.start(1)
     figures = {target: target_figures(target) for target in TARGETS}
     side = figures["sidecar"]
     sqlite = sum(size for path, (size, _) in side["_files"].items()
@@ -154,7 +155,6 @@ def main() -> int:
         "sqlserver": sqlserver_addition(side, figures["sidecar-sqlserver"]),
     }
     result = {
-        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "built_with": "testkit/testbed/image.py (buildah, the local Debian bookworm base)",
         "targets": {t: {k: v for k, v in f.items() if k != "_files"}
                     for t, f in figures.items()},
@@ -167,9 +167,8 @@ def main() -> int:
         top = list(f["distributions_mb"].items())[:6]
         print("    " + ", ".join(f"{name} {mb}" for name, mb in top))
     print("backends:", json.dumps(backends))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "image.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS / 'image.json'} ({time.monotonic() - started:.0f} s)")
+    out = record.write("image.json", meta, result)
+    print(f"wrote {out} ({time.monotonic() - started:.0f} s)")
     return 0
 
 

@@ -429,7 +429,7 @@ def test_digest_follows_the_build_context_only(tmp_path: Path) -> None:
     (repo / "sidecar" / "__pycache__" / "cli.cpython-311.pyc").write_bytes(b"\0")
     assert image.image_digest(base, repo) == first
     # A source file, the Dockerfile or the base: a new image.
-    cli = repo / "sidecar" / "cli.py"
+    cli = repo / "sidecar" / "cli" / "__init__.py"
     cli.write_text(cli.read_text() + "\n# changed\n")
     second = image.image_digest(base, repo)
     assert second != first
