@@ -32,7 +32,7 @@ from sidecar.errors import ConfigError
 from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
 from sidecar.names import validate_identifier
 from sidecar.redact import remember_secrets
-from sidecar.settings import MAX_IDENTITY, Settings, Store, Timing, TimingError
+from sidecar.settings import MAX_IDENTITY, Settings, StoreSettings, Timing, TimingError
 
 ROLES = ("all", "worker", "api")
 POD_LABEL_MODES = ("auto", "on", "off")
@@ -283,7 +283,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
                         holds_by=entry.holds_by)
     except TimingError as exc:
         raise blame.error(exc.blame, exc.template) from None
-    store = Store(**{name: values.pop(name) for name in _STORE_FIELDS})
+    store = StoreSettings(**{name: values.pop(name) for name in _STORE_FIELDS})
     settings = Settings(store=store, timing=timing, **values, explicit=frozenset(explicit))
     _validate(settings, entry, blame, dsn_required=dsn_required)
     return settings

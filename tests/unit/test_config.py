@@ -551,11 +551,11 @@ def test_start_errors_name_the_state_dir_or_the_address(tmp_path: Path):
 def test_the_loaded_defaults_are_the_dataclass_defaults():
     """Defaults are written in two places (the option table's text, the dataclasses that
     library users and tests build); this keeps them the same."""
-    from sidecar.settings import Settings, Store, Timing
+    from sidecar.settings import Settings, StoreSettings, Timing
 
     loaded = config.load({}, env={})
     assert loaded.timing == Timing()
-    assert replace(loaded.store, dsn=None) == Store()
+    assert replace(loaded.store, dsn=None) == StoreSettings()
     defaults = Settings()
     for name in ("names", "role", "http_addr", "state_dir", "pod_label", "exec_grace",
                  "work_stall_after", "log_level"):
