@@ -30,7 +30,7 @@ from sidecar.dsn import DsnError
 from sidecar.durations import format_duration, parse_duration
 from sidecar.errors import ConfigError
 from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
-from sidecar.lease.sql.dialect import validate_identifier
+from sidecar.names import validate_identifier
 from sidecar.redact import remember_secrets
 from sidecar.settings import MAX_IDENTITY, Settings, Store, Timing, TimingError
 
