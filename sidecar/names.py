@@ -1,7 +1,7 @@
-"""Names with a syntax rule: Kubernetes object names (the one rule shared by the
-kubernetes backend, the injector and the settings check) and the SQL identifiers of the
-row lease's schema and table (the SQL dialects and the settings check). A bottom-layer
-module: it imports nothing from ``sidecar``, so checking settings loads no backend.
+"""Names that end up in someone else's syntax: Kubernetes object names (the one rule
+shared by the kubernetes backend, the injector and the settings check) and SQL
+identifiers (schema and table names). A bottom-layer module: it imports nothing from
+``sidecar``.
 
 A Lease object is named ``{key_prefix}.{name}`` and must be a DNS-1123 subdomain, as the
 apiserver checks it: lowercase letters, digits, ``-`` and ``.``, each dot-separated part
@@ -15,8 +15,8 @@ import re
 MAX_OBJECT_NAME = 253
 OBJECT_NAME_RULE = ("lowercase letters, digits, '-' and '.', starting and ending with a "
                     "letter or digit, at most 253 characters")
+_SQL_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
 def prefixed(key_prefix: str, name: str) -> str:
@@ -41,7 +41,7 @@ def object_name_problem(key_prefix: str, name: str) -> str | None:
 
 def validate_identifier(kind: str, value: str) -> str:
     """Schema and table names end up in SQL text, so only plain identifiers pass."""
-    if not _IDENTIFIER.match(value):
+    if not _SQL_IDENTIFIER.match(value):
         raise ValueError(
             f"{kind} {value!r} is not a plain identifier (letters, digits, _; max 63)"
         )

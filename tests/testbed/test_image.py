@@ -336,7 +336,7 @@ def _copy_context(dest: Path) -> Path:
 def test_context_is_what_dockerignore_lets_in() -> None:
     files = image.context_files()
     assert "pyproject.toml" in files and "README.md" in files
-    assert "sidecar/cli.py" in files and "sidecar/lease/sqlite/store.py" in files
+    assert "sidecar/cli/__init__.py" in files and "sidecar/lease/sqlite/store.py" in files
     outside = [f for f in files if f not in ("pyproject.toml", "README.md")
                and not f.startswith("sidecar/")]
     assert outside == []

@@ -112,20 +112,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if not cmd:
                 raise ConfigError("exec: no command given (lease-sidecar exec -- CMD ARGS...)")
-            from sidecar import cli_exec, supervise
+            from sidecar.cli import exec_command, exec_supervise
 
-            unusable = supervise.check_command(cmd[0])
+            unusable = exec_supervise.check_command(cmd[0])
             if unusable is not None:
                 code, line = unusable
                 return _fail(f"exec: {line}", code=code)
             timeout = _acquire_timeout(args.acquire_timeout)
-            return asyncio.run(cli_exec.run(settings, cmd, timeout))
+            return asyncio.run(exec_command.run(settings, cmd, timeout))
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
         if args.command == "handover":
-            from sidecar import cli_handover
+            from sidecar.cli import handover
 
-            return cli_handover.run(settings, args.to)
+            return handover.run(settings, args.to)
         return asyncio.run(_status(settings, as_json=args.json))
     except ConfigError as exc:
         return _fail(str(exc))
@@ -191,11 +191,11 @@ async def _schema(settings: Settings, apply: bool) -> int:
         print(entry.schema_sql(settings))
         return 0
     await entry.apply_schema(settings)
-    print(f"schema applied ({store.backend}, {store.schema}.{store.table_name})")
+    print(f"schema applied ({store.backend}, {store.schema}.{store.table})")
     return 0
 
 
 async def _status(settings: Settings, as_json: bool) -> int:
-    from sidecar import cli_status
+    from sidecar.cli import status
 
-    return await cli_status.report(settings, as_json=as_json)
+    return await status.report(settings, as_json=as_json)
