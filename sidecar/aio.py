@@ -13,6 +13,13 @@ async def first_of(*waitables: Awaitable[object], timeout: float | None = None) 
     Coroutines are wrapped in tasks that are cancelled and awaited before returning;
     futures and tasks passed in are shared with the caller and left running.
     """
+    if len(waitables) == 1 and asyncio.iscoroutine(waitables[0]):
+        # One coroutine (a holder's sleep between renews): run it in this task, without
+        # a task of its own to create, cancel and await each time.
+        with contextlib.suppress(Exception):  # TimeoutError, or what the waitable raised
+            async with asyncio.timeout(timeout):
+                await waitables[0]
+        return
     ours = [asyncio.ensure_future(w) for w in waitables if not asyncio.isfuture(w)]
     shared = [w for w in waitables if asyncio.isfuture(w)]
     try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from datetime import UTC, datetime
@@ -35,5 +36,12 @@ def rfc3339(wall: float | None) -> str | None:
     ms = epoch_ms(wall)
     if ms is None:
         return None
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(
-        timespec="milliseconds").replace("+00:00", "Z")
+    second, milli = divmod(ms, 1000)
+    return f"{_utc_second(second)}.{milli:03d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _utc_second(second: int) -> str:
+    """``YYYY-MM-DDTHH:MM:SS`` of a Unix second: the leader file and ``/leader`` ask for
+    the same second many times, and formatting a datetime is most of a claim's cost."""
+    return datetime.fromtimestamp(second, tz=UTC).isoformat(timespec="seconds")[:-len("+00:00")]
