@@ -460,7 +460,8 @@ def provenance(name: str, t: Table, r: Row) -> str:
         when = f"commit `{kept['commit'][:7]}`" if kept.get("commit") else "unrecorded commit"
         earlier = (f" ({', '.join(f'`{x}`' for x in kept['sections'])} from an earlier run, "
                    f"{when})")
-    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {r['trials']} trials, "
+    trials = f"{r['trials']} trial{'' if r['trials'] == 1 else 's'}"
+    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {trials}, "
             f"{r['cores']} cores, {load}{earlier}; {rerun}.*")
 
 
