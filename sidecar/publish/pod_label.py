@@ -12,10 +12,12 @@ What the sidecar writes, with plain PATCHes (:mod:`sidecar.kubeapi`, no kopf):
   own pod and returns once the apiserver accepted the patch, which is what makes "unpublish,
   then release" hold for the label: the label says ``standby`` before the lease is given
   back, and says ``leader`` only after the lease was acquired.
-- When our term begins, one LIST of the group's pods labelled ``leader`` and a PATCH to
-  ``standby`` for each other pod (a holder killed without cleanup), each guarded by the
-  resourceVersion we judged and done only while we still lead. So without any operator,
-  every leadership change leaves at most one ``leader`` pod in the group.
+- When our term begins, one LIST of the group's pods labelled ``leader`` and a PATCH for
+  each other pod (a holder killed without cleanup, a label set by hand), each guarded by
+  the resourceVersion we judged and done only while we still lead. The PATCH puts back
+  the role the pod's own annotation names (``api`` for an api pod), ``standby`` when that
+  says ``leader`` too. So without any operator, every leadership change leaves at most one
+  ``leader`` pod in the group.
 - Labels converge: a failed write (apiserver down, ``patch`` on pods revoked) is retried
   with backoff (at most :data:`RETRY_MAX` apart) until it succeeds, demotion included, so
   the labels are right within seconds of the apiserver and the permissions coming back.
@@ -63,6 +65,16 @@ def group_value(object_name: str) -> str:
     digest = hashlib.sha256(object_name.encode()).hexdigest()[:12]
     head = re.sub(r"[^A-Za-z0-9_.-]", "-", object_name)[:50].strip("-_.")
     return f"{head}-{digest}" if head else digest
+
+
+def own_role(meta: dict[str, Any]) -> str:
+    """The role a demoted pod's label gets: what its own sidecar last said in the
+    annotation (``api`` stays ``api``), ``standby`` when that is ``leader`` or unknown."""
+    try:
+        role = json.loads(meta["annotations"][ANNOTATION])["role"]
+    except (KeyError, TypeError, ValueError):
+        return "standby"
+    return role if role == "api" else "standby"
 
 
 @dataclass(frozen=True)
@@ -202,7 +214,7 @@ class PodLabelPublisher:
             meta = pod["metadata"]
             if meta["name"] == self._own.name or not self._leads():
                 continue
-            patch = {"metadata": {"labels": {ROLE_LABEL: "standby"},
+            patch = {"metadata": {"labels": {ROLE_LABEL: own_role(meta)},
                                   # only the version we judged: a newer write wins
                                   "resourceVersion": meta.get("resourceVersion")}}
             try:

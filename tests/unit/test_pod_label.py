@@ -6,9 +6,11 @@ the kopf handlers ask before they demote another pod, and which must never disag
 ``GET /leader``. Building the publisher connects to nothing (that happens in ``start``).
 """
 
+import json
+
 import pytest
 
-from sidecar.publish.pod_label import PodLabelPublisher
+from sidecar.publish.pod_label import ANNOTATION, PodLabelPublisher, own_role
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock
@@ -52,3 +54,19 @@ def test_both_pod_publishers_refuse_to_start_outside_a_pod():
         PodLabelPublisher(outside, [state])
     with pytest.raises(ValueError, match=r"^pod events need POD_NAME and POD_NAMESPACE$"):
         EventPublisher(outside, [state])
+
+
+@pytest.mark.parametrize(("annotation", "role"), [
+    ({"role": "api"}, "api"),  # an api pod labelled leader by hand goes back to api
+    ({"role": "standby"}, "standby"),
+    ({"role": "leader"}, "standby"),  # a holder killed without cleanup
+    (None, "standby"),  # no annotation (not yet written, or removed)
+    ("not json", "standby"),
+    ([1, 2], "standby"),
+])
+def test_a_demoted_pod_gets_the_role_its_own_annotation_names(annotation, role):
+    meta = {"name": "web-1"}
+    if annotation is not None:
+        text = annotation if isinstance(annotation, str) else json.dumps(annotation)
+        meta["annotations"] = {ANNOTATION: text}
+    assert own_role(meta) == role
