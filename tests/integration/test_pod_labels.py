@@ -171,22 +171,28 @@ def test_every_new_leader_demotes_the_groups_other_leader_labels(
     control_plane: ControlPlane, kube_namespace: str, group: list[SidecarProcess]
 ) -> None:
     """Without any operator, on two leadership changes in a row: the new leader lists the
-    group's pods labelled ``leader`` and demotes every other one, within 5 s of its term
-    beginning. First a ``leader`` label set by hand on the api pod (put back to ``api``,
-    what its annotation says) while the leader is SIGTERMed; then the label of a leader
-    SIGKILLed (nobody cleaned up)."""
+    namespace's pods labelled ``leader`` and demotes every other one of its group to
+    ``standby``, within 5 s of its term beginning. First a pod whose sidecar died leading
+    and whose group label was edited since (found by its annotation) while the leader is
+    SIGTERMed; then the label of a leader SIGKILLed (nobody cleaned up)."""
     cp, ns = control_plane, kube_namespace
     contenders = group[:3]
     first = leaders(contenders)[0]
     settled(cp, ns, first.identity, [p.identity for p in contenders if p is not first])
+    dead = "web-9"
+    create_pods(cp, ns, dead)
+    cp.kubectl("-n", ns, "annotate", "pod", dead, "lease-sidecar/lease=" + json.dumps({
+        "lease": "jobs", "identity": dead, "role": "leader", "fencing_token": 1,
+        "object": "lease-sidecar.jobs", "backend": "kubernetes"}))
     with LeaderLabels(cp, ns) as poller:
-        cp.kubectl("-n", ns, "label", "pod", API_POD, "lease-role=leader", "--overwrite")
+        cp.kubectl("-n", ns, "label", "pod", dead, "lease-role=leader",
+                   "lease-sidecar/group=elsewhere")
         first.signal(signal.SIGTERM)
         second = wait_until(lambda: leaders([p for p in contenders if p is not first]),
                             timeout=8)[0]
         began = time.monotonic()
         settled(cp, ns, second.identity,
-                [p.identity for p in contenders if p is not second], timeout=5)
+                [p.identity for p in contenders if p is not second] + [dead], timeout=5)
         assert time.monotonic() - began < 5
         assert "demoted stale leader label" in second.logs()
 
@@ -195,7 +201,8 @@ def test_every_new_leader_demotes_the_groups_other_leader_labels(
                                            if p not in (first, second)]), timeout=8)[0]
         began = time.monotonic()
         roles = settled(cp, ns, last.identity,
-                        [p.identity for p in contenders if p is not last], timeout=5)
+                        [p.identity for p in contenders if p is not last] + [dead],
+                        timeout=5)
         assert time.monotonic() - began < 5
         assert roles[second.identity] == "standby"
     poller.assert_never_two_longer_than(5)

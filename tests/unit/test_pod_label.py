@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from sidecar.publish.pod_label import ANNOTATION, PodLabelPublisher, own_role
+from sidecar.publish.pod_label import ANNOTATION, PodLabelPublisher, note_of
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock
@@ -56,17 +56,16 @@ def test_both_pod_publishers_refuse_to_start_outside_a_pod():
         EventPublisher(outside, [state])
 
 
-@pytest.mark.parametrize(("annotation", "role"), [
-    ({"role": "api"}, "api"),  # an api pod labelled leader by hand goes back to api
-    ({"role": "standby"}, "standby"),
-    ({"role": "leader"}, "standby"),  # a holder killed without cleanup
-    (None, "standby"),  # no annotation (not yet written, or removed)
-    ("not json", "standby"),
-    ([1, 2], "standby"),
+@pytest.mark.parametrize(("annotation", "note"), [
+    ({"role": "leader", "object": "lease-sidecar.jobs"},
+     {"role": "leader", "object": "lease-sidecar.jobs"}),
+    (None, {}),  # no annotation (not a sidecar's pod, or not written yet)
+    ("not json", {}),
+    ([1, 2], {}),
 ])
-def test_a_demoted_pod_gets_the_role_its_own_annotation_names(annotation, role):
+def test_the_demotion_reads_another_pods_annotation_or_nothing(annotation, note):
     meta = {"name": "web-1"}
     if annotation is not None:
         text = annotation if isinstance(annotation, str) else json.dumps(annotation)
         meta["annotations"] = {ANNOTATION: text}
-    assert own_role(meta) == role
+    assert note_of(meta) == note
