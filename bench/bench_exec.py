@@ -26,11 +26,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench import record
 from bench.failover import summary
 from sidecar import supervise
 from testkit.support import SidecarProcess, wait_until
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
 WORKER = """
@@ -105,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=10)
     args = parser.parse_args()
+    run = record.start(args.trials)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         results = {
@@ -112,11 +113,9 @@ def main() -> None:
             "release_to_job_gone": job_end(args.trials, "release", workdir),
             "sigkill_to_job_gone": job_end(args.trials, "sigkill", workdir),
             "sigkill_stubborn_to_job_gone": job_end(args.trials, "sigkill-stubborn", workdir),
-            "load_average": os.getloadavg()[0],
         }
     print(json.dumps(results, indent=2))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "exec.json").write_text(json.dumps(results, indent=2) + "\n")
+    record.write("exec.json", run, results)
 
 
 if __name__ == "__main__":

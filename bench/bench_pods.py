@@ -26,7 +26,6 @@ sidecars' own log timestamps.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,11 +34,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from bench.failover import summary
 from testkit import pods_support as ps
 from testkit.testbed.cluster import Cluster, unavailable_reason
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # Idle usage: the last rolled-out pods settle first (start-up imports cost CPU), then
 # the kubelet's stats are sampled every 10 s and the cgroup's CPU time taken over QUIET.
 SETTLE = 30.0
@@ -180,7 +179,6 @@ def run(trials: int, backend: str) -> dict[str, Any]:
         return {
             "backend": backend,
             "image": image,
-            "trials": trials,
             "cluster_start_s": round(cluster.startup_seconds, 1),
             "helm_install_s": round(installed, 1),
             "deployment_rollout_s": round(rolled_out, 1),
@@ -194,7 +192,6 @@ def run(trials: int, backend: str) -> dict[str, Any]:
             "restart_fencing_violations": sum(int(r["fencing_violations"]) for r in restarts),
             "restart_duration": summary([r["duration"] for r in restarts]),
             "http_poll_period_ms_p50": round(statistics.median(http_periods) * 1000, 1),
-            "loadavg_at_end": [round(x, 1) for x in os.getloadavg()],
             "anomalies": anomalies[:20],
             "sidecar_usage": usage,
             "raw": {"deletions": deletions, "restarts": restarts},
@@ -243,10 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"bench_pods: {reason}", file=sys.stderr)
         return 2
+    meta = record.start(args.trials)
     result = run(args.trials, args.backend)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"pods-{args.backend}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = record.write(f"pods-{args.backend}.json", meta, result)
     print(table(result))
     print(f"\ncluster start {result['cluster_start_s']} s, helm install --wait "
           f"{result['helm_install_s']} s, 3-replica rollout {result['deployment_rollout_s']} s; "

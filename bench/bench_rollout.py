@@ -27,32 +27,20 @@ strategy and mode. Every figure is on this host's one clock:
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from bench.failover import summary
 from testkit import pods_support as ps
 from testkit import rollout_support as rs
-from testkit.support import REPO
 from testkit.testbed.cluster import Cluster, unavailable_reason
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RELEASE = "ls"
 MODES = ("off", "youngest-ready")
-
-
-def _commit() -> str:
-    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                         text=True, check=False).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "sidecar",
-                            "charts", "Dockerfile"], capture_output=True, text=True,
-                           check=False).stdout.strip()
-    return out + ("+dirty" if dirty else "")
 
 
 def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
@@ -125,7 +113,6 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(trials: int, strategies: list[str], modes: list[str]) -> dict[str, Any]:
     cluster = Cluster()
-    load_start = [round(x, 1) for x in os.getloadavg()]
     cluster.start()
     try:
         image = ps.load_sidecar_image(cluster)
@@ -133,13 +120,7 @@ def run(trials: int, strategies: list[str], modes: list[str]) -> dict[str, Any]:
     finally:
         cluster.stop()
     result: dict[str, Any] = {
-        "commit": _commit(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "cores": os.cpu_count(),
-        "loadavg_at_start": load_start,
-        "loadavg_at_end": [round(x, 1) for x in os.getloadavg()],
         "image": image,
-        "trials": trials,
         "timing": "chart defaults: 15 s lease, 2 s renew interval, 250 ms claim horizon",
         "results": {mode: {s: figures(raw[mode][s]) for s in strategies} for mode in modes},
         "http_poll_period_ms_p50": {m: raw[m]["_http_poll_period_ms_p50"] for m in modes},
@@ -179,16 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--strategies", default=",".join(rs.STRATEGIES))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--out", default=str(RESULTS / "rollout.json"))
+    parser.add_argument("--out", default=None, help="default: bench/results/rollout.json")
     args = parser.parse_args(argv)
     reason = unavailable_reason()
     if reason:
         print(f"bench_rollout: {reason}", file=sys.stderr)
         return 2
+    meta = record.start(args.trials)
     result = run(args.trials, args.strategies.split(","), args.modes.split(","))
-    out = Path(args.out)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = record.write("rollout.json", meta, result, Path(args.out) if args.out else None)
+    result = json.loads(out.read_text())
     print(table(result))
     print(f"\ncommit {result['commit']}, {result['cores']} cores, load average "
           f"{result['loadavg_at_start']} → {result['loadavg_at_end']}; results: {out}")

@@ -183,7 +183,7 @@ async def _schema(settings: Settings, apply: bool) -> int:
         print(entry.schema_sql(settings))
         return 0
     await entry.apply_schema(settings)
-    print(f"schema applied ({store.backend}, {store.schema}.{store.table_name})")
+    print(f"schema applied ({store.backend}, {store.schema}.{store.table})")
     return 0
 
 

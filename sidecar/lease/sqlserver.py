@@ -33,4 +33,6 @@ def _driver(store: Store, dsn: str, timeout: float, label: str) -> PyodbcDriver:
 
 
 ENTRY = SqlRowEntry("sqlserver", TsqlDialect, _driver, check_odbc,
-                    "sidecar.lease.sql.pyodbc_driver").entry()
+                    "sidecar.lease.sql.pyodbc_driver",
+                    # SQL Server's convention: PascalCase object names.
+                    default_table="Leases").entry()

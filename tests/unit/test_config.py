@@ -12,6 +12,7 @@ import pytest
 from sidecar import config
 from sidecar.config import ConfigError, format_duration, parse_duration
 from sidecar.dsn import DsnError, check_odbc, check_postgres_url, check_sqlite, parse_odbc
+from sidecar.lease import backend_entry
 from sidecar.redact import forget_secrets
 
 
@@ -153,7 +154,7 @@ def test_defaults_match_client_go():
     assert s.http_addr == ("127.0.0.1", 8099)
     assert s.state_dir == "/run/lease"
     assert s.role == "all"
-    assert s.store.dsn == config.DEFAULT_SQLITE_PATH
+    assert s.store.dsn == backend_entry("sqlite").default_dsn
     assert ":" in s.identity  # host:pid without POD_NAME
 
 
