@@ -52,6 +52,20 @@ def _duration(seconds: float) -> str:
     return format_duration(seconds)
 
 
+def _backend_defaults(field: str) -> str:
+    """What each backend's entry puts in for an unset LEASE_DSN / LEASE_TABLE."""
+    from sidecar.lease import BACKENDS, backend_entry
+
+    found = []
+    for name in BACKENDS:
+        entry = backend_entry(name)
+        if field == "dsn" and entry.default_dsn:
+            found.append(f"{name}: `{entry.default_dsn}`")
+        if field == "table" and entry.schema_sql:
+            found.append(f"{name}: `{entry.default_table}`")
+    return "; ".join(found)
+
+
 def settings_table() -> str:
     from sidecar.config import COMMANDS, DERIVED, OPTIONS
 
@@ -61,6 +75,8 @@ def settings_table() -> str:
             default = f"{DERIVED[option.field][1]} of `LEASE_DURATION`"
         elif option.default is not None:
             default = f"`{option.default}`"
+        elif option.field in ("dsn", "table"):
+            default = _backend_defaults(option.field)
         else:
             default = option.shown_default or "unset"
         meaning = [_sentence(option.help)]

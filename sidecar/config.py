@@ -135,7 +135,8 @@ class Option:
     # The subcommands that offer this flag (and list it in their --help).
     commands: frozenset[str] = frozenset({"run", "exec"})
     # The default as the reference and --help tell it, where ``default`` is None but
-    # something else applies (the identity, a backend's own default).
+    # something else applies (the identity; a backend's own default, which the reference
+    # lists from the backends' entries).
     shown_default: str | None = None
     # Markdown for the reference only, beyond ``help``: when it applies, links.
     details: str = ""
@@ -157,7 +158,7 @@ OPTIONS: tuple[Option, ...] = (
            details="[Choosing a backend](backends.md)."),
     Option("dsn", "LEASE_DSN", "--dsn", _text, None,
            "backend address: sqlite file path, postgresql:// URL or ODBC connection string",
-           commands=_EVERY, shown_default=f"sqlite: `{DEFAULT_SQLITE_PATH}`",
+           commands=_EVERY, shown_default="the backend's own, where it has one",
            details="SQLite also takes `sqlite:////abs/path` and `sqlite:///relative`; unused "
            "by `kubernetes`. Checked before anything starts ([DSNs](#dsns))."),
     Option("replica_dsn", "LEASE_REPLICA_DSN", "--replica-dsn", _text, None,
@@ -218,7 +219,7 @@ OPTIONS: tuple[Option, ...] = (
            commands=_EVERY, details="A plain SQL identifier."),
     Option("table", "LEASE_TABLE", "--table", _identifier, None,
            "row-lease table",
-           commands=_EVERY, shown_default="`Leases` (sqlserver), `leases`",
+           commands=_EVERY, shown_default="the backend's own",
            details="A plain SQL identifier."),
     Option("odbc_driver", "LEASE_ODBC_DRIVER", "--odbc-driver", _text, None,
            "ODBC driver name when the DSN names none",
