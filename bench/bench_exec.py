@@ -2,7 +2,7 @@
 
     python -m bench.bench_exec [--trials 10]
 
-1. Guard overhead: spawn-to-exit of ``python -I -S guard.py ... -- true`` against
+1. Guard overhead: spawn-to-exit of ``python -I -S exec_guard.py ... -- true`` against
    ``true`` started directly.
 2. ``POST /release`` → ``exec`` has exited with every worker of ``sh -c 'w & w'`` gone.
 3. SIGKILL of ``exec`` → every worker gone (workers exit on SIGTERM).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench import record
 from bench.failover import summary
-from sidecar import supervise
+from sidecar.cli import exec_supervise as supervise
 from testkit.support import SidecarProcess, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",

@@ -37,6 +37,7 @@ class Bench:
     quick: tuple[str, ...]  # a smoke run: a few trials, seconds to a minute or two
     needs: tuple[str, ...] = ()  # keys of NEEDS
     writes: tuple[str, ...] = ()  # results files (under bench/results), for the report
+    partly: tuple[str, ...] = ()  # keys of NEEDS without which part of it is left out
 
 
 def _chaos(backend: str, needs: tuple[str, ...]) -> Bench:
@@ -48,7 +49,8 @@ def _chaos(backend: str, needs: tuple[str, ...]) -> Bench:
 
 BENCHES: tuple[Bench, ...] = (
     Bench("core", "bench.bench_core", ("--trials", "20"),
-          ("--trials", "2", "--wrk-seconds", "1", "--idle-seconds", "2"), (), ("core.json",)),
+          ("--trials", "2", "--wrk-seconds", "1", "--idle-seconds", "2"), (), ("core.json",),
+          partly=("wrk",)),
     Bench("sqlite_commit", "bench.bench_sqlite_commit", ("--commits", "300"),
           ("--commits", "10"), (), ("sqlite-commit.json",)),
     Bench("metrics", "bench.bench_metrics", ("--scrapes", "200"), ("--scrapes", "10"), (),
@@ -82,6 +84,14 @@ BENCHES: tuple[Bench, ...] = (
           ("--trials", "2", "--groups", "3"), ("postgres", "apiserver", "go"), ("lean.json",)),
     Bench("pods", "bench.bench_pods", ("--trials", "10"), ("--trials", "1"), ("pods",),
           ("pods-kubernetes.json",)),
+    Bench("pods_postgres", "bench.bench_pods", ("--trials", "10", "--backend", "postgres"),
+          ("--trials", "1", "--backend", "postgres"), ("pods", "postgres"),
+          ("pods-postgres.json",)),
+    Bench("pods_postgres_row", "bench.bench_pods",
+          ("--trials", "10", "--backend", "postgres-row"),
+          ("--trials", "1", "--backend", "postgres-row"), ("pods", "postgres"),
+          ("pods-postgres-row.json",)),
+    Bench("image", "bench.bench_image", (), (), ("image",), ("image.json",)),
     Bench("rollout", "bench.bench_rollout", ("--trials", "10"), ("--trials", "1"), ("pods",),
           ("rollout.json",)),
     _chaos("sqlite", ()),
@@ -123,6 +133,16 @@ def _apiserver() -> str | None:
     return None if built else _go()
 
 
+def _wrk() -> str | None:
+    return None if shutil.which("wrk") else "wrk not installed (apt-get install wrk)"
+
+
+def _image() -> str | None:
+    from testkit.testbed import image
+
+    return image.unavailable_reason()
+
+
 def _pods() -> str | None:
     from testkit.testbed import cluster, image
 
@@ -131,7 +151,7 @@ def _pods() -> str | None:
 
 NEEDS: dict[str, Callable[[], str | None]] = {
     "postgres": _postgres, "pgbouncer": _pgbouncer, "go": _go, "apiserver": _apiserver,
-    "pods": _pods}
+    "pods": _pods, "image": _image, "wrk": _wrk}
 
 
 def unmet(bench: Bench) -> str | None:
@@ -141,6 +161,12 @@ def unmet(bench: Bench) -> str | None:
         if reason:
             return f"{need}: {reason}"
     return None
+
+
+def left_out(bench: Bench) -> str | None:
+    """What part of ``bench`` this host leaves out, and why, or None."""
+    reasons = [f"{need}: {reason}" for need in bench.partly if (reason := NEEDS[need]())]
+    return "; ".join(reasons) or None
 
 
 def command(bench: Bench, quick: bool, results: Path) -> list[str]:
@@ -171,11 +197,14 @@ def run(benches: list[Bench], quick: bool, results: Path) -> list[tuple[str, str
             print(f"==> {bench.name}: skipped ({reason})", flush=True)
             continue
         cmd = command(bench, quick, results)
-        print(f"==> {bench.name}: {' '.join(cmd[1:])}", flush=True)
+        partial = left_out(bench)
+        print(f"==> {bench.name}: {' '.join(cmd[1:])}"
+              + (f" (partly: {partial})" if partial else ""), flush=True)
         started = time.monotonic()
         code = subprocess.run(cmd, cwd=REPO, env=env).returncode
         took = f"{time.monotonic() - started:.0f} s"
-        outcomes.append((bench.name, "ok" if code == 0 else f"failed (exit {code})", took))
+        outcomes.append((bench.name, "ok" if code == 0 else f"failed (exit {code})",
+                         took + (f"; left out {partial}" if partial else "")))
     return outcomes
 
 
@@ -192,9 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.verb == "list":
         for bench in BENCHES:
-            reason = unmet(bench)
+            reason, partial = unmet(bench), left_out(bench)
             print(f"{bench.name:<20} python -m {bench.module} {' '.join(bench.full)}"
-                  + (f"\n{'':<20} (skipped here: {reason})" if reason else ""))
+                  + (f"\n{'':<20} (skipped here: {reason})" if reason else "")
+                  + (f"\n{'':<20} (partly here: {partial})" if partial else ""))
         print(f"helpers, not benchmarks: {' '.join(HELPERS)}")
         return 0
     benches = select(args.names)

@@ -72,7 +72,7 @@ def settings_table() -> str:
     rows = ["| variable | flag | default | meaning |", "|---|---|---|---|"]
     for option in OPTIONS:
         if option.field in DERIVED:
-            default = f"{DERIVED[option.field][1]} of `LEASE_DURATION`"
+            default = DERIVED[option.field].text()
         elif option.default is not None:
             default = f"`{option.default}`"
         elif option.field in ("dsn", "table"):
@@ -102,13 +102,12 @@ def metrics_table() -> str:
     from prometheus_client.registry import CollectorRegistry
 
     from sidecar.metrics import registry_for
-    from sidecar.publish.http.limits import Limits, LimitsCollector
+    from sidecar.publish.http.limits import Limits
     from sidecar.state import LeaseState
 
     # What /metrics serves: the lease collector, the process collector, the HTTP bounds.
     state = LeaseState(lease="x", identity="me", role="all", claim_horizon=0.25)
-    registry: CollectorRegistry = registry_for([state])
-    registry.register(LimitsCollector(Limits()))
+    registry: CollectorRegistry = registry_for([state], Limits())
     rows = ["| name | type | labels | meaning |", "|---|---|---|---|"]
     process = False
     for family in registry.collect():

@@ -3,9 +3,11 @@
 Every setting has one ``LEASE_*`` variable and one flag; a flag wins over the variable,
 the variable over the default. Two defaults are derived from the lease duration when
 unset, as client-go's are (15s lease, 10s renew deadline, 2s retry period): the renew
-deadline (2/3 of it) and the renew interval (2/15 of it), so ``LEASE_DURATION=3s`` alone
-works. Loading reports the first bad setting as one line naming both spellings, the
-values it compared and which of them were defaults; the CLI exits with code 2.
+deadline (2/3 of it) and the renew interval (2/15 of it; on kubernetes, where each renew
+is an apiserver request, 1/3 of it less the safety margin: ``BackendEntry.renew_share``),
+so ``LEASE_DURATION=3s`` alone works. Loading reports the first bad setting as one line naming
+both spellings, the values it compared and which of them were defaults; the CLI exits with
+code 2.
 
 The rules live where their data does: the timing rules in
 :class:`~sidecar.settings.Timing`, a backend's own rules in its
@@ -24,7 +26,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 from sidecar.dsn import DsnError
 from sidecar.durations import format_duration, parse_duration
@@ -32,7 +34,7 @@ from sidecar.errors import ConfigError
 from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
 from sidecar.names import validate_identifier
 from sidecar.redact import remember_secrets
-from sidecar.settings import MAX_IDENTITY, Settings, Store, Timing, TimingError
+from sidecar.settings import MAX_IDENTITY, Settings, StoreSettings, Timing, TimingError
 
 ROLES = ("all", "worker", "api")
 POD_LABEL_MODES = ("auto", "on", "off")
@@ -185,7 +187,9 @@ OPTIONS: tuple[Option, ...] = (
            "TTL of row and Lease backends", (1.0, HOUR),
            details="Also the base of the derived defaults below."),
     Option("renew_interval", "LEASE_RENEW_INTERVAL", "--renew-interval", parse_duration, None,
-           "renew / retry / heartbeat period", (0.01, HOUR),
+           "renew / retry / heartbeat period (kubernetes: 1/3 of the lease duration "
+           "minus the safety margin unless given, as each renew is an apiserver request)",
+           (0.01, HOUR),
            "a faster renew loop only burns CPU",
            details="The elector adds up to 10 % jitter."),
     Option("renew_deadline", "LEASE_RENEW_DEADLINE", "--renew-deadline", parse_duration, None,
@@ -274,12 +278,41 @@ OPTIONS: tuple[Option, ...] = (
 
 _BY_FIELD = {option.field: option for option in OPTIONS}
 
+class Share(NamedTuple):
+    """A default derived from the lease duration (less the safety margin, where
+    ``of_validity``): ``fraction`` of it."""
+
+    fraction: Fraction
+    of_validity: bool = False
+
+    def of(self, values: Mapping[str, Any]) -> float:
+        base = values["lease_duration"]
+        if self.of_validity:
+            base -= values["safety_margin"]
+        return round(float(base * self.fraction), 3)
+
+    def text(self, env: bool = True) -> str:
+        """``2/15 of LEASE_DURATION`` (``env``) or ``2/15 of the lease duration``."""
+        base = "LEASE_DURATION" if env else "the lease duration"
+        if self.of_validity:
+            base += " minus LEASE_SAFETY_MARGIN" if env else " minus the safety margin"
+        return f"{self.fraction} of {base}"
+
+
 # Defaults derived from the lease duration when unset: client-go's ratios (a 15s lease,
 # a 10s renew deadline, a 2s retry period).
-DERIVED: dict[str, tuple[Fraction, str]] = {
-    "renew_deadline": (Fraction(2, 3), "2/3"),
-    "renew_interval": (Fraction(2, 15), "2/15"),
+DERIVED: dict[str, Share] = {
+    "renew_deadline": Share(Fraction(2, 3)),
+    "renew_interval": Share(Fraction(2, 15)),
 }
+
+
+def derived(entry: BackendEntry) -> dict[str, Share]:
+    """The derived defaults a backend uses: :data:`DERIVED`, with the backend's own renew
+    interval where it has one (``BackendEntry.renew_share``, of the validity)."""
+    if entry.renew_share is None:
+        return DERIVED
+    return {**DERIVED, "renew_interval": Share(entry.renew_share, of_validity=True)}
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -289,7 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
             continue
         default = option.default or option.shown_default
         if option.field in DERIVED:
-            default = f"{DERIVED[option.field][1]} of the lease duration"
+            default = DERIVED[option.field].text(env=False)
         where = option.env if default is None else f"{option.env}; default {default}"
         where = where.replace("`", "")
         parser.add_argument(option.flag, dest=option.field, default=None,
@@ -322,25 +355,26 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         except ValueError as exc:
             raise ConfigError(f"{option.env} / {option.flag}: {exc}") from None
         _check_bounds(option, values[option.field])
-    for name, (fraction, _) in DERIVED.items():
+    entry = backend_entry(values["backend"])
+    shares = derived(entry)
+    for name, share in shares.items():
         if values[name] is None:
-            values[name] = round(float(values["lease_duration"] * fraction), 3)
+            values[name] = share.of(values)
     values["pod_name"] = env.get("POD_NAME") or None
     values["pod_namespace"] = env.get("POD_NAMESPACE") or None
     if not values["identity"]:
         values["identity"] = values["pod_name"] or f"{socket.gethostname()}:{os.getpid()}"
-    entry = backend_entry(values["backend"])
     values["dsn"] = values["dsn"] or entry.default_dsn
     values["table"] = values["table"] or entry.default_table
     # Before any check can fail: every later line that might echo a DSN masks these.
     remember_secrets([values["dsn"], values["replica_dsn"]])
-    blame = _Blame(values, frozenset(explicit))
+    blame = _Blame(values, frozenset(explicit), shares)
     try:
         timing = Timing(**{name: values.pop(name) for name in _TIMING_FIELDS},
                         holds_by=entry.holds_by)
     except TimingError as exc:
         raise blame.error(exc.blame, exc.template) from None
-    store = Store(**{name: values.pop(name) for name in _STORE_FIELDS})
+    store = StoreSettings(**{name: values.pop(name) for name in _STORE_FIELDS})
     settings = Settings(store=store, timing=timing, **values, explicit=frozenset(explicit))
     _validate(settings, entry, blame, dsn_required=dsn_required)
     return settings
@@ -421,16 +455,18 @@ class _Blame:
     """Names a broken rule's setting: the first one the user gave (else the first one),
     and shows every value with its origin: given, default, or derived."""
 
-    def __init__(self, values: Mapping[str, Any], explicit: frozenset[str]) -> None:
+    def __init__(self, values: Mapping[str, Any], explicit: frozenset[str],
+                 shares: Mapping[str, Share]) -> None:
         self.values = dict(values)
         self.explicit = explicit
+        self.shares = shares
 
     def describe(self, name: str) -> str:
         text = format_duration(self.values[name])
         if name in self.explicit:
             return text
-        if name in DERIVED:
-            return f"{text} (derived: {DERIVED[name][1]} of LEASE_DURATION)"
+        if name in self.shares:
+            return f"{text} (derived: {self.shares[name].text()})"
         return f"{text} (default)"
 
     def error(self, candidates: list[str], template: str) -> ConfigError:

@@ -7,6 +7,10 @@ Names follow Prometheus conventions: one ``lease_sidecar_`` prefix, counters end
 ``_total``, durations in seconds, times as Unix timestamps in seconds. The HELP texts
 here are the metrics reference: ``docs/monitoring.md`` is generated from what this
 registry serves (``python -m scripts.gendocs``).
+
+Imported at the first scrape, not at start (:mod:`sidecar.publish.http.app`): the
+collectors count nothing themselves, so a registry built late reports the same, and
+``prometheus_client`` stays off the path to the first ``/healthz``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from sidecar import __version__
 from sidecar.elector import HANDOVER_REASONS
+from sidecar.publish.http.limits import Limits
 from sidecar.state import LeaseState
 from sidecar.stats import OPERATIONS, OUTCOMES
 
@@ -86,8 +91,9 @@ class LeaseCollector(Collector):
             "LEASE_SHUTDOWN_HANDOVER)", labels=["lease", "reason"])
         unready = CounterMetricFamily(
             f"{PREFIX}app_unready_leading_seconds",
-            "seconds this contender held the lease while LEASE_APP_READY_URL did not answer "
-            "2xx", labels=["lease"])
+            "seconds this contender held the lease while its application was not ready "
+            "(LEASE_APP_READY_URL not answering 2xx, or a container of "
+            "LEASE_APP_READY_CONTAINERS not Ready)", labels=["lease"])
         for state in self._states:
             facts = state.facts
             lease = [state.lease]
@@ -136,9 +142,31 @@ class LeaseCollector(Collector):
         return info
 
 
-def registry_for(states: list[LeaseState]) -> CollectorRegistry:
+class LimitsCollector(Collector):
+    """The HTTP endpoint's bounds (:mod:`sidecar.publish.http.limits`)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+
+    def collect(self) -> Iterator[Metric]:
+        limits = self._limits
+        yield GaugeMetricFamily(f"{PREFIX}http_connections", "open HTTP connections",
+                                value=limits.open_connections())
+        yield GaugeMetricFamily(f"{PREFIX}http_waiters", "parked blocking queries",
+                                value=limits.waiters)
+        refused = CounterMetricFamily(f"{PREFIX}http_refused",
+                                      "requests turned away by a bound", labels=["bound"])
+        refused.add_metric(["connections"], limits.refused_connections)
+        refused.add_metric(["waiters"], limits.waits_refused)
+        yield refused
+
+
+def registry_for(states: list[LeaseState], limits: Limits | None = None) -> CollectorRegistry:
+    """What ``/metrics`` serves: the leases, the HTTP bounds (when given), the process."""
     registry = CollectorRegistry()
     registry.register(LeaseCollector(states))
+    if limits is not None:
+        registry.register(LimitsCollector(limits))
     # process_* (memory, CPU, open files): watched against the chart's memory limit.
     ProcessCollector(registry=registry)
     return registry

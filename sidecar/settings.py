@@ -115,7 +115,7 @@ class Timing:
 
 
 @dataclass(frozen=True)
-class Store:
+class StoreSettings:
     """Where the leases live and how their keys are spelled."""
 
     backend: str = "sqlite"
@@ -147,7 +147,7 @@ class Store:
 class Settings:
     """Everything one sidecar was told; built and checked by :func:`sidecar.config.load`."""
 
-    store: Store = field(default_factory=Store)
+    store: StoreSettings = field(default_factory=StoreSettings)
     """Where the leases live."""
     timing: Timing = field(default_factory=Timing)
     """The durations of the election."""

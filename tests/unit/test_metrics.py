@@ -20,7 +20,7 @@ from sidecar import __version__
 from sidecar.elector import Elector
 from sidecar.lease import Grant
 from sidecar.metrics import registry_for
-from sidecar.publish.http.limits import Limits, LimitsCollector
+from sidecar.publish.http.limits import Limits
 from sidecar.settings import Timing
 from sidecar.state import LeaseState
 from testkit.support import REPO
@@ -38,10 +38,8 @@ def make(clock: FakeClock, lease: Any) -> tuple[Elector, LeaseState]:
 
 def served(states: list[LeaseState]) -> CollectorRegistry:
     """What a sidecar's /metrics serves: the lease and process collectors, and the HTTP
-    endpoint's bounds (registered by sidecar.publish.http.app)."""
-    registry = registry_for(states)
-    registry.register(LimitsCollector(Limits()))
-    return registry
+    endpoint's bounds (as sidecar.publish.http.app builds it at the first scrape)."""
+    return registry_for(states, Limits())
 
 
 def scrape(states: list[LeaseState]) -> dict[str, float]:

@@ -17,12 +17,12 @@ from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.rowlease import RowBackend, is_hint
 from sidecar.lease.sql.dialect import MAX_ROW_NAME, Dialect
 from sidecar.lease.sql.store import Driver, SqlRowStore
-from sidecar.settings import Settings, Store, Timing
+from sidecar.settings import Settings, StoreSettings, Timing
 
 # (schema, table) -> the dialect's statements on that table
 DialectFactory = Callable[[str, str], Dialect]
 # (store settings, dsn, timeout, label for errors) -> a driver
-DriverFactory = Callable[[Store, str, float, str], Driver]
+DriverFactory = Callable[[StoreSettings, str, float, str], Driver]
 
 
 def request_timeout(timing: Timing) -> float:

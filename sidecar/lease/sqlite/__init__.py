@@ -7,7 +7,7 @@ the holder still claims — the README lists this limit.
 
 Fencing tokens come from a one-row counter that only grows, so a token never repeats
 even though release deletes the row. The file itself can be deleted or replaced under a
-running holder: :mod:`~sidecar.lease.sqlite.guard` makes the holder step down, holds a
+running holder: :mod:`~sidecar.lease.sqlite.file_identity` makes the holder step down, holds a
 new file off for one lease duration and keeps tokens growing for the path.
 :mod:`~sidecar.lease.sqlite.store` runs the statements, :mod:`~sidecar.lease.sqlite.watch`
 wakes standbys on another process's commit.

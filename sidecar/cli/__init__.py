@@ -1,6 +1,10 @@
 """``lease-sidecar run | exec | schema | status | handover | operator``.
 
 Exit codes: ``sidecar.errors`` (``EXIT_*``), told to users in the README's table.
+
+Each command imports what only it needs when it runs (``exec``'s process supervision,
+``status``, ``handover``): ``run`` starts by importing what it serves ``/healthz`` with
+and nothing more (``tests/unit/test_start_imports.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 import sidecar
-from sidecar import cli_exec, cli_handover, cli_status, config, jsonlog, supervise
+from sidecar import config, jsonlog
 from sidecar.aio import first_of
 from sidecar.durations import parse_duration
 from sidecar.errors import (
@@ -108,16 +112,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if not cmd:
                 raise ConfigError("exec: no command given (lease-sidecar exec -- CMD ARGS...)")
-            unusable = supervise.check_command(cmd[0])
+            from sidecar.cli import exec_command, exec_supervise
+
+            unusable = exec_supervise.check_command(cmd[0])
             if unusable is not None:
                 code, line = unusable
                 return _fail(f"exec: {line}", code=code)
             timeout = _acquire_timeout(args.acquire_timeout)
-            return asyncio.run(cli_exec.run(settings, cmd, timeout))
+            return asyncio.run(exec_command.run(settings, cmd, timeout))
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
         if args.command == "handover":
-            return cli_handover.run(settings, args.to)
+            from sidecar.cli import handover
+
+            return handover.run(settings, args.to)
         return asyncio.run(_status(settings, as_json=args.json))
     except ConfigError as exc:
         return _fail(str(exc))
@@ -188,4 +196,6 @@ async def _schema(settings: Settings, apply: bool) -> int:
 
 
 async def _status(settings: Settings, as_json: bool) -> int:
-    return await cli_status.report(settings, as_json=as_json)
+    from sidecar.cli import status
+
+    return await status.report(settings, as_json=as_json)
