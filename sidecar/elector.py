@@ -114,6 +114,9 @@ class Elector:
             return False
         self._release_requested = True
         self._release_reason = reason
+        # No claim from now on: the wait for the last one starts here, not when the
+        # loop gets to the step-down (after a renew in flight, a commit on a busy disk).
+        self.state.update(released=True, reason=reason)
         self._wake.set()
         return True
 

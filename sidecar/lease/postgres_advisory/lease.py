@@ -75,7 +75,9 @@ class AdvisoryLease:
         # Once a transaction pooler was seen: the refusal, for good (it never heals).
         self.pooler: str | None = None
         self._on_pooler = on_pooler
-        self._hint = Hint(connector, lock_id, self._halves, identity, timing)
+        self._hint = Hint(connector, lock_id, self._halves, identity)
+        # Sets our session's own name back when a hint we wrote runs out.
+        self._hint_expiry: asyncio.Task[None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -199,7 +201,14 @@ class AdvisoryLease:
 
     # -- the Successor capability (sidecar.lease.Successor) ----------------------------
     async def hand_to(self, identity: str, bound: float) -> None:
-        await self._hint.name(identity, bound)
+        await self._end_hint()
+        async with self._busy:
+            session = self._link.session
+            if not self._link.levels or session is None:
+                return  # nothing held: nothing to hand over
+            await self._hint.name(session, identity)
+        self._hint_expiry = asyncio.create_task(self._unname_after(bound, session),
+                                                name=f"pg-advisory-hint-{self.name}")
 
     async def handing_to_other(self) -> str | None:
         await self._settle_waiter()
@@ -220,7 +229,7 @@ class AdvisoryLease:
             return other
 
     async def close(self) -> None:
-        await self._hint.close()
+        await self._end_hint()
         if self._probe is not None:
             self._probe.cancel()
             with contextlib.suppress(BaseException):
@@ -252,6 +261,27 @@ class AdvisoryLease:
         return self._refused()
 
     # -- internals -------------------------------------------------------------------
+    async def _unname_after(self, bound: float, session: Session) -> None:
+        """The hint's bound is over: our session carries our own name again. Where that
+        fails on a session that holds nothing, the session is dropped: a hint that
+        outlived its bound would keep every other standby out."""
+        await asyncio.sleep(bound)
+        async with self._busy:
+            if self._link.session is not session or session.conn.is_closed():
+                return  # the tag went with the session
+            try:
+                await self._hint.unname(session)
+            except DB_ERRORS:
+                if not self._link.levels:
+                    self._link.drop()
+
+    async def _end_hint(self) -> None:
+        expiry, self._hint_expiry = self._hint_expiry, None
+        if expiry is not None and not expiry.done():
+            expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expiry
+
     async def _probe_pooler(self, session: Session) -> None:
         """Behind a pooler, right after a grant: does a fresh connection get a server
         session of its own, as session pooling promises? Runs beside the term, not before
