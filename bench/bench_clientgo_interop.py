@@ -17,30 +17,29 @@ claims (must be none).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench import record
 from bench.failover import summary
 from testkit.clientgo_support import CLIENTGO_ARGS, OBJECT, Contest
 from testkit.kube_support import install_rbac
 from testkit.testbed import gobuild
 from testkit.testbed.kube import ControlPlane
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20, help="SIGTERM rounds")
     parser.add_argument("--kills", type=int, default=4, help="SIGKILL rounds")
-    parser.add_argument("--out", type=Path, default=RESULTS / "clientgo-interop.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/clientgo-interop.json")
     args = parser.parse_args()
     binary = gobuild.ensure_binary("clientgo-elector")
+    run = record.start(args.rounds)
     with tempfile.TemporaryDirectory(prefix="bench-interop-") as tmp, ControlPlane() as cp:
         ns = cp.create_namespace("interop")
         contest = Contest(Path(tmp), ns, install_rbac(cp, ns, (OBJECT,)), binary)
@@ -71,18 +70,16 @@ def main() -> None:
     # A run in which some contender's claims went unseen would prove nothing.
     assert len(claimed) == len(contest.sidecars) + len(contest.electors), claimed
     result = {
-        "kubernetes": version, "cpus": os.cpu_count(),
-        "load_average_1m": round(os.getloadavg()[0], 2),
+        "kubernetes": version, "kills": args.kills,
         "lease_duration_s": 3, "sidecar": "renew 500ms, safety margin 1s, horizon 250ms",
         "client_go": " ".join(CLIENTGO_ARGS),
         "signal_to_first_claim": rows,
         "overlaps": [{"a": a, "b": b, "ms": round(s * 1000, 1)} for a, b, s in overlaps],
         "fencing_tokens_grow": tokens == sorted(set(tokens)),
     }
-    args.out.parent.mkdir(exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = record.write("clientgo-interop.json", run, result, args.out)
     print(f"kube-apiserver {version}, client-go {gobuild.clientgo_version(version)}, "
-          f"{os.cpu_count()} cpus, load average {result['load_average_1m']}")
+          f"{run['cores']} cores, load average {run['loadavg_at_start']}")
     print(f"{'signal → first claim of the new holder':<40}{'n':>4}{'p50 ms':>9}{'p99 ms':>9}"
           f"{'max ms':>9}")
     for key, row in rows.items():
@@ -90,7 +87,7 @@ def main() -> None:
     print(f"overlaps: {len(overlaps)}"
           + (f" (max {max(s for _, _, s in overlaps) * 1000:.1f} ms)" if overlaps else ""))
     print(f"fencing tokens grow: {result['fencing_tokens_grow']}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

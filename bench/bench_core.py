@@ -24,11 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import record
 from bench.failover import failover_trials, summary
 from sidecar.durations import parse_duration
 from testkit.support import SidecarProcess, free_port, get_json, wait_until
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def fast_args(lease: float, horizon: float) -> list[str]:
@@ -156,8 +155,8 @@ def main() -> None:
     args = parser.parse_args()
     lease, horizon = parse_duration(args.lease_duration), parse_duration(args.claim_horizon)
     workdir = Path(tempfile.mkdtemp(prefix="lease-bench-"))
-    results: dict[str, object] = {"lease_duration_s": lease, "claim_horizon_s": horizon,
-                                  "trials": args.trials, "cpus": os.cpu_count()}
+    run = record.start(args.trials)
+    results: dict[str, object] = {"lease_duration_s": lease, "claim_horizon_s": horizon}
     if args.only in (None, "failover"):
         results["sigterm_handover"] = failover(args.trials, lease, horizon, signal.SIGTERM,
                                                workdir)
@@ -172,9 +171,8 @@ def main() -> None:
         results["idle"] = idle_usage(args.idle_seconds, workdir)
         print("idle", json.dumps(results["idle"]), flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
-    RESULTS.mkdir(exist_ok=True)
     name = "core.json" if args.only is None else f"core-{args.only}.json"
-    (RESULTS / name).write_text(json.dumps(results, indent=2) + "\n")
+    record.write(name, run, results)
     print(json.dumps(results, indent=2))
 
 

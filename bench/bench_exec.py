@@ -2,7 +2,7 @@
 
     python -m bench.bench_exec [--trials 10]
 
-1. Guard overhead: spawn-to-exit of ``python -I -S guard.py ... -- true`` against
+1. Guard overhead: spawn-to-exit of ``python -I -S exec_guard.py ... -- true`` against
    ``true`` started directly.
 2. ``POST /release`` → ``exec`` has exited with every worker of ``sh -c 'w & w'`` gone.
 3. SIGKILL of ``exec`` → every worker gone (workers exit on SIGTERM).
@@ -26,11 +26,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench import record
 from bench.failover import summary
-from sidecar import supervise
+from sidecar.cli import exec_supervise as supervise
 from testkit.support import SidecarProcess, wait_until
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
 WORKER = """
@@ -105,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=10)
     args = parser.parse_args()
+    run = record.start(args.trials)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         results = {
@@ -112,11 +113,9 @@ def main() -> None:
             "release_to_job_gone": job_end(args.trials, "release", workdir),
             "sigkill_to_job_gone": job_end(args.trials, "sigkill", workdir),
             "sigkill_stubborn_to_job_gone": job_end(args.trials, "sigkill-stubborn", workdir),
-            "load_average": os.getloadavg()[0],
         }
     print(json.dumps(results, indent=2))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "exec.json").write_text(json.dumps(results, indent=2) + "\n")
+    record.write("exec.json", run, results)
 
 
 if __name__ == "__main__":

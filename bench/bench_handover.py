@@ -28,10 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import record  # noqa: E402
 from bench.failover import summary  # noqa: E402
 from testkit.handover import BACKENDS, CLAIM_HORIZON, Run, run_trials  # noqa: E402
-
-RESULTS = REPO / "bench" / "results" / "handover.json"
 
 
 def kubernetes_trials(workdir: Path, trials: int) -> Run:
@@ -71,8 +70,8 @@ def main() -> int:
 
         server = PgServer().init()
         dsn = server.dsn
+    meta = record.start(opts.trials)
     results: dict[str, object] = {
-        "trials": opts.trials,
         "claim_horizon_ms": {"kubernetes": 250.0, "others": CLAIM_HORIZON * 1000},
         "target": "named standby leads within 2 claim horizons + 1 round trip; 0 overlaps"}
     try:
@@ -93,7 +92,8 @@ def main() -> int:
                     "leaderless_gap": summary(gaps) if gaps else None,
                     "overlapping_claims": run.overlaps,
                     "claims_seen": run.claims,
-                    "named_standby_led": len(run.trials)}
+                    "named_standby_led": len(run.trials),
+                    "timeline": [t.timeline for t in run.trials]}
                 gap = summary(gaps) if gaps else {"p50_ms": float("nan"),
                                                   "p99_ms": float("nan")}
                 print(f"{backend:13} request->named leads p50 {summary(times)['p50_ms']:6.1f} "
@@ -104,8 +104,7 @@ def main() -> int:
         if server is not None:
             server.destroy()
     print(json.dumps(results, indent=2))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    record.write("handover.json", meta, results)
     return 0
 
 

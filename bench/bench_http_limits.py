@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from sidecar.publish.http import (
     HEADER_TIMEOUT,
     MAX_CONNECTIONS,
@@ -41,7 +42,6 @@ from sidecar.publish.http import (
 from testkit.support import SidecarProcess, get_json, wait_until
 
 CHART_MEMORY_LIMIT_MIB = 128
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def rss_mib(pid: int) -> float:
@@ -257,13 +257,14 @@ def main() -> None:
     parser.add_argument("--slowloris", type=int, default=300)
     parser.add_argument("--slowloris-limit", type=float, default=60.0,
                         help="stop watching a slow connection after this many seconds")
-    parser.add_argument("--out", type=Path, default=RESULTS / "http-limits.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/http-limits.json")
     args = parser.parse_args()
+    run = record.start(1)  # one run; each phase says how many clients it used
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         result = asyncio.run(main_async(args, Path(tmp)))
-    text = json.dumps(result, indent=2)
-    print(text)
-    args.out.write_text(text + "\n")
+    print(json.dumps(result, indent=2))
+    record.write("http-limits.json", run, result, args.out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Figures (every process runs on this host, so all share one wall clock):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -39,7 +38,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.bench_core import summary
+from bench import record
+from bench.failover import summary
 from testkit.kube_support import (
     Event,
     Recorder,
@@ -50,7 +50,6 @@ from testkit.kube_support import (
 from testkit.support import REPO, SidecarProcess, get_json, wait_until
 from testkit.testbed.kube import ControlPlane
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # The anchor refuses a retry period under 1 s; both sides use 1 s for a fair comparison.
 LEASE, RENEW_DEADLINE, RETRY = 3, 2.0, 1.0
 SIDECAR_LEASE = "bench"  # Lease object lease-sidecar.bench
@@ -208,6 +207,7 @@ def main() -> None:
     if args.anchor_child:
         anchor_child(*args.anchor_child)
         return
+    run = record.start(args.trials)
     with tempfile.TemporaryDirectory(prefix="bench-kube-") as tmp, ControlPlane() as cp:
         workdir = Path(tmp)
         ns = cp.create_namespace("bench")
@@ -239,8 +239,7 @@ def main() -> None:
         "unpublish_after_sigterm_sidecar": summary(term["unpublish"]),
     }
     result = {
-        "backend": "kubernetes", "kubernetes": version, "cpus": os.cpu_count(),
-        "load_average_1m": round(os.getloadavg()[0], 2), "trials": args.trials,
+        "backend": "kubernetes", "kubernetes": version,
         "lease_duration_s": LEASE, "renew_interval_s": RETRY, "claim_horizon_s": 0.25,
         **rows,
         "unpublish_before_release_violations": term["order_violations"][0],
@@ -251,12 +250,10 @@ def main() -> None:
                                                     1000),
         },
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "kubernetes.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = record.write("kubernetes.json", run, result)
     print(f"kube-apiserver {version}, {args.trials} trials per row, lease {LEASE}s, "
-          f"renew/retry {RETRY}s, {os.cpu_count()} cpus, load average "
-          f"{result['load_average_1m']}")
+          f"renew/retry {RETRY}s, {run['cores']} cores, load average "
+          f"{run['loadavg_at_start']}")
     print(f"{'figure':<34}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  target")
     for key, row in rows.items():
         print(f"{key:<34}{row['p50_ms']:>9}{row['p99_ms']:>9}{row['max_ms']:>9}  "

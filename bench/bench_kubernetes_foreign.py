@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from bench import record
 from testkit.kube_edits import EDITS, Trial, patch, run_trial
 from testkit.kube_support import create_pods, install_rbac, leaders, sidecar
 from testkit.support import ClaimRecorder, SidecarProcess, wait_until
 from testkit.testbed.kube import ControlPlane
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PODS = ("pod-a", "pod-b", "pod-c")
 GATE = ["--feature-gates=CoordinatedLeaderElection=true",
         "--runtime-config=coordination.k8s.io/v1beta1=true"]
@@ -148,6 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     args = parser.parse_args()
+    run = record.start(args.trials)
     with tempfile.TemporaryDirectory(prefix="bench-kube-foreign-") as tmp, \
             ControlPlane(apiserver_extra_args=GATE) as cp:
         workdir = Path(tmp)
@@ -171,18 +171,15 @@ def main() -> None:
                                            and t.next_leader != t.holder]),
         }
     result = {
-        "backend": "kubernetes", "kubernetes": server, "cpus": os.cpu_count(),
-        "load_average_1m": round(os.getloadavg()[0], 2), "trials": args.trials,
+        "backend": "kubernetes", "kubernetes": server,
         "lease_duration_s": 3, "renew_interval_s": 0.5, "claim_horizon_s": 0.25,
         "edits": rows,
         "preferred_holder_handoff": {**ms(handoffs), "overlapping_claims": handoff_overlaps},
         "newcomer_first_claim": {case: ms(values) for case, values in waits.items()},
     }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "kubernetes-foreign.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = record.write("kubernetes-foreign.json", run, result)
     print(f"kube-apiserver {server}, {args.trials} trials, lease 3s, renew 500ms, "
-          f"{os.cpu_count()} cpus, load {result['load_average_1m']}")
+          f"{run['cores']} cores, load {run['loadavg_at_start']}")
     print(f"{'edit':<20}{'overlaps':>9}{'tok.regr':>9}{'kept':>6}"
           f"{'step-down p50/p99 ms':>22}{'next claim p50/p99 ms':>23}")
     for edit, row in rows.items():

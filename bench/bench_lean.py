@@ -36,12 +36,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from testkit.kube_support import create_pods, install_rbac, leaders
 from testkit.support import SidecarProcess, get_json, wait_until
 from testkit.testbed import gobuild
 from testkit.testbed.kube import ControlPlane
 
-RESULTS = Path(__file__).resolve().parent / "results" / "lean.json"
 IDLE_SECONDS = 10.0
 WINDOW = 60.0  # seconds per request-rate window (watches are re-opened within it)
 WARMUP = 15.0
@@ -195,6 +195,7 @@ def main() -> int:
     parser.add_argument("--skip", action="append", default=[],
                         help="lone | requests | watch (repeatable)")
     opts = parser.parse_args()
+    run = record.start(opts.trials)
     results: dict[str, Any] = {}
     cp = ControlPlane()
     cp.start()
@@ -232,9 +233,15 @@ def main() -> int:
                           "start_to_healthz_ms": "<= 300", "requests_ratio": "<= 0.3",
                           "watch_events": "linear in the group size"}
     print(json.dumps(results, indent=2))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    RESULTS.write_text(json.dumps({**previous, **results}, indent=2) + "\n")
+    # Sections this run skipped keep their earlier figures, named as such: the file's
+    # commit and date are this run's.
+    path = record.results_dir() / "lean.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    kept = sorted(set(previous) - set(results) - set(record.KEYS) - {"earlier_run"})
+    if kept:
+        results["earlier_run"] = {"commit": previous.get("commit"),
+                                  "date": previous.get("date"), "sections": kept}
+    record.write("lean.json", run, {**{k: previous[k] for k in kept}, **results})
     return 0
 
 

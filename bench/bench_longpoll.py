@@ -20,8 +20,6 @@ long after its first claim (``since`` + one horizon) the standby's waiter hears
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import tempfile
@@ -31,6 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from testkit.support import SidecarProcess, get_json, long_poll, one_leader, wait_until
 
 HORIZON = 0.25
@@ -170,8 +169,10 @@ def main() -> None:
     parser.add_argument("--handovers", type=int, default=10)
     parser.add_argument("--source", type=Path, default=None,
                         help="run the sidecars from this checkout instead")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default: bench/results/longpoll.json")
     args = parser.parse_args()
+    run = record.start(args.handovers)
     env: dict[str, str] = {}
     if args.source is not None:
         # -P semantics: the bench's own directory must not shadow the other checkout.
@@ -187,7 +188,6 @@ def main() -> None:
         time.sleep(1.0)
         result = {"source": str(args.source) if args.source else "this checkout",
                   "settings": " ".join(SETTINGS), "wait_s": args.wait,
-                  "load_average": os.getloadavg()[0],
                   "idle": idle_phase(procs, leader, args)}
         if args.handovers:
             result["handover"] = handover_phase(procs, args.handovers)
@@ -208,8 +208,7 @@ def main() -> None:
               f"max {h['release_to_leader_answer_ms']['max']} ms; standby's first claim -> "
               f"its waiter answered 200 p50 {h['first_claim_to_standby_answer_ms']['p50']} ms, "
               f"max {h['first_claim_to_standby_answer_ms']['max']} ms")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    record.write("longpoll.json", run, result, args.out)
 
 
 if __name__ == "__main__":

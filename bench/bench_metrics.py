@@ -17,6 +17,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench import record
+from bench.failover import summary
 from testkit.support import SidecarProcess, wait_until
 
 
@@ -25,6 +27,7 @@ def main() -> None:
     parser.add_argument("--scrapes", type=int, default=200)
     parser.add_argument("--leases", type=int, default=1)
     args = parser.parse_args()
+    run = record.start(args.scrapes)
     workdir = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
     names = ",".join(f"lease{i}" for i in range(args.leases))
     sidecar = SidecarProcess(workdir, "metrics", args=[
@@ -49,6 +52,9 @@ def main() -> None:
     print(f"leases {args.leases}: {len(body)} bytes, {len(body.splitlines())} lines; "
           f"scrape p50 {statistics.median(times):.2f} ms, p99 {p99:.2f} ms "
           f"(n={len(times)})")
+    record.write("metrics.json", run, {
+        "leases": args.leases, "body_bytes": len(body), "body_lines": len(body.splitlines()),
+        "scrape": summary([t / 1000 for t in times])})
 
 
 if __name__ == "__main__":

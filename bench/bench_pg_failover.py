@@ -26,18 +26,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from bench.failover import summary
 from testkit.chaos.backends import Timing, make_env
 from testkit.chaos.failover import gaps, token_problems
 from testkit.chaos.harness import Config, Harness, Result
-
-RESULTS = Path(__file__).parent / "results" / "pg-failover.json"
 
 
 async def run_one(backend: str, style: str, failovers: int, seed: int,
@@ -82,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="postgres,postgres-row")
     p.add_argument("--styles", default="multi-host,proxy")
     p.add_argument("--seed", type=int, default=18)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: bench/results/pg-failover.json")
     args = p.parse_args(argv)
+    run = record.start(args.failovers)
     timing = Timing()
     reports = []
     print("| backend | connection | failovers | handovers in lag | overlaps | token "
@@ -99,11 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(r["overlaps"] == 0 and not r["token_problems"] and not r["violations"]
              and r["failovers"] >= args.failovers and r["log_tracebacks"] == 0
              for r in reports)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    out = record.write("pg-failover.json", run, {
         "command": "python -m bench.bench_pg_failover " + shlex.join(argv),
-        "timing": vars(timing), "ok": ok, "runs": reports}, indent=2) + "\n")
-    print(f"{'PASS' if ok else 'FAIL'}; written {args.out}")
+        "timing": vars(timing), "ok": ok, "runs": reports}, args.out)
+    print(f"{'PASS' if ok else 'FAIL'}; written {out}")
     return 0 if ok else 1
 
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -31,12 +29,12 @@ import threading
 import time
 from pathlib import Path
 
+from bench import record
 from bench.failover import summary
 from testkit.support import SidecarProcess, claim_overlaps, get_json, one_leader, wait_until
 from testkit.testbed.pgbouncer import PgBouncer, version
 from testkit.testbed.postgres import PgServer
 
-RESULTS = Path(__file__).resolve().parent / "results"
 LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
 TIMING = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
           "--renew-deadline", f"{DEADLINE}s", "--claim-horizon", f"{HORIZON}s"]
@@ -172,6 +170,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--trials", type=int, default=10)
     args = parser.parse_args()
+    run = record.start(args.trials)
     with tempfile.TemporaryDirectory(prefix="bench-pgb-") as tmp, PgServer() as pg:
         workdir = Path(tmp)
         refusals = [refusal_rounds(pg, workdir, pool, count, args.rounds)
@@ -182,15 +181,13 @@ def main() -> None:
                      handover_trials(pg, workdir, "postgres-row", "transaction", 5,
                                      args.trials)]
         server_version = pg.psql("show server_version")
-    result = {"pgbouncer": version(), "postgres": server_version, "cpus": os.cpu_count(),
-              "load_average_1m": round(os.getloadavg()[0], 2),
+    result = {"pgbouncer": version(), "postgres": server_version, "rounds": args.rounds,
               "lease_duration_s": LEASE, "renew_interval_s": RENEW,
               "renew_deadline_s": DEADLINE, "claim_horizon_s": HORIZON,
               "advisory_transaction_pooling": refusals, "handovers": handovers}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "pgbouncer.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = record.write("pgbouncer.json", run, result)
     print(f"PgBouncer {result['pgbouncer']}, PostgreSQL {server_version}, load average "
-          f"{result['load_average_1m']}")
+          f"{run['loadavg_at_start']}")
     print("postgres (advisory) through pool_mode=transaction:")
     for row in refusals:
         took = row["start_to_all_refused"]
@@ -205,7 +202,7 @@ def main() -> None:
               f"{row['trials']} trials, p50/p99 {h['p50_ms']}/{h['p99_ms']} ms, "
               f"{row['samples']} samples, {row['overlaps']} overlaps, "
               f"{row['prepared_statement_errors']} prepared-statement errors")
-    print(f"wrote {RESULTS / 'pgbouncer.json'}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

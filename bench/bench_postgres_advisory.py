@@ -21,17 +21,14 @@ p99 ≤ horizon + 150 ms.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
 import tempfile
 from pathlib import Path
 
+from bench import record
 from bench.failover import failover_trials, summary
 from sidecar.durations import parse_duration
 from testkit.testbed.postgres import PgServer
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def contender_args(dsn: str, lease: float, renew: float, horizon: float) -> list[str]:
@@ -56,6 +53,7 @@ def main() -> None:
     renew = parse_duration(args.renew_interval)
     horizon = parse_duration(args.claim_horizon)
     horizon_ms = horizon * 1000
+    run = record.start(args.trials)
     with tempfile.TemporaryDirectory(prefix="bench-pg-") as tmp, PgServer() as pg:
         workdir = Path(tmp)
         server_version = pg.psql("show server_version")
@@ -64,11 +62,8 @@ def main() -> None:
         kill = failover_trials(signal.SIGKILL, args.trials, common, workdir, settle=0.3)
         term = failover_trials(signal.SIGTERM, args.trials, common, workdir, settle=0.3)
     result = {
-        "backend": "postgres", "postgres": server_version, "cpus": os.cpu_count(),
-        # Other work on the machine skews these figures; record how busy it was.
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "trials": args.trials, "lease_duration_s": lease, "renew_interval_s": renew,
-        "claim_horizon_s": horizon,
+        "backend": "postgres", "postgres": server_version, "lease_duration_s": lease,
+        "renew_interval_s": renew, "claim_horizon_s": horizon,
         "sigkill_lock_passing": summary(kill["lease"]),
         "sigkill_published_claim": summary(kill["claim"]),
         "sigterm_handover_claim": summary(term["claim"]),
@@ -79,18 +74,17 @@ def main() -> None:
         "sigkill_published_claim": verdict(result["sigkill_published_claim"],
                                            horizon_ms + 50, horizon_ms + 150),
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "postgres_advisory.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = record.write("postgres_advisory.json", run, result)
     print(f"postgres {server_version}, {args.trials} trials each, lease {lease:g}s, "
-          f"renew {renew:g}s, horizon {horizon_ms:g} ms, {os.cpu_count()} cpus, "
-          f"load average {result['load_average_1m']}")
+          f"renew {renew:g}s, horizon {horizon_ms:g} ms, {run['cores']} cores, "
+          f"load average {run['loadavg_at_start']}")
     print(f"{'figure':<28}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}  target")
     for key in ("sigkill_lock_passing", "sigkill_published_claim", "sigterm_handover_claim",
                 "sigterm_lock_passing"):
         row = result[key]
         print(f"{key:<28}{row['p50_ms']:>10}{row['p99_ms']:>10}{row['max_ms']:>10}  "
               f"{result['targets'].get(key, '')}")
-    print(f"wrote {RESULTS / 'postgres_advisory.json'}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

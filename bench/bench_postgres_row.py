@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import record  # noqa: E402
 from bench.failover import failover_trials, pct, summary  # noqa: E402
 from sidecar.clock import SystemClock  # noqa: E402
 from sidecar.config import load  # noqa: E402
@@ -37,8 +38,6 @@ from sidecar.lease import postgres_row  # noqa: E402
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver  # noqa: E402
 from sidecar.lease.sql.dialect import PostgresDialect  # noqa: E402
 from sidecar.lease.sql.store import SqlRowStore  # noqa: E402
-
-RESULTS = REPO / "bench" / "results" / "postgres_row.json"
 
 
 def settings(dsn: str, identity: str = "bench"):
@@ -167,6 +166,7 @@ def main() -> int:
     parser.add_argument("--claim-horizon", action="append", dest="horizons")
     opts = parser.parse_args()
     horizons = opts.horizons or ["250ms", "100ms"]
+    run = record.start(opts.trials)
 
     server = None
     dsn = opts.dsn
@@ -188,8 +188,7 @@ def main() -> int:
     results["targets"] = {"renews_per_s": ">= 2000", "round_trips_per_renew": 1,
                           "sigterm_handover_p99_ms": "<= 250"}
     print(json.dumps(results, indent=2))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    record.write("postgres_row.json", run, results)
     return 0
 
 

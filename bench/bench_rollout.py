@@ -17,42 +17,32 @@ strategy and mode. Every figure is on this host's one clock:
 - **gap per hand-over**: the old leader's last claim's end → the new leader's first claim.
 - **overlaps**: moments two pods claimed at once (target 0); also two pods labelled
   ``leader`` at once in the pod watch.
-- **leader Service settle** (youngest-ready namespace, which renders the Service): the
-  new leader's first claim → its pod label ``leader`` → the Service's EndpointSlices list
-  exactly its pod IP as ready (an EndpointSlice watch). The test bed has no kube-proxy,
-  so the last hop (kube-proxy's rule sync on each node) is not in it; the bench then asks
-  every ready endpoint's ``/leader`` and counts answers that are not the leader's.
+- **leader Service settle** (both namespaces render the Service): the new leader's first
+  claim → its pod label ``leader`` → the Service's EndpointSlices list exactly its pod IP
+  as ready (an EndpointSlice watch) → kube-proxy's next rule sync (its metric) → a client
+  pod asking ``/leader`` through the ClusterIP every 20 ms (a new connection each time)
+  gets only the new leader's answers. Also counted: requests sent after that sync that
+  did not reach the new leader (target 0), and each ready endpoint's own ``/leader``
+  once settled, asked from the host.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from bench.failover import summary
 from testkit import pods_support as ps
 from testkit import rollout_support as rs
-from testkit.support import REPO
 from testkit.testbed.cluster import Cluster, unavailable_reason
 
-RESULTS = Path(__file__).resolve().parent / "results"
 RELEASE = "ls"
 MODES = ("off", "youngest-ready")
-
-
-def _commit() -> str:
-    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                         text=True, check=False).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "sidecar",
-                            "charts", "Dockerfile"], capture_output=True, text=True,
-                           check=False).stdout.strip()
-    return out + ("+dirty" if dirty else "")
 
 
 def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
@@ -65,6 +55,8 @@ def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
     ps.wait_one_leader(cluster, ns)
     out: dict[str, Any] = {}
     watch = rs.SliceWatch(cluster, ns, service)
+    syncs = rs.ProxySyncs(cluster)
+    client = rs.ServiceClient(cluster, ns, service, image)
     try:
         with ps.PodObserver(cluster, ns) as obs:
             for strategy in strategies:
@@ -72,6 +64,8 @@ def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
                 rows = []
                 for i in range(trials):
                     row = rs.rollout(cluster, ns, obs)
+                    row["through_service"] = rs.settled_through_service(
+                        cluster, client, syncs, watch, obs, row)
                     row["settle"] = rs.settle_times(obs, watch, row["moves"])
                     # Through the Service's endpoints once settled: who answers?
                     ready = watch.ready_now()
@@ -85,6 +79,8 @@ def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
                           f"gaps {[round(g * 1000) for g in row['gaps']]} ms, overlaps "
                           f"{row['overlaps']}, settle "
                           f"{[round(s['claim_to_endpoints'] * 1000) for s in row['settle']]} ms"
+                          ", client "
+                          f"{[as_ms(t['claim_to_client']) for t in row['through_service']]} ms"
                           f", loadavg {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
                 out[strategy] = rows
             http_periods = [p for s in obs.recorder.http_stats.values() for p in s.periods]
@@ -92,16 +88,28 @@ def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
                 sorted(http_periods)[len(http_periods) // 2] * 1000, 1) if http_periods else None
             out["_anomalies"] = list(obs.recorder.anomalies)[:20]
     finally:
+        client.stop()
+        syncs.stop()
         watch.stop()
         cluster.helm("uninstall", RELEASE, "-n", ns, check=False)
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
     return out
 
 
+def as_ms(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1000)
+
+
+def _present(rows: list[dict[str, Any]], key: str) -> list[float]:
+    return [t[key] for r in rows for t in r.get("through_service", []) if t[key] is not None]
+
+
 def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     counts = [r["handovers"] for r in rows]
     gaps = [g for r in rows for g in r["gaps"]]
     settle = [s for r in rows for s in r.get("settle", [])]
+    client = _present(rows, "claim_to_client")
+    proxy = _present(rows, "slices_to_proxy")
     return {
         "rollouts": len(rows),
         "exactly_one_handover": sum(c == 1 for c in counts),
@@ -120,12 +128,16 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if settle else None,
         "service_endpoints_not_leader_after_settle": sum(r["endpoints_not_leader"]
                                                          for r in rows),
+        "service_slices_to_proxy_sync": summary(proxy) if proxy else None,
+        "service_claim_to_client_only_leader": summary(client) if client else None,
+        "service_handovers_measured_by_client": len(client),
+        "service_client_not_leader_after_proxy_sync": sum(
+            _present(rows, "not_leader_after_proxy")),
     }
 
 
 def run(trials: int, strategies: list[str], modes: list[str]) -> dict[str, Any]:
     cluster = Cluster()
-    load_start = [round(x, 1) for x in os.getloadavg()]
     cluster.start()
     try:
         image = ps.load_sidecar_image(cluster)
@@ -133,13 +145,7 @@ def run(trials: int, strategies: list[str], modes: list[str]) -> dict[str, Any]:
     finally:
         cluster.stop()
     result: dict[str, Any] = {
-        "commit": _commit(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "cores": os.cpu_count(),
-        "loadavg_at_start": load_start,
-        "loadavg_at_end": [round(x, 1) for x in os.getloadavg()],
         "image": image,
-        "trials": trials,
         "timing": "chart defaults: 15 s lease, 2 s renew interval, 250 ms claim horizon",
         "results": {mode: {s: figures(raw[mode][s]) for s in strategies} for mode in modes},
         "http_poll_period_ms_p50": {m: raw[m]["_http_poll_period_ms_p50"] for m in modes},
@@ -163,14 +169,16 @@ def table(r: dict[str, Any]) -> str:
                          f"{f['handovers_to_an_old_pod']} | {ms(f['gap'])} | "
                          f"{f['overlaps']} |")
     lines += ["", "| leader Service (mode, strategy) | first claim → label | first claim → "
-              "endpoints only the leader | label → endpoints | endpoints answering, not the "
-              "leader |", "|---|---|---|---|---|"]
+              "endpoints only the leader | endpoints → kube-proxy sync | first claim → "
+              "client pod reaches only the leader | requests not reaching the leader after "
+              "the sync |", "|---|---|---|---|---|---|"]
     for mode, by_strategy in r["results"].items():
         for strategy, f in by_strategy.items():
             lines.append(f"| `{mode}`, {strategy} | {ms(f['service_claim_to_label'])} | "
                          f"{ms(f['service_claim_to_endpoints'])} | "
-                         f"{ms(f['service_label_to_endpoints'])} | "
-                         f"{f['service_endpoints_not_leader_after_settle']} |")
+                         f"{ms(f['service_slices_to_proxy_sync'])} | "
+                         f"{ms(f['service_claim_to_client_only_leader'])} | "
+                         f"{f['service_client_not_leader_after_proxy_sync']} |")
     return "\n".join(lines)
 
 
@@ -179,16 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--strategies", default=",".join(rs.STRATEGIES))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--out", default=str(RESULTS / "rollout.json"))
+    parser.add_argument("--out", default=None, help="default: bench/results/rollout.json")
     args = parser.parse_args(argv)
     reason = unavailable_reason()
     if reason:
         print(f"bench_rollout: {reason}", file=sys.stderr)
         return 2
+    meta = record.start(args.trials)
     result = run(args.trials, args.strategies.split(","), args.modes.split(","))
-    out = Path(args.out)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = record.write("rollout.json", meta, result, Path(args.out) if args.out else None)
+    result = json.loads(out.read_text())
     print(table(result))
     print(f"\ncommit {result['commit']}, {result['cores']} cores, load average "
           f"{result['loadavg_at_start']} → {result['loadavg_at_end']}; results: {out}")

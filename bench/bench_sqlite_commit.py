@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import record
 from bench.failover import summary
 
 
@@ -39,12 +40,16 @@ def main() -> None:
     parser.add_argument("--dir", default="/var/tmp")
     parser.add_argument("--commits", type=int, default=300)
     args = parser.parse_args()
+    run = record.start(args.commits * 2)
     results: dict[str, list[float]] = {"WAL": [], "DELETE": []}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for _ in range(2):
             for mode in results:
                 results[mode] += commits(Path(tmp), mode, args.commits)
-    print(json.dumps({mode: summary(times) for mode, times in results.items()}))
+    figures = {"directory": args.dir,
+               "commit_time": {mode: summary(times) for mode, times in results.items()}}
+    print(json.dumps(figures))
+    record.write("sqlite-commit.json", run, figures)
 
 
 if __name__ == "__main__":

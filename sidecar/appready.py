@@ -120,8 +120,17 @@ class AppReadiness:
 
     async def _tick(self) -> None:
         while True:
-            await asyncio.sleep(self.period)
+            await asyncio.sleep(self.next_look())
             self._observe(self._problem)
+
+    def next_look(self) -> float:
+        """Seconds to the next look at the last pod status: a period, or less when an
+        unready application's LEASE_APP_UNREADY_AFTER ends sooner (no event comes then,
+        and waiting for the period would add up to one to the hand-over's bound)."""
+        if self._unready_since is None:
+            return self.period
+        due = self._unready_since + self.unready_after - self._clock.monotonic()
+        return min(self.period, due) if due > 0 else self.period
 
     def _observe(self, problem: str | None) -> None:
         now = self._clock.monotonic()

@@ -30,14 +30,13 @@ from sidecar.dsn import DsnError
 from sidecar.durations import format_duration, parse_duration
 from sidecar.errors import ConfigError
 from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
-from sidecar.lease.sql.dialect import validate_identifier
+from sidecar.names import validate_identifier
 from sidecar.redact import remember_secrets
-from sidecar.settings import MAX_IDENTITY, Settings, Store, Timing, TimingError
+from sidecar.settings import MAX_IDENTITY, Settings, StoreSettings, Timing, TimingError
 
 ROLES = ("all", "worker", "api")
 POD_LABEL_MODES = ("auto", "on", "off")
 SHUTDOWN_HANDOVERS = ("off", "youngest-ready")
-DEFAULT_SQLITE_PATH = "/var/tmp/lease-sidecar/leases.sqlite3"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 HOUR = 3600.0
 
@@ -273,18 +272,18 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     values["pod_namespace"] = env.get("POD_NAMESPACE") or None
     if not values["identity"]:
         values["identity"] = values["pod_name"] or f"{socket.gethostname()}:{os.getpid()}"
-    if values["backend"] == "sqlite" and not values["dsn"]:
-        values["dsn"] = DEFAULT_SQLITE_PATH
+    entry = backend_entry(values["backend"])
+    values["dsn"] = values["dsn"] or entry.default_dsn
+    values["table"] = values["table"] or entry.default_table
     # Before any check can fail: every later line that might echo a DSN masks these.
     remember_secrets([values["dsn"], values["replica_dsn"]])
-    entry = backend_entry(values["backend"])
     blame = _Blame(values, frozenset(explicit))
     try:
         timing = Timing(**{name: values.pop(name) for name in _TIMING_FIELDS},
                         holds_by=entry.holds_by)
     except TimingError as exc:
         raise blame.error(exc.blame, exc.template) from None
-    store = Store(**{name: values.pop(name) for name in _STORE_FIELDS})
+    store = StoreSettings(**{name: values.pop(name) for name in _STORE_FIELDS})
     settings = Settings(store=store, timing=timing, **values, explicit=frozenset(explicit))
     _validate(settings, entry, blame, dsn_required=dsn_required)
     return settings

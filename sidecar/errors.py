@@ -13,7 +13,7 @@ EXIT_BAD_SETTINGS = 2  # one line names the setting (also: postgres behind a poo
 EXIT_NO_SUCH_LEASE = 3  # ``status``: no such lease, database file or table; ``handover``
 EXIT_NOT_ACQUIRED = 75  # ``exec --acquire-timeout`` ran out (EX_TEMPFAIL of sysexits.h)
 # ``exec``'s command cannot start: the codes a shell uses, so ``exec`` can stand in for
-# ``sh -c``/``exec`` in an entrypoint. sidecar/guard.py repeats them: it runs as a
+# ``sh -c``/``exec`` in an entrypoint. sidecar/cli/exec_guard.py repeats them: it runs as a
 # stdlib-only script and cannot import this module (a unit test holds them equal).
 EXIT_CANNOT_EXECUTE = 126
 EXIT_COMMAND_NOT_FOUND = 127

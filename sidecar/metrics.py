@@ -82,8 +82,9 @@ class LeaseCollector(Collector):
             "LEASE_SHUTDOWN_HANDOVER)", labels=["lease", "reason"])
         unready = CounterMetricFamily(
             f"{PREFIX}app_unready_leading_seconds",
-            "seconds this contender held the lease while LEASE_APP_READY_URL did not answer "
-            "2xx", labels=["lease"])
+            "seconds this contender held the lease while its application was not ready "
+            "(LEASE_APP_READY_URL not answering 2xx, or a container of "
+            "LEASE_APP_READY_CONTAINERS not Ready)", labels=["lease"])
         for state in self._states:
             facts = state.facts
             lease = [state.lease]

@@ -1,5 +1,7 @@
-"""Kubernetes object names: the one rule shared by the kubernetes backend, the injector
-and the settings check. A bottom-layer module: it imports nothing from ``sidecar``.
+"""Names that end up in someone else's syntax: Kubernetes object names (the one rule
+shared by the kubernetes backend, the injector and the settings check) and SQL
+identifiers (schema and table names). A bottom-layer module: it imports nothing from
+``sidecar``.
 
 A Lease object is named ``{key_prefix}.{name}`` and must be a DNS-1123 subdomain, as the
 apiserver checks it: lowercase letters, digits, ``-`` and ``.``, each dot-separated part
@@ -13,6 +15,7 @@ import re
 MAX_OBJECT_NAME = 253
 OBJECT_NAME_RULE = ("lowercase letters, digits, '-' and '.', starting and ending with a "
                     "letter or digit, at most 253 characters")
+_SQL_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
@@ -34,3 +37,12 @@ def object_name_problem(key_prefix: str, name: str) -> str | None:
         return None
     return (f"{candidate!r} (key prefix + name) is not a valid Kubernetes object name: "
             f"{OBJECT_NAME_RULE}")
+
+
+def validate_identifier(kind: str, value: str) -> str:
+    """Schema and table names end up in SQL text, so only plain identifiers pass."""
+    if not _SQL_IDENTIFIER.match(value):
+        raise ValueError(
+            f"{kind} {value!r} is not a plain identifier (letters, digits, _; max 63)"
+        )
+    return value

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from sidecar import watchdog
@@ -47,8 +48,17 @@ def pod_label_wanted(settings: Settings) -> bool:
 
 
 class Sidecar:
-    def __init__(self, settings: Settings) -> None:
+    """One sidecar: its states, publishers, HTTP server and (once started) electors.
+
+    ``takes_release`` lets a caller answer ``POST /release`` of a lease first: given the
+    lease's name, it returns True when it took the request (``exec`` ends its command,
+    then releases), False to let the elector step down at once.
+    """
+
+    def __init__(self, settings: Settings,
+                 takes_release: Callable[[str], bool] | None = None) -> None:
         self.settings = settings
+        self._takes_release = takes_release
         self.clock = SystemClock()
         self.state_dir = resolve_state_dir(settings)
         self.states = [
@@ -218,9 +228,12 @@ class Sidecar:
 
     def release(self, name: str | None) -> ReleaseOutcome:
         """``POST /release``: only a holder can step down; a standby's refusal is final."""
-        if (name or self.settings.name) not in self.settings.names:
+        lease = name or self.settings.name
+        if lease not in self.settings.names:
             return "no-such-lease"
-        elector = self.electors.get(name or self.settings.name)
+        if self._takes_release is not None and self._takes_release(lease):
+            return "released"
+        elector = self.electors.get(lease)
         if elector is None or not elector.request_release():
             return "not-holding"
         return "released"

@@ -115,7 +115,7 @@ class Timing:
 
 
 @dataclass(frozen=True)
-class Store:
+class StoreSettings:
     """Where the leases live and how their keys are spelled."""
 
     backend: str = "sqlite"
@@ -131,16 +131,12 @@ class Store:
     never collide."""
     schema: str = "lease"
     """Row-lease schema (server row backends)."""
-    table: str | None = None
-    """Row-lease table; ``None`` means the backend's default (:attr:`table_name`)."""
+    table: str = "leases"
+    """Row-lease table (config loading fills in the backend's default)."""
     odbc_driver: str | None = None
     """ODBC driver name when the DSN names none."""
     ensure_schema: bool = False
     """Row backends on a server: create the lease table at start if it is missing."""
-
-    @property
-    def table_name(self) -> str:
-        return self.table or ("Leases" if self.backend == "sqlserver" else "leases")
 
     def key(self, name: str) -> str:
         """The one key of lease ``name`` in the store: lock id input, row name, object name."""
@@ -151,7 +147,7 @@ class Store:
 class Settings:
     """Everything one sidecar was told; built and checked by :func:`sidecar.config.load`."""
 
-    store: Store = field(default_factory=Store)
+    store: StoreSettings = field(default_factory=StoreSettings)
     """Where the leases live."""
     timing: Timing = field(default_factory=Timing)
     """The durations of the election."""

@@ -12,6 +12,8 @@ named one must win against a rival that is free to try.
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import random
 import subprocess
 import sys
@@ -51,6 +53,11 @@ class Trial:
     # From the end of the old leader's last claim to the target's first claim seen by
     # the recorder: the time nobody led (None: the recorder saw too little).
     gap: float | None = None
+    # The hand-over's moments in seconds after the request (None: not seen), for the
+    # timeline in docs/benchmarks.md: the old leader's last claim running out, its
+    # "stepped down" log line (written once the release returned), the target's
+    # "acquired lease" log line and its first claim seen by the recorder.
+    timeline: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,8 +115,11 @@ def run_trials(backend: str, dsn: str, workdir: Path, trials: int, seed: int = 2
             time.sleep(0.3)
         run.overlaps = len(recorder.overlaps())
         run.claims = len(recorder.claims)
+        by_identity = {p.identity: p for p in procs}
         for trial in run.trials:
             trial.gap = leaderless_gap(recorder.claims, trial)
+            trial.timeline = timeline(recorder.claims, trial, by_identity[trial.leader],
+                                      by_identity[trial.target])
     finally:
         for proc in procs:
             proc.stop()
@@ -126,3 +136,29 @@ def leaderless_gap(claims: list[tuple[str, float, float]], trial: Trial) -> floa
     last = max((until for who, seen, until in claims
                 if who == trial.leader and seen < first), default=None)
     return None if last is None else max(0.0, first - last)
+
+
+def logged_at(proc: SidecarProcess, message: str, after: float) -> float | None:
+    """Wall time of ``proc``'s first log line ``message`` at or after ``after``."""
+    for line in proc.logs().splitlines():
+        if f'"{message}"' in line:
+            at = dt.datetime.fromisoformat(json.loads(line)["ts"].replace("Z", "+00:00"))
+            # The log's stamp is rounded down to the millisecond.
+            if at.timestamp() >= after - 0.001:
+                return at.timestamp()
+    return None
+
+
+def timeline(claims: list[tuple[str, float, float]], trial: Trial, old: SidecarProcess,
+             new: SidecarProcess) -> dict[str, float | None]:
+    """Trial.timeline: each moment in seconds after the request was sent."""
+    first = min((seen for who, seen, _ in claims
+                 if who == trial.target and seen >= trial.sent_wall), default=None)
+    last = max((until for who, seen, until in claims
+                if who == trial.leader and (first is None or seen < first)), default=None)
+    moments = {"old_last_claim_until": last,
+               "old_stepped_down": logged_at(old, "stepped down", trial.sent_wall),
+               "new_acquired": logged_at(new, "acquired lease", trial.sent_wall),
+               "new_first_claim": first}
+    return {name: None if at is None else round(at - trial.sent_wall, 4)
+            for name, at in moments.items()}

@@ -31,6 +31,8 @@ from testkit.testbed.cluster import Cluster
 CHART = REPO / "charts" / "lease-sidecar"
 APP_LABEL = "e2e-app"
 SIDECAR = "lease-sidecar"  # the chart's sidecar.containerName
+# The app container's readiness file (app_deployment(ready_file=True)): its emptyDir.
+READY_VOLUME, READY_FILE = "ready", "ok"
 CLAIM_HORIZON = 0.25  # the chart's default lease.claimHorizon
 RENEW_INTERVAL = 2.0  # the chart's default lease.renewInterval (a standby's retry period)
 # The leaderless gap a graceful handover (pod deletion, rolling restart) may cause: the
@@ -163,6 +165,7 @@ def install_release(
         f"image.repository={repo}",
         f"image.tag={tag}",
         f"image.operatorRepository={repo}-operator",
+        f"image.sqlserverRepository={repo}-sqlserver",
         "image.pullPolicy=Never",
         "injector.enabled=true",
         f"lease.backend={backend}",
@@ -179,9 +182,33 @@ def install_release(
 
 
 def app_deployment(name: str, image: str, lease: str, replicas: int = 3,
-                   service_account: str = "app", grace: int = 30) -> str:
+                   service_account: str = "app", grace: int = 30,
+                   ready_file: bool = False) -> str:
     """A Deployment opted in to injection by label, naming its lease (the injector refuses
-    a pod that does not); its app is :data:`APP_SCRIPT`."""
+    a pod that does not); its app is :data:`APP_SCRIPT`. With ``ready_file`` the app
+    container is Ready only while :func:`ready_file_path` exists (an exec readiness probe
+    every second on an emptyDir the host writes)."""
+    app: dict[str, Any] = {
+        "name": "app",
+        "image": image,
+        "imagePullPolicy": "Never",
+        "command": ["python", "-u", "-c", APP_SCRIPT],
+        "resources": {"requests": {"cpu": "5m", "memory": "16Mi"},
+                      "limits": {"memory": "64Mi"}},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
+                            "allowPrivilegeEscalation": False,
+                            "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    volumes = []
+    if ready_file:
+        app["volumeMounts"] = [{"name": READY_VOLUME, "mountPath": "/ready"}]
+        # The app runs on the sidecar image: Python, and no shell or coreutils.
+        app["readinessProbe"] = {"exec": {"command": [
+            "python", "-I", "-S", "-c",
+            f"import os, sys; sys.exit(not os.path.exists('/ready/{READY_FILE}'))"]},
+                                 "periodSeconds": 1, "failureThreshold": 1}
+        volumes = [{"name": READY_VOLUME, "emptyDir": {}}]
     return json.dumps({
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -195,18 +222,8 @@ def app_deployment(name: str, image: str, lease: str, replicas: int = 3,
                 "spec": {
                     "serviceAccountName": service_account,
                     "terminationGracePeriodSeconds": grace,
-                    "containers": [{
-                        "name": "app",
-                        "image": image,
-                        "imagePullPolicy": "Never",
-                        "command": ["python", "-u", "-c", APP_SCRIPT],
-                        "resources": {"requests": {"cpu": "5m", "memory": "16Mi"},
-                                      "limits": {"memory": "64Mi"}},
-                        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
-                                            "allowPrivilegeEscalation": False,
-                                            "readOnlyRootFilesystem": True,
-                                            "capabilities": {"drop": ["ALL"]}},
-                    }],
+                    "containers": [app],
+                    **({"volumes": volumes} if volumes else {}),
                 },
             },
         },
@@ -214,10 +231,25 @@ def app_deployment(name: str, image: str, lease: str, replicas: int = 3,
 
 
 def deploy_app(cluster: Cluster, namespace: str, image: str, lease: str, name: str = "web",
-               replicas: int = 3) -> str:
+               replicas: int = 3, ready_file: bool = False) -> str:
+    """Apply :func:`app_deployment`; wait until rolled out (with ``ready_file``, whose
+    apps are not Ready yet: until every pod runs with its sidecar Ready)."""
     cluster.kubectl("-n", namespace, "apply", "-f", "-",
-                    input=app_deployment(name, image, lease, replicas))
-    wait_rolled_out(cluster, namespace, name)
+                    input=app_deployment(name, image, lease, replicas, ready_file=ready_file))
+    if not ready_file:
+        wait_rolled_out(cluster, namespace, name)
+        return name
+
+    def running() -> bool:
+        pods = app_pods(cluster, namespace)
+        return len(pods) == replicas and all(
+            any(s["name"] == SIDECAR and s.get("ready")
+                for s in p["status"].get("initContainerStatuses", []))
+            and any(s["name"] == "app" and "running" in (s.get("state") or {})
+                    for s in p["status"].get("containerStatuses", []))
+            for p in pods)
+
+    cluster.wait_for(running, 180, f"{replicas} pods running, their sidecars Ready", 0.5)
     return name
 
 
@@ -318,6 +350,8 @@ class PodObserver:
     # When the watch first showed the pod's sidecar container ready / the whole pod Ready.
     sidecar_ready: dict[str, float] = field(default_factory=dict)
     pod_ready: dict[str, float] = field(default_factory=dict)
+    # (when, pod, ready): every change of the app container's ``ready`` the watch showed.
+    app_ready: list[tuple[float, str, bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.recorder = Recorder([], CLAIM_HORIZON, interval=self.file_interval,
@@ -397,6 +431,11 @@ class PodObserver:
             conditions = pod["status"].get("conditions", [])
             if any(x["type"] == "Ready" and x["status"] == "True" for x in conditions):
                 self.pod_ready.setdefault(name, now)
+            app = any(x["name"] == "app" and x.get("ready")
+                      for x in pod["status"].get("containerStatuses", []))
+            was = next((r for _, p, r in reversed(self.app_ready) if p == name), False)
+            if app != was:
+                self.app_ready.append((now, name, app))
             self.labels.append(LabelEvent(
                 now, name, pod["metadata"].get("labels", {}).get("lease-role"),
                 bool(pod["metadata"].get("deletionTimestamp")), kind))
@@ -469,3 +508,8 @@ def wait_one_leader(cluster: Cluster, namespace: str, replicas: int = 3,
 
 def leader_file_path(cluster: Cluster, pod: dict[str, Any]) -> Path:
     return cluster.empty_dir(pod["metadata"]["uid"], "lease-state") / "leader"
+
+
+def ready_file_path(cluster: Cluster, pod: dict[str, Any]) -> Path:
+    """The file whose presence makes the app container Ready (``ready_file=True``)."""
+    return cluster.empty_dir(pod["metadata"]["uid"], READY_VOLUME) / READY_FILE

@@ -1,6 +1,7 @@
 """What the rollout e2e test and bench/bench_rollout.py share: rolling updates of the
 injected Deployment, hand-overs counted from the claims the pod observer saw, and the
-leader Service's EndpointSlices followed on the same clock.
+leader Service followed on the same clock: its EndpointSlices (a watch), kube-proxy's
+rule syncs (its metrics), and a client pod asking ``/leader`` through the ClusterIP.
 
 A *hand-over* is one change of the pod that claims leadership: the observer's claims
 (every pod's ``/leader`` polled every 20 ms and its leader file read every 10 ms) in time
@@ -10,6 +11,7 @@ of the old leader's last claim (its ``valid_until``) to the new leader's first c
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import threading
@@ -92,6 +94,8 @@ def rollout(cluster: Cluster, namespace: str, obs: ps.PodObserver,
     verdict = obs.verdict(begin, end)
     moves = handovers(obs, begin, end)
     return {
+        "begin": begin,
+        "end": end,
         "duration": end - begin,
         "handovers": len(moves),
         "gaps": [m.gap for m in moves],
@@ -196,6 +200,209 @@ def settle_times(obs: ps.PodObserver, watch: SliceWatch,
                     "claim_to_endpoints": settled - at,
                     "label_to_endpoints": max(0.0, settled - labelled)})
     return out
+
+
+CLIENT_SCRIPT = r'''
+import json, os, time, urllib.error, urllib.request
+
+URL, PERIOD = os.environ["TARGET_URL"], float(os.environ["PERIOD"])
+last, beat, count = None, 0.0, 0
+
+while True:
+    sent = time.time()
+    try:  # a new connection each time: kube-proxy's current rules pick its endpoint
+        with urllib.request.urlopen(URL, timeout=0.5) as answer:
+            status, body = answer.status, json.load(answer)
+    except urllib.error.HTTPError as err:
+        status, body = err.code, json.load(err)
+    except (OSError, ValueError) as err:
+        status, body = 0, {"error": str(err)[:80]}
+    count += 1
+    key = (status, body.get("identity"))
+    # Each change of who answers, every answer that is not a 200 (rare: hand-overs
+    # only), and a heartbeat a second (the client still runs).
+    if key != last or status != 200 or sent - beat >= 1.0:
+        print(json.dumps({"sent": sent, "status": status, "identity": body.get("identity"),
+                          "error": body.get("error"), "count": count}), flush=True)
+        last, beat = key, sent
+    time.sleep(PERIOD)
+'''
+
+
+@dataclass
+class Answer:
+    sent: float  # when the request that got it was sent (host and pod share one clock)
+    status: int  # 0: no HTTP answer (refused: no endpoints; timed out)
+    identity: str | None  # the answering sidecar's identity (its pod name)
+    count: int  # requests made so far, this one included
+
+    @property
+    def key(self) -> tuple[int, str | None]:
+        return (self.status, self.identity)
+
+
+class ServiceClient:
+    """A pod asking ``/leader`` through a Service's ClusterIP every ``period`` seconds
+    (a new connection each time), logging each change of who answers; its log followed
+    with ``kubectl logs -f``."""
+
+    def __init__(self, cluster: Cluster, namespace: str, service: str, image: str,
+                 period: float = 0.02, name: str = "service-client") -> None:
+        self.cluster, self.namespace, self.name = cluster, namespace, name
+        ip = cluster.kubectl_json("-n", namespace, "get", "service", service)["spec"][
+            "clusterIP"]
+        self.url = f"http://{ip}:{LEADER_SERVICE_PORT}/leader"
+        cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"app": name}},
+            "spec": {
+                "automountServiceAccountToken": False,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{
+                    "name": "client", "image": image, "imagePullPolicy": "Never",
+                    "command": ["python", "-u", "-c", CLIENT_SCRIPT],
+                    "env": [{"name": "TARGET_URL", "value": self.url},
+                            {"name": "PERIOD", "value": str(period)}],
+                    "resources": {"requests": {"cpu": "5m", "memory": "16Mi"},
+                                  "limits": {"memory": "64Mi"}},
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
+                                        "allowPrivilegeEscalation": False,
+                                        "readOnlyRootFilesystem": True,
+                                        "capabilities": {"drop": ["ALL"]}},
+                }],
+            },
+        }))
+        cluster.kubectl("-n", namespace, "wait", "--for=condition=Ready", f"pod/{name}",
+                        "--timeout=120s", timeout=130)
+        self.answers: list[Answer] = []
+        self._lock = threading.Lock()
+        from testkit.testbed import gobuild
+
+        self._proc = subprocess.Popen(
+            [str(gobuild.ensure_binary("kubectl")), f"--kubeconfig={cluster.kubeconfig}",
+             "-n", namespace, "logs", "-f", name],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        cluster.wait_for(lambda: self.answers, 30, "the Service client's first answer")
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                x = json.loads(line)
+            except ValueError:
+                continue
+            with self._lock:
+                self.answers.append(Answer(x["sent"], x["status"], x["identity"], x["count"]))
+
+    def history(self) -> list[Answer]:
+        with self._lock:
+            return list(self.answers)
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
+        self.cluster.kubectl("-n", self.namespace, "delete", "pod", self.name, "--wait=false",
+                             check=False)
+
+
+@dataclass
+class ProxySyncs:
+    """kube-proxy's rule syncs, as its ``last sync`` metric changes (polled every 50 ms;
+    its minimum sync period is 1 s, so no sync is missed)."""
+
+    cluster: Cluster
+    syncs: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                last = self.cluster.proxy_last_sync()
+            except (OSError, StopIteration, ValueError):
+                continue
+            if not self.syncs or last != self.syncs[-1]:
+                self.syncs.append(last)
+
+    def first_after(self, t: float) -> float | None:
+        return next((s for s in list(self.syncs) if s >= t), None)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def through_service(client: ServiceClient, syncs: ProxySyncs, watch: SliceWatch,
+                    obs: ps.PodObserver, moves: list[tuple[str, str, float]],
+                    end: float) -> list[dict[str, Any]]:
+    """Per hand-over, from the client pod's answers through the ClusterIP while the new
+    leader led (from its first claim to its last ``200`` the client got, or ``end``):
+
+    - ``claim_to_client``: the new leader's first claim -> the first request after which
+      every answer came from the new leader;
+    - ``slices_to_proxy``: the EndpointSlices listing exactly the new leader -> the end
+      of kube-proxy's first rule sync after that;
+    - ``not_leader_after_proxy``: requests sent after that sync whose answer was not 200
+      from the new leader (the claim "a client reaches only the leader once the
+      endpoints have settled"; None when the sync was not seen).
+
+    The client logs each change of answer and every answer that is not a 200, so a
+    logged answer stands for the requests up to the next one.
+    """
+    answers = [a for a in client.history() if a.sent < end]
+    runs = [(a, b.count - a.count) for a, b in itertools.pairwise(answers)]
+    if answers:
+        runs.append((answers[-1], 1))
+    out = []
+    for i, (_, new, at) in enumerate(moves):
+        until = moves[i + 1][2] if i + 1 < len(moves) else end
+        # Up to the new leader's last 200: what came after is its own stepping down.
+        window = [(a, n) for k, (a, n) in enumerate(runs) if a.sent < until and (
+            k + 1 == len(runs) or runs[k + 1][0].sent > at)]
+        led = [k for k, (a, _) in enumerate(window) if a.key == (200, new)]
+        window = window[:led[-1] + 1] if led else []
+        settled = None
+        for a, _ in reversed(window):
+            if a.key != (200, new):
+                break
+            settled = a.sent
+        ip = pod_ip(obs, new)
+        sliced = watch.only_after(ip, at) if ip else None
+        # kube-proxy may have synced a moment before our own slice watch reported it.
+        synced = syncs.first_after(sliced - 0.1) if sliced is not None else None
+        out.append({
+            "claim_to_client": None if settled is None else max(0.0, settled - at),
+            "slices_to_proxy": None if synced is None or sliced is None
+            else max(0.0, synced - sliced),
+            "not_leader_after_proxy": None if synced is None or not led else sum(
+                n for a, n in window if a.key != (200, new) and a.sent >= synced),
+        })
+    return out
+
+
+def settled_through_service(cluster: Cluster, client: ServiceClient, syncs: ProxySyncs,
+                            watch: SliceWatch, obs: ps.PodObserver,
+                            row: dict[str, Any]) -> list[dict[str, Any]]:
+    """After :func:`rollout`: wait until the client pod gets the final leader's answers
+    through the Service, kube-proxy has synced the endpoints that list only it, and the
+    client has asked for one more second; then :func:`through_service` for its moves."""
+    leader = row["final_leader"]
+    ip = pod_ip(obs, leader)
+
+    def settled() -> bool:
+        sliced = watch.only_after(ip, row["moves"][-1][2] if row["moves"] else row["begin"])
+        synced = syncs.first_after(sliced - 0.1) if sliced is not None else None
+        answers = client.history()
+        return (synced is not None and answers[-1].key == (200, leader)
+                and answers[-1].sent >= synced + 1.0)
+
+    cluster.wait_for(settled, 60, "the Service client to reach only the new leader", 0.1)
+    return through_service(client, syncs, watch, obs, row["moves"], time.time())
 
 
 def leader_answers(address: str, timeout: float = 2.0) -> tuple[int, dict[str, Any]]:

@@ -13,11 +13,12 @@ import shlex
 import sys
 from pathlib import Path
 
+from bench import record
 from sidecar.durations import parse_duration
-from testkit.chaos.backends import Timing, make_env
+from testkit.chaos.backends import ChaosTiming, make_env
 from testkit.chaos.faults import ALL_FAULTS
 from testkit.chaos.harness import Config, Harness
-from testkit.chaos.report import markdown, summarize, write
+from testkit.chaos.report import markdown, summarize
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,10 +40,10 @@ def _parser() -> argparse.ArgumentParser:
                         "DSN naming primary and standby")
     p.add_argument("--leader-bias", type=float, default=0.5,
                    help="probability that a fault targets the current leader")
-    p.add_argument("--lease-duration", type=parse_duration, default=Timing.lease_duration)
-    p.add_argument("--renew-interval", type=parse_duration, default=Timing.renew_interval)
-    p.add_argument("--renew-deadline", type=parse_duration, default=Timing.renew_deadline)
-    p.add_argument("--claim-horizon", type=parse_duration, default=Timing.claim_horizon)
+    p.add_argument("--lease-duration", type=parse_duration, default=ChaosTiming.lease_duration)
+    p.add_argument("--renew-interval", type=parse_duration, default=ChaosTiming.renew_interval)
+    p.add_argument("--renew-deadline", type=parse_duration, default=ChaosTiming.renew_deadline)
+    p.add_argument("--claim-horizon", type=parse_duration, default=ChaosTiming.claim_horizon)
     p.add_argument("--safety-margin", type=parse_duration, default=None,
                    help="default 500ms; 1s on kubernetes, the least that backend accepts")
     p.add_argument("--workdir", type=Path, default=None,
@@ -56,14 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     margin = (args.safety_margin if args.safety_margin is not None
-              else Timing.default_margin(args.backend))
-    timing = Timing(args.lease_duration, args.renew_interval, args.renew_deadline,
+              else ChaosTiming.default_margin(args.backend))
+    timing = ChaosTiming(args.lease_duration, args.renew_interval, args.renew_deadline,
                     args.claim_horizon, margin)
     env = make_env(args.backend, timing, style=args.pg_connect)
     faults = tuple(args.faults.split(",")) if args.faults else env.faults
     config = Config(backend=args.backend, seed=args.seed, duration=args.duration,
                     faults=faults, sidecars=args.sidecars, max_faults=args.max_faults,
                     leader_bias=args.leader_bias, timing=timing, workdir=args.workdir)
+    run = record.start(args.max_faults or 0)
     try:
         result = asyncio.run(Harness(config, env).run())
     except (ValueError, RuntimeError) as exc:
@@ -73,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(summary))
     print(f"sidecar logs: {result.workdir}")
     if args.out:
-        write(summary, args.out)
+        # A chaos run's trials are its faults: --max-faults bounds them, --duration too.
+        run["trials"] = summary["faults_injected"]
+        record.write(args.out.name + ".json", run, summary, args.out.with_suffix(".json"))
+        args.out.with_suffix(".md").write_text(markdown(summary))
     return 0 if summary["ok"] else 1
 
 

@@ -178,6 +178,10 @@ class BackendEntry:
     validate: Callable[[Settings], None] | None = None
     # True where an empty LEASE_DSN cannot work.
     needs_dsn: bool = False
+    # What an empty LEASE_DSN means, where the backend has a default store.
+    default_dsn: str | None = None
+    # The lease table's name when LEASE_TABLE is unset (backends with a table).
+    default_table: str = "leases"
     # True where LEASE_REPLICA_DSN means something (row leases on a server).
     takes_replica: bool = False
     # The syntax check of LEASE_DSN and LEASE_REPLICA_DSN; raises sidecar.dsn.DsnError.

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 from sidecar.dsn import check_postgres_url
 from sidecar.lease.sql.dialect import PostgresDialect
 from sidecar.lease.sql.entry import SqlRowEntry
-from sidecar.settings import Store
+from sidecar.settings import StoreSettings
 
 if TYPE_CHECKING:
     from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
 
 
-def _driver(store: Store, dsn: str, timeout: float, label: str) -> AsyncpgDriver:
+def _driver(store: StoreSettings, dsn: str, timeout: float, label: str) -> AsyncpgDriver:
     # Imported on first use: ``schema --print`` shows the DDL without asyncpg installed.
     from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver
 

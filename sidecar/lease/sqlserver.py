@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 from sidecar.dsn import check_odbc
 from sidecar.lease.sql.dialect import TsqlDialect
 from sidecar.lease.sql.entry import SqlRowEntry
-from sidecar.settings import Store
+from sidecar.settings import StoreSettings
 
 if TYPE_CHECKING:
     from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 
 
-def _driver(store: Store, dsn: str, timeout: float, label: str) -> PyodbcDriver:
+def _driver(store: StoreSettings, dsn: str, timeout: float, label: str) -> PyodbcDriver:
     # Imported on first use: ``schema --print`` shows the DDL without pyodbc installed.
     from sidecar.lease.sql.pyodbc_driver import PyodbcDriver
 
@@ -33,4 +33,6 @@ def _driver(store: Store, dsn: str, timeout: float, label: str) -> PyodbcDriver:
 
 
 ENTRY = SqlRowEntry("sqlserver", TsqlDialect, _driver, check_odbc,
-                    "sidecar.lease.sql.pyodbc_driver").entry()
+                    "sidecar.lease.sql.pyodbc_driver",
+                    # SQL Server's convention: PascalCase object names.
+                    default_table="Leases").entry()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sidecar.lease import backend_entry
 from testkit.chaos.faults import NETWORK_FAULTS, PROCESS_FAULTS, Fault
 from testkit.chaos.proxy import Proxy
 
@@ -50,9 +51,12 @@ SLACK = 1.0
 # loopback takes milliseconds; this leaves room for a loaded machine).
 ADVISORY_NOTICE_BOUND = 0.05
 
+# The lease every chaos sidecar contends for (the harness passes it as --name).
+LEASE_NAME = "chaos"
+
 
 @dataclass(frozen=True)
-class Timing:
+class ChaosTiming:
     """The sidecars' lease settings (short, so many faults fit in a run)."""
 
     lease_duration: float = 2.0
@@ -63,11 +67,13 @@ class Timing:
 
     @staticmethod
     def default_margin(backend: str) -> float:
-        """The kubernetes backend refuses a margin under 1 s (client-go's granularity)."""
-        return 1.0 if backend == "kubernetes" else Timing.safety_margin
+        """The short margin, or the least the backend accepts where that is more (its
+        entry holds the rule and the reason)."""
+        least = backend_entry(backend).min_safety_margin
+        return max(ChaosTiming.safety_margin, least[0] if least else 0.0)
 
     @classmethod
-    def for_backend(cls, backend: str) -> Timing:
+    def for_backend(cls, backend: str) -> ChaosTiming:
         return cls(safety_margin=cls.default_margin(backend))
 
     def args(self) -> list[str]:
@@ -84,7 +90,7 @@ class BackendEnv:
     name = ""
     faults: tuple[str, ...] = PROCESS_FAULTS
 
-    def __init__(self, timing: Timing) -> None:
+    def __init__(self, timing: ChaosTiming) -> None:
         self.timing = timing
 
     async def setup(self, workdir: Path, sidecars: int) -> None:
@@ -171,7 +177,7 @@ class PostgresEnv(BackendEnv):
     receiver: what the primary commits from then on is lost at the failover.
     """
 
-    def __init__(self, backend: str, timing: Timing, server: PgServer | None = None,
+    def __init__(self, backend: str, timing: ChaosTiming, server: PgServer | None = None,
                  style: str = "proxy") -> None:
         super().__init__(timing)
         if style not in ("proxy", "multi-host"):
@@ -298,7 +304,7 @@ class KubeEnv(BackendEnv):
     faults = PROCESS_FAULTS + NETWORK_FAULTS + ("backend-restart", "foreign-write")
     service_account = "lease-sidecar"  # the one deploy/rbac.yaml creates
 
-    def __init__(self, timing: Timing, control_plane: ControlPlane | None = None) -> None:
+    def __init__(self, timing: ChaosTiming, control_plane: ControlPlane | None = None) -> None:
         super().__init__(timing)
         self.cp = control_plane
         self._owns_cp = control_plane is None
@@ -322,7 +328,6 @@ class KubeEnv(BackendEnv):
     def _install_rbac(self) -> str:
         """Apply the shipped Role (naming the chaos Lease); return a token of its
         ServiceAccount."""
-        from testkit.chaos.harness import LEASE_NAME
         from testkit.kube_support import rbac_manifest
 
         assert self.cp is not None
@@ -359,7 +364,6 @@ class KubeEnv(BackendEnv):
     async def foreign_write(self, edit: str, standby: str) -> None:
         """kubectl, as admin, edits or deletes the Lease (deploy/rbac.yaml grants the
         sidecars create, so one of them re-creates a deleted Lease)."""
-        from testkit.chaos.harness import LEASE_NAME
 
         assert self.cp is not None
         name = f"lease-sidecar.{LEASE_NAME}"
@@ -385,7 +389,7 @@ class KubeEnv(BackendEnv):
         return super().bound(fault) + math.ceil(t.lease_duration) - t.lease_duration
 
 
-def make_env(backend: str, timing: Timing, server: PgServer | None = None,
+def make_env(backend: str, timing: ChaosTiming, server: PgServer | None = None,
              control_plane: ControlPlane | None = None, style: str = "proxy") -> BackendEnv:
     """``style``: how PostgreSQL sidecars connect (:class:`PostgresEnv`)."""
     if backend == "sqlite":

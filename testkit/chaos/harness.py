@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testkit.chaos.backends import BackendEnv, Timing
+from testkit.chaos.backends import LEASE_NAME, BackendEnv, ChaosTiming
 from testkit.chaos.checker import Verdict, check
 from testkit.chaos.faults import BACKEND_FAULTS, NETWORK_FAULTS, PROCESS_FAULTS, Fault, Schedule
 from testkit.chaos.recorder import Recorder, Target
 from testkit.support import SidecarProcess
 
-LEASE_NAME = "chaos"
 FIRST_LEADER_TIMEOUT = 60.0
 EXIT_TIMEOUT = 10.0
 OBSERVER_NICE = 5
@@ -69,7 +68,7 @@ class Config:
     max_faults: int | None = None
     max_down: int = 2
     leader_bias: float = 0.5
-    timing: Timing = field(default_factory=Timing)
+    timing: ChaosTiming = field(default_factory=ChaosTiming)
     workdir: Path | None = None
 
 

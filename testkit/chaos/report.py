@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 from testkit.chaos.checker import percentile
@@ -99,9 +97,3 @@ def markdown(summary: dict[str, Any]) -> str:
     if summary["notes"]:
         lines += ["", "Notes:", *[f"- {n}" for n in summary["notes"][:50]]]
     return "\n".join(lines) + "\n"
-
-
-def write(summary: dict[str, Any], stem: Path) -> None:
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(summary))

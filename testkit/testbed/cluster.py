@@ -1,7 +1,7 @@
 """A one-node Kubernetes cluster that runs real pods: the test bed for end-to-end tests.
 
 On top of :class:`testkit.testbed.kube.ControlPlane` (etcd + kube-apiserver) it starts
-kube-controller-manager, kube-scheduler and a kubelet (all built by
+kube-controller-manager, kube-scheduler, a kubelet and kube-proxy (all built by
 :mod:`testkit.testbed.gobuild`, same release) with containerd + runc and the CNI plugins
 from Debian's packages::
 
@@ -13,10 +13,13 @@ from Debian's packages::
 
 The node network is a bridge (:data:`BRIDGE`, :data:`NODE_IP`) made before the kubelet
 starts; pods get addresses from :data:`POD_CIDR` and reach the host, which is also the
-node IP.  No kube-proxy and no DNS: pods reach the apiserver (which stays on 127.0.0.1)
-through the ``kubernetes`` Service IP by a DNAT rule, and the apiserver calls webhooks at
-pod IPs (``--enable-aggregator-routing``).  Images come from archives only
-(``imagePullPolicy: Never``); the kubelet never garbage-collects them.
+node IP.  kube-proxy (iptables mode, its defaults but for what would change the host
+beyond its own chains) makes every Service's ClusterIP reach its ready endpoints, from
+pods and from the host.  No DNS.  Pods reach the apiserver (which stays on 127.0.0.1,
+so the ``kubernetes`` Service has no endpoints) through that Service's IP by a DNAT rule
+of our own, and the apiserver calls webhooks at pod IPs (``--enable-aggregator-routing``).
+Images come from archives only (``imagePullPolicy: Never``); the kubelet never
+garbage-collects them.
 
 Needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN on a cgroup v1 host
 (:func:`unavailable_reason` says why not).  Only one cluster runs per machine (the
@@ -65,12 +68,14 @@ HOST_COMMANDS = {
     "runc": "runc",
     "iptables": "iptables",
     "ip6tables": "iptables",
+    "iptables-save": "iptables",  # kube-proxy
+    "iptables-restore": "iptables",
     "ip": "iproute2",
     "gcc": "gcc",
     "mount": "mount",
     "umount": "mount",
 }
-COMPONENTS = ("kubelet", "kube-controller-manager", "kube-scheduler")
+COMPONENTS = ("kubelet", "kube-controller-manager", "kube-scheduler", "kube-proxy")
 READY_TIMEOUT = 120.0
 CONTAINERD_TMPFS = "6g"  # an upper bound; only what is stored uses memory
 
@@ -142,6 +147,7 @@ class Cluster(Service):
         self.bridge = BRIDGE
         self.service_ip = SERVICE_IP
         self.kubelet_port = 0
+        self.proxy_metrics_port = 0
         self.control_plane = ControlPlane(workdir=self.workdir / "control-plane", with_nodes=True)
         self.stale_found: list[str] = []  # what the start swept after an earlier dead run
         self.startup_seconds = 0.0
@@ -152,6 +158,7 @@ class Cluster(Service):
         self._snapshot: hostguard.Snapshot | None = None
         self._ctr_address = self.workdir / "containerd" / "containerd.sock"
         self._kubelet_reader: Any = None  # client cert for the kubelet's own API
+        self._proxy_healthz_port = 0
         self._started = False
 
     # -- public surface ----------------------------------------------------------------
@@ -534,6 +541,63 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             f"--node-ip={self.node_ip}",
             "--v=1",
         ])
+        self._start_kube_proxy()
+
+    def _kube_proxy_config(self, kubeconfig: Path, healthz_port: int) -> dict[str, Any]:
+        return {
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+            "kind": "KubeProxyConfiguration",
+            "clientConnection": {"kubeconfig": str(kubeconfig)},
+            "hostnameOverride": self.node_name,
+            "mode": "iptables",
+            "clusterCIDR": self.pod_cidr,
+            "healthzBindAddress": f"127.0.0.1:{healthz_port}",
+            "metricsBindAddress": f"127.0.0.1:{self.proxy_metrics_port}",
+            # The default min-sync-period (1 s) and sync period stay: the lag a Service's
+            # clients see after its endpoints change is what a real node shows.
+            "iptables": {
+                # Service traffic leaves the host with the node's address, so a reply from
+                # a pod on the same bridge comes back through the host's conntrack
+                # whether or not br_netfilter is loaded.
+                "masqueradeAll": True,
+                # true would set net.ipv4.conf.all.route_localnet (NodePorts on 127.0.0.1).
+                "localhostNodePorts": False,
+            },
+            # 0: leave the host's conntrack table size and timeouts alone.
+            "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
+                          "tcpCloseWaitTimeout": "0s"},
+            # Its default (-999) needs CAP_SYS_RESOURCE, which this host withholds.
+            "oomScoreAdj": 0,
+            "nodePortAddresses": ["primary"],  # no Service here uses NodePorts
+        }
+
+    def _start_kube_proxy(self) -> None:
+        kubeconfig = self._component_kubeconfig("kube-proxy", "system:kube-proxy")
+        self.proxy_metrics_port = free_port()
+        self._proxy_healthz_port = free_port()
+        config = self.workdir / "kube-proxy.json"
+        config.write_text(json.dumps(self._kube_proxy_config(kubeconfig,
+                                                             self._proxy_healthz_port)))
+        self._procs.spawn("kube-proxy", [str(self._binaries["kube-proxy"]),
+                                         f"--config={config}", "--v=1"])
+
+    def _proxy_ready(self) -> bool:
+        """kube-proxy's /healthz answers 200 once it has synced its rules."""
+        self._check_alive()
+        try:
+            url = f"http://127.0.0.1:{self._proxy_healthz_port}/healthz"
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return bool(resp.status == 200)
+        except OSError:
+            return False
+
+    def proxy_last_sync(self) -> float:
+        """When kube-proxy last finished writing its rules (Unix time, its metric)."""
+        url = f"http://127.0.0.1:{self.proxy_metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        return next(float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("kubeproxy_sync_proxy_rules_last_timestamp_seconds"))
 
     def _node_ready(self) -> bool:
         self._check_alive()
@@ -544,6 +608,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
     def _wait_ready(self) -> None:
         self.wait_for(self._node_ready, READY_TIMEOUT, f"node {self.node_name} Ready", 0.3)
+        self.wait_for(self._proxy_ready, READY_TIMEOUT, "kube-proxy to sync its rules", 0.3)
         # The controller manager runs: it creates every namespace's `default` account.
         self.wait_for(
             lambda: self.kubectl("get", "sa", "default", check=False).returncode == 0,

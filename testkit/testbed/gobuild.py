@@ -64,9 +64,10 @@ KUBE_COMPONENTS: tuple[str, ...] = (
     "kubelet",
     "kube-controller-manager",
     "kube-scheduler",
+    "kube-proxy",
 )
 
-# Order of `all`: the control plane first (every kube test needs it), then the three
+# Order of `all`: the control plane first (every kube test needs it), then the four
 # components only the one-node cluster (testkit/testbed/cluster.py) needs.
 TOOLS: tuple[str, ...] = (
     "kube-apiserver",
@@ -76,6 +77,7 @@ TOOLS: tuple[str, ...] = (
     "kubelet",
     "kube-controller-manager",
     "kube-scheduler",
+    "kube-proxy",
 )
 # Built on demand only (not by ``all``): the rule check is its only user.
 OPTIONAL_TOOLS: tuple[str, ...] = ("promtool",)

@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # The kubelet sets these at start (containermanager's kernel tunables), the CNI bridge
-# plugin turns on forwarding; containerd sets none.
+# plugin turns on forwarding; containerd sets none. kube-proxy is configured to set none
+# of the last four (its conntrack sizing and localhost NodePorts); they are put back
+# all the same should a release start to.
 SYSCTLS: tuple[str, ...] = (
     "vm.overcommit_memory",
     "vm.panic_on_oom",
@@ -39,6 +41,10 @@ SYSCTLS: tuple[str, ...] = (
     "kernel.keys.root_maxbytes",
     "net.ipv4.ip_forward",
     "net.ipv6.conf.all.forwarding",
+    "net.ipv4.conf.all.route_localnet",
+    "net.netfilter.nf_conntrack_max",
+    "net.netfilter.nf_conntrack_tcp_timeout_established",
+    "net.netfilter.nf_conntrack_tcp_timeout_close_wait",
 )
 
 # Paths the components write whatever their configured directories say.

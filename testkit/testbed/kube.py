@@ -246,7 +246,8 @@ class ControlPlane(Service):
     ) -> None:
         self.apiserver_extra_args = list(apiserver_extra_args)
         # A kubelet will register: the apiserver then needs a client certificate for
-        # `kubectl logs/exec` and must call webhooks at their pods' IPs (no kube-proxy).
+        # `kubectl logs/exec` and must call webhooks at their pods' IPs (it starts before
+        # the cluster's kube-proxy, and needs none).
         self.with_nodes = with_nodes
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="lease-kube-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -423,7 +424,7 @@ class ControlPlane(Service):
             return []
         return [
             # Webhooks and aggregated APIs are called at an endpoint's pod IP, which the
-            # host routes to; a Service IP would need kube-proxy.
+            # host routes to without kube-proxy's rules.
             "--enable-aggregator-routing=true",
             "--kubelet-preferred-address-types=InternalIP",
             f"--kubelet-client-certificate={self._kubelet_client.cert}",

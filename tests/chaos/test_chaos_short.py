@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from testkit.chaos.backends import Timing, make_env
+from testkit.chaos.backends import ChaosTiming, make_env
 from testkit.chaos.harness import Config, Harness, Result
 from testkit.chaos.report import markdown, summarize
 
@@ -28,7 +28,7 @@ SECONDS = float(os.environ.get("CHAOS_SECONDS", "110"))
 
 async def _run(backend: str, seed: int, tmp_path, server=None,
                control_plane=None) -> Result:
-    timing = Timing.for_backend(backend)
+    timing = ChaosTiming.for_backend(backend)
     env = make_env(backend, timing, server, control_plane)
     config = Config(backend=backend, seed=seed, duration=SECONDS, faults=env.faults,
                     timing=timing, workdir=tmp_path)

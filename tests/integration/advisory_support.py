@@ -6,7 +6,7 @@ from __future__ import annotations
 from sidecar.clock import SystemClock
 from sidecar.lease.postgres_advisory import AdvisoryBackend, create
 from sidecar.lease.postgres_advisory.sql import lock_halves, lock_id
-from sidecar.settings import Settings, Store, Timing
+from sidecar.settings import Settings, StoreSettings, Timing
 from testkit.testbed.postgres import PgServer
 
 LEASE, RENEW, DEADLINE, HORIZON = 3.0, 0.3, 2.0, 0.25
@@ -15,7 +15,8 @@ FAST = ["--lease-duration", f"{LEASE}s", "--renew-interval", f"{RENEW}s",
 
 
 def settings(dsn: str, identity: str) -> Settings:
-    return Settings(store=Store(backend="postgres", dsn=dsn), identity=identity, names=("jobs",),
+    return Settings(store=StoreSettings(backend="postgres", dsn=dsn), identity=identity,
+                    names=("jobs",),
                     timing=Timing(lease_duration=LEASE, renew_interval=RENEW,
                                   renew_deadline=DEADLINE, claim_horizon=HORIZON,
                                   holds_by="session"))
@@ -28,7 +29,7 @@ def advisory(dsn: str, identity: str) -> AdvisoryBackend:
 
 def lock_holders(pg: PgServer, database: str, name: str = "jobs") -> list[int]:
     """Server pids whose session holds the lock of lease ``name``."""
-    classid, objid = lock_halves(lock_id(Store().key(name)))
+    classid, objid = lock_halves(lock_id(StoreSettings().key(name)))
     out = pg.psql(f"select pid from pg_locks where locktype = 'advisory' and granted "
                   f"and classid = {classid} and objid = {objid} and objsubid = 1",
                   dbname=database)

@@ -28,7 +28,7 @@ import yaml
 import sidecar
 from sidecar.lease.postgres_advisory.sql import lock_id
 from sidecar.lease.sql.dialect import PostgresDialect, TsqlDialect
-from sidecar.settings import Store
+from sidecar.settings import StoreSettings
 from testkit.kube_support import create_pods, install_rbac, lease_spec, lease_token
 from testkit.kube_support import sidecar as kube_sidecar
 from testkit.support import REPO, SidecarProcess, get_json, one_leader, wait_until
@@ -376,7 +376,7 @@ def test_status_postgres_advisory_lock(tmp_path: Path, pg: PgServer, pg_dsn: str
                                   "--name", "jobs").stdout)
         row = document["leases"][0]
         assert row["holder"] == leader.identity
-        assert row["lock_id"] == lock_id(Store().key("jobs"))
+        assert row["lock_id"] == lock_id(StoreSettings().key("jobs"))
         holder_pid = int(pg.psql(
             "select pid from pg_stat_activity where application_name = "
             f"'{leader.identity}'", dbname=pg_dsn.rsplit("/", 1)[1]))

@@ -288,7 +288,7 @@ def test_unusable_command_is_one_line_and_the_shell_code(tmp_path, make, code, m
 
 def test_guard_reports_a_command_that_vanished_after_the_check(tmp_path):
     """The file can go between exec's check and the start: the guard says it, one line."""
-    from sidecar import supervise
+    from sidecar.cli import exec_supervise as supervise
 
     read_end, write_end = os.pipe()
     try:

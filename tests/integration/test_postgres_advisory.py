@@ -17,7 +17,7 @@ import asyncpg
 import pytest
 
 from sidecar.lease.postgres_advisory.sql import lock_id
-from sidecar.settings import Store
+from sidecar.settings import StoreSettings
 from testkit.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
 from testkit.testbed.postgres import PgServer
 from tests.integration.advisory_support import (
@@ -239,7 +239,7 @@ def test_exactly_one_of_three_leads(trio: list[SidecarProcess], pg: PgServer,
     assert status.returncode == 0, status.stderr
     [row] = json.loads(status.stdout)["leases"]
     assert row["lease"] == "jobs" and row["holder"] == leader.identity
-    assert row["pid"] == holder_pid and row["lock_id"] == lock_id(Store().key("jobs"))
+    assert row["pid"] == holder_pid and row["lock_id"] == lock_id(StoreSettings().key("jobs"))
     assert pg.password not in status.stdout + status.stderr
 
 

@@ -70,3 +70,22 @@ async def test_an_unreachable_url_is_not_ready():
     await asyncio.sleep(0.2)
     task.cancel()
     assert watcher.why_not() is not None and "unreachable" in watcher.why_not()
+
+
+def test_an_unready_leader_is_looked_at_when_its_period_ends_not_a_renew_interval_later():
+    clock = FakeClock()
+    state = LeaseState(lease="jobs", identity="web-0", role="all", claim_horizon=0.1,
+                       clock=clock)
+    asked: list[str] = []
+    watcher = AppReadiness("pod web-0", unready_after=3.0, period=2.0, states=[state],
+                           hand_over=lambda name: asked.append(name) or True)
+    watcher._observe(None)
+    assert watcher.next_look() == 2.0  # ready: every period
+    state.update(holding=True)
+    watcher._observe("container app is not Ready")
+    clock.advance(2.0)
+    assert watcher.next_look() == 1.0  # the period would end past LEASE_APP_UNREADY_AFTER
+    clock.advance(watcher.next_look())
+    watcher._observe("container app is not Ready")
+    assert asked == ["jobs"]
+    assert watcher.next_look() == 2.0  # asked: back to every period

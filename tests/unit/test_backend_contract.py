@@ -14,7 +14,7 @@ import pytest
 from sidecar.clock import SystemClock
 from sidecar.elector import Elector
 from sidecar.lease import Backend, BackendEntry, backend_entry
-from sidecar.settings import Settings, Store, Timing
+from sidecar.settings import Settings, StoreSettings, Timing
 from sidecar.state import LeaseState
 from tests.unit import memory_backend
 
@@ -29,10 +29,10 @@ def make(request: pytest.FixtureRequest, tmp_path: Path
     def settings_for(identity: str) -> tuple[BackendEntry, Settings]:
         if request.param == "memory":
             entry = memory_backend.ENTRY
-            store = Store(backend="memory")
+            store = StoreSettings(backend="memory")
         else:
             entry = backend_entry("sqlite")
-            store = Store(backend="sqlite", dsn=str(tmp_path / "leases.db"))
+            store = StoreSettings(backend="sqlite", dsn=str(tmp_path / "leases.db"))
         return entry, Settings(store=store, timing=TIMING, identity=identity, names=("jobs",))
 
     return settings_for

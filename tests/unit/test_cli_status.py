@@ -12,7 +12,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from sidecar import cli_status, config
+from sidecar import config
+from sidecar.cli import status as cli_status
 from sidecar.clock import rfc3339
 from sidecar.lease import LeaseInfo
 

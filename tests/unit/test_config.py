@@ -12,6 +12,7 @@ import pytest
 from sidecar import config
 from sidecar.config import ConfigError, format_duration, parse_duration
 from sidecar.dsn import DsnError, check_odbc, check_postgres_url, check_sqlite, parse_odbc
+from sidecar.lease import backend_entry
 from sidecar.redact import forget_secrets
 
 
@@ -153,7 +154,7 @@ def test_defaults_match_client_go():
     assert s.http_addr == ("127.0.0.1", 8099)
     assert s.state_dir == "/run/lease"
     assert s.role == "all"
-    assert s.store.dsn == config.DEFAULT_SQLITE_PATH
+    assert s.store.dsn == backend_entry("sqlite").default_dsn
     assert ":" in s.identity  # host:pid without POD_NAME
 
 
@@ -550,11 +551,11 @@ def test_start_errors_name_the_state_dir_or_the_address(tmp_path: Path):
 def test_the_loaded_defaults_are_the_dataclass_defaults():
     """Defaults are written in two places (the option table's text, the dataclasses that
     library users and tests build); this keeps them the same."""
-    from sidecar.settings import Settings, Store, Timing
+    from sidecar.settings import Settings, StoreSettings, Timing
 
     loaded = config.load({}, env={})
     assert loaded.timing == Timing()
-    assert replace(loaded.store, dsn=None) == Store()
+    assert replace(loaded.store, dsn=None) == StoreSettings()
     defaults = Settings()
     for name in ("names", "role", "http_addr", "state_dir", "pod_label", "exec_grace",
                  "work_stall_after", "log_level"):

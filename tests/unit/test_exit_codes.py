@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sidecar import errors, guard
+from sidecar import errors
+from sidecar.cli import exec_guard
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,9 +21,9 @@ def test_each_code_means_one_thing() -> None:
 
 
 def test_the_guard_repeats_the_shell_codes_it_cannot_import() -> None:
-    # guard.py runs as a stdlib-only script (python -I -S): it keeps its own copies.
-    assert guard.EXIT_CANNOT_EXECUTE == errors.EXIT_CANNOT_EXECUTE == 126
-    assert guard.EXIT_COMMAND_NOT_FOUND == errors.EXIT_COMMAND_NOT_FOUND == 127
+    # exec_guard.py runs as a stdlib-only script (python -I -S): it keeps its own copies.
+    assert exec_guard.EXIT_CANNOT_EXECUTE == errors.EXIT_CANNOT_EXECUTE == 126
+    assert exec_guard.EXIT_COMMAND_NOT_FOUND == errors.EXIT_COMMAND_NOT_FOUND == 127
 
 
 def test_the_exit_code_table_lists_exactly_these_codes() -> None:

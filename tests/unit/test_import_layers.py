@@ -32,8 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # Loading settings (asks the backends' entries), wiring one sidecar.
     ("sidecar.config", "sidecar.statedir", "sidecar.runtime"),
     # Entry points.
-    ("sidecar.cli", "sidecar.cli_exec", "sidecar.cli_handover", "sidecar.cli_status",
-     "sidecar.__main__", "sidecar.supervise", "sidecar.guard", "sidecar.injector",
+    ("sidecar.cli", "sidecar.__main__", "sidecar.injector",
      "sidecar.operator"),
 )
 

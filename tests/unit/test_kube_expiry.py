@@ -16,7 +16,7 @@ from sidecar.errors import ConfigError
 from sidecar.lease.kubernetes import validate
 from sidecar.lease.kubernetes.expiry import Observer
 from sidecar.lease.kubernetes.record import Record, micro_time
-from sidecar.settings import Settings, Store
+from sidecar.settings import Settings, StoreSettings
 
 
 class FakeClock:
@@ -274,9 +274,9 @@ def test_invalid_object_names_are_a_settings_error(name: str) -> None:
 
 def test_the_key_prefix_is_part_of_the_name() -> None:
     with pytest.raises(ConfigError):
-        validate(Settings(store=Store(key_prefix="My_App")))
-    validate(Settings(store=Store(key_prefix="")))
-    assert Store(key_prefix="").key("default") == "default"
+        validate(Settings(store=StoreSettings(key_prefix="My_App")))
+    validate(Settings(store=StoreSettings(key_prefix="")))
+    assert StoreSettings(key_prefix="").key("default") == "default"
 
 
 def test_a_write_changes_only_the_five_fields_we_own() -> None:

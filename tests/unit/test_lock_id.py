@@ -11,7 +11,7 @@ import pytest
 from sidecar.lease import pg_timeouts
 from sidecar.lease.postgres_advisory.session import application_name, session_settings
 from sidecar.lease.postgres_advisory.sql import key_from_halves, lock_halves, lock_id, wait_lock_sql
-from sidecar.settings import Store, Timing
+from sidecar.settings import StoreSettings, Timing
 from testkit.testbed.postgres import PgServer
 
 IN_POSTGRES = ("select ('x' || substr(encode(sha256(convert_to(t, 'UTF8')), 'hex'), 1, 16))"
@@ -26,7 +26,7 @@ def literal(text: str) -> str:
 
 
 def key(prefix: str, name: str) -> str:
-    return Store(key_prefix=prefix).key(name)
+    return StoreSettings(key_prefix=prefix).key(name)
 
 
 @pytest.mark.postgres

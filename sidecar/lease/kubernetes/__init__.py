@@ -1,7 +1,7 @@
 """``kubernetes``: a ``coordination.k8s.io/v1`` Lease, the way client-go's leader election
 uses one — no database at all.
 
-The Lease object is named ``Store.key(name)``, ``{key_prefix}.{name}`` (it must be a DNS
+The Lease object is named ``StoreSettings.key(name)``, ``{key_prefix}.{name}`` (it must be a DNS
 subdomain, :mod:`sidecar.names`), and lives in ``POD_NAMESPACE`` (else the kubeconfig's
 namespace, else ``default``). The parts, one job each:
 
@@ -24,10 +24,10 @@ from sidecar.lease.kubernetes.lease import KubeLease
 from sidecar.lease.kubernetes.record import Record
 from sidecar.lease.kubernetes.transport import Connection
 from sidecar.names import object_name_problem
-from sidecar.settings import Settings, Store
+from sidecar.settings import Settings, StoreSettings
 
 
-def check_name(store: Store, name: str) -> None:
+def check_name(store: StoreSettings, name: str) -> None:
     """``ConfigError`` (exit 2) unless lease ``name`` can be a Lease object."""
     problem = object_name_problem(store.key_prefix, name)
     if problem:

@@ -1,7 +1,7 @@
 """The ``postgres`` backend's statements and the maths of its lock key.
 
-The lock id is the first 8 bytes of SHA-256 of the lease's key (:meth:`Store.key
-<sidecar.settings.Store.key>`) as a signed big-endian bigint: stable across processes and
+The lock id is the first 8 bytes of SHA-256 of the lease's key (:meth:`StoreSettings.key
+<sidecar.settings.StoreSettings.key>`) as a signed big-endian bigint: stable across processes and
 versions, unlike Python's ``hash()``, and computable inside PostgreSQL with ``sha256()``.
 ``pg_locks`` shows a bigint key as two unsigned 32-bit halves (``classid``, ``objid``,
 with ``objsubid = 1``).

@@ -18,24 +18,15 @@ from typing import Any
 
 from sidecar.lease import pg_timeline
 from sidecar.lease.rowlease import Row
+from sidecar.names import validate_identifier
 from sidecar.settings import MAX_IDENTITY
 
 # ``:name`` but not the ``::`` of a PostgreSQL cast.
 _PLACEHOLDER = re.compile(r"(?<![:\w]):([a-z_]+)\b")
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 # The lease-name column's size: a longer key (prefix included) cannot be stored. The
 # owner column is MAX_IDENTITY wide.
 MAX_ROW_NAME = 200
-
-
-def validate_identifier(kind: str, value: str) -> str:
-    """Schema and table names end up in SQL text, so only plain identifiers pass."""
-    if not _IDENTIFIER.match(value):
-        raise ValueError(
-            f"{kind} {value!r} is not a plain identifier (letters, digits, _; max 63)"
-        )
-    return value
 
 
 @dataclass(frozen=True)

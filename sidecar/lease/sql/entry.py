@@ -17,12 +17,12 @@ from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.rowlease import RowBackend, is_hint
 from sidecar.lease.sql.dialect import MAX_ROW_NAME, Dialect
 from sidecar.lease.sql.store import Driver, SqlRowStore
-from sidecar.settings import Settings, Store, Timing
+from sidecar.settings import Settings, StoreSettings, Timing
 
 # (schema, table) -> the dialect's statements on that table
 DialectFactory = Callable[[str, str], Dialect]
 # (store settings, dsn, timeout, label for errors) -> a driver
-DriverFactory = Callable[[Store, str, float, str], Driver]
+DriverFactory = Callable[[StoreSettings, str, float, str], Driver]
 
 
 def request_timeout(timing: Timing) -> float:
@@ -52,9 +52,11 @@ class SqlRowEntry:
     # The module of the driver: ``driver`` imports it on first use, so the dialect's DDL
     # prints without the client library (``schema --print``).
     driver_module: str
+    default_table: str = "leases"
 
     def entry(self) -> BackendEntry:
         return BackendEntry(create=self.create, needs_dsn=True, takes_replica=True,
+                            default_table=self.default_table,
                             check_dsn=self.check_dsn, validate=check_names,
                             schema_sql=self.schema_sql, apply_schema=self.apply_schema,
                             list_leases=self.list_leases, load_driver=self.load_driver)
@@ -69,7 +71,7 @@ class SqlRowEntry:
                            ensure_schema=settings.store.ensure_schema and not replica)
 
     def _dialect(self, settings: Settings) -> Dialect:
-        return self.dialect(settings.store.schema, settings.store.table_name)
+        return self.dialect(settings.store.schema, settings.store.table)
 
     def _primary(self, settings: Settings) -> SqlRowStore:
         return self.store(settings, settings.store.dsn or "")

@@ -7,7 +7,7 @@ the holder still claims — the README lists this limit.
 
 Fencing tokens come from a one-row counter that only grows, so a token never repeats
 even though release deletes the row. The file itself can be deleted or replaced under a
-running holder: :mod:`~sidecar.lease.sqlite.guard` makes the holder step down, holds a
+running holder: :mod:`~sidecar.lease.sqlite.file_identity` makes the holder step down, holds a
 new file off for one lease duration and keeps tokens growing for the path.
 :mod:`~sidecar.lease.sqlite.store` runs the statements, :mod:`~sidecar.lease.sqlite.watch`
 wakes standbys on another process's commit.
@@ -47,17 +47,17 @@ def sqlite_path(dsn: str) -> str:
 
 
 def create(settings: Settings, clock: Clock) -> RowBackend:
-    store = SqliteStore(sqlite_path(settings.store.dsn or ""), settings.store.table_name,
+    store = SqliteStore(sqlite_path(settings.store.dsn or ""), settings.store.table,
                         holdoff=settings.timing.lease_duration)
     return RowBackend.from_settings(settings, clock, store)
 
 
 def schema_sql(settings: Settings) -> str:
-    return SCHEMA.format(table=settings.store.table_name).strip()
+    return SCHEMA.format(table=settings.store.table).strip()
 
 
 async def apply_schema(settings: Settings) -> None:
-    store = SqliteStore(sqlite_path(settings.store.dsn or ""), settings.store.table_name)
+    store = SqliteStore(sqlite_path(settings.store.dsn or ""), settings.store.table)
     try:
         await store.read("")  # connecting creates the file and the tables
     finally:
@@ -68,7 +68,7 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
     """Every row under the key prefix, read through a read-only handle: ``status`` must
     never create the database file, its directory or the table."""
     path = sqlite_path(settings.store.dsn or "")
-    table = settings.store.table_name
+    table = settings.store.table
     prefix = settings.store.key("")
 
     def read() -> list[tuple[Any, ...]]:
@@ -97,4 +97,5 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
 # check_sqlite refuses up front a DSN that is not one file shared by the contenders on
 # this host (``:memory:``, a directory, a parent that is a file).
 ENTRY = BackendEntry(create=create, check_dsn=check_sqlite, schema_sql=schema_sql,
-                     apply_schema=apply_schema, list_leases=list_leases)
+                     apply_schema=apply_schema, list_leases=list_leases,
+                     default_dsn="/var/tmp/lease-sidecar/leases.sqlite3")

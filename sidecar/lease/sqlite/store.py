@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from sidecar.errors import BackendError
 from sidecar.lease.rowlease import Row
-from sidecar.lease.sqlite.guard import FileGuard, Replaced
+from sidecar.lease.sqlite.file_identity import FileGuard, Replaced
 from sidecar.lease.sqlite.watch import CommitWatch
 
 T = TypeVar("T")
@@ -82,7 +82,7 @@ def _row(found: tuple[Any, ...] | None, won: bool = True) -> Row | None:
 
 class SqliteStore:
     """A :class:`~sidecar.lease.rowlease.RowStore` on one SQLite file, guarded against
-    the file being deleted or replaced (:mod:`sidecar.lease.sqlite.guard`)."""
+    the file being deleted or replaced (:mod:`sidecar.lease.sqlite.file_identity`)."""
 
     def __init__(self, path: str, table: str, holdoff: float = 0.0) -> None:
         self._path = path

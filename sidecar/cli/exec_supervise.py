@@ -1,6 +1,6 @@
 """``exec``'s side of process supervision: start the guard, feed it the lease validity.
 
-The command runs under :mod:`sidecar.guard` (see there for the process tree and why).
+The command runs under :mod:`sidecar.cli.exec_guard` (see there for the process tree and why).
 This module starts the guard, tells it how long the lease is proven ours (``extend``),
 asks it to stop the job (``stop``, ``kill``) and reports the command's exit code. If the
 guard itself is killed, the supervisor — a child subreaper too — inherits the job's
@@ -19,12 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from sidecar import guard
+from sidecar.cli import exec_guard
 from sidecar.errors import EXIT_CANNOT_EXECUTE, EXIT_COMMAND_NOT_FOUND
 
 log = logging.getLogger("sidecar.exec")
 
-GUARD_SCRIPT = Path(guard.__file__).resolve()
+GUARD_SCRIPT = Path(exec_guard.__file__).resolve()
 
 
 def check_command(argv0: str) -> tuple[int, str] | None:
@@ -47,7 +47,7 @@ def check_command(argv0: str) -> tuple[int, str] | None:
 
 
 def become_subreaper() -> None:
-    if not guard.set_child_subreaper():
+    if not exec_guard.set_child_subreaper():
         log.warning("cannot become a child subreaper (not Linux?); a job whose guard is "
                     "killed may leave orphans")
 
@@ -131,7 +131,7 @@ def end_tree(grace: float, deadline: float) -> None:
     termed: set[int] = set()
     kill_at = min(time.monotonic() + grace, deadline)
     while True:
-        left = guard.live_descendants(me)
+        left = exec_guard.live_descendants(me)
         for pid in _own_children(me):
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
@@ -140,11 +140,11 @@ def end_tree(grace: float, deadline: float) -> None:
         now = time.monotonic()
         for pid in left:
             if now >= kill_at:
-                guard.send_signal(pid, signal.SIGKILL)
+                exec_guard.send_signal(pid, signal.SIGKILL)
             elif pid not in termed:
                 termed.add(pid)
-                guard.send_signal(pid, signal.SIGTERM)
-        time.sleep(guard.TICK if now >= kill_at else guard.SCAN_INTERVAL)
+                exec_guard.send_signal(pid, signal.SIGTERM)
+        time.sleep(exec_guard.TICK if now >= kill_at else exec_guard.SCAN_INTERVAL)
 
 
 def _own_children(me: int) -> list[int]:

@@ -1,6 +1,6 @@
 """``lease-sidecar exec -- cmd``: run a command only while this contender leads.
 
-The command runs under a guard in its own session (:mod:`sidecar.supervise`); losing the
+The command runs under a guard in its own session (:mod:`sidecar.cli.exec_supervise`); losing the
 lease, ``POST /release`` or a terminating signal end it and everything it started, and
 only then is the lease released.
 """
@@ -13,10 +13,9 @@ import logging
 import os
 import signal
 
-from sidecar import supervise
 from sidecar.aio import first_of
+from sidecar.cli import exec_supervise
 from sidecar.errors import EXIT_BAD_SETTINGS, EXIT_NOT_ACQUIRED
-from sidecar.publish.http import ReleaseOutcome
 from sidecar.runtime import Sidecar
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
@@ -32,20 +31,20 @@ EXEC_STOP_SIGNALS = tuple(getattr(signal, name) for name in (
     "SIGPROF", "SIGXCPU", "SIGXFSZ", "SIGPWR", "SIGIO") if hasattr(signal, name))
 
 
-class _ExecSidecar(Sidecar):
+class _JobRelease:
     """``POST /release`` under ``exec`` ends the command first, then releases the lease:
     the work stops while the lease is still ours, never after another holder started."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.release_requested = asyncio.Event()
+    def __init__(self, lease: str) -> None:
+        self.lease = lease
+        self.requested = asyncio.Event()
         self.job_running = False
-        super().__init__(settings)
 
-    def release(self, name: str | None) -> ReleaseOutcome:
-        if self.job_running and (name or self.settings.name) == self.settings.name:
-            self.release_requested.set()
-            return "released"
-        return super().release(name)
+    def __call__(self, lease: str) -> bool:
+        if self.job_running and lease == self.lease:
+            self.requested.set()
+            return True
+        return False
 
 
 def _job_env(sidecar: Sidecar, state: LeaseState) -> dict[str, str]:
@@ -75,7 +74,7 @@ def _job_env(sidecar: Sidecar, state: LeaseState) -> dict[str, str]:
 async def run(settings: Settings, cmd: list[str], acquire_timeout: float | None) -> int:
     """Start ``cmd`` once we lead; stop it (and all it started) when we stop leading;
     mirror its exit code."""
-    supervise.become_subreaper()
+    exec_supervise.become_subreaper()
     stop = asyncio.Event()
     kill = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -87,11 +86,12 @@ async def run(settings: Settings, cmd: list[str], acquire_timeout: float | None)
     for sig in EXEC_STOP_SIGNALS:
         with contextlib.suppress(ValueError, OSError, RuntimeError):
             loop.add_signal_handler(sig, on_signal)
-    sidecar = _ExecSidecar(settings)
+    release = _JobRelease(settings.name)
+    sidecar = Sidecar(settings, takes_release=release)
     await sidecar.start()
     state = sidecar.states[0]
     deadline = loop.time() + acquire_timeout if acquire_timeout is not None else None
-    job: supervise.Job | None = None
+    job: exec_supervise.Job | None = None
     # A backend that finds itself misconfigured stops the command like a signal, but
     # the exit code is 2 (the backend logged why).
     misconfigured = asyncio.ensure_future(sidecar.wait_misconfigured())
@@ -106,9 +106,9 @@ async def run(settings: Settings, cmd: list[str], acquire_timeout: float | None)
                 log.warning("lease not acquired in time", extra={"lease": state.lease})
                 return EXIT_NOT_ACQUIRED
             await first_of(state.wait_for_change(state.facts.version, 0.05), stop.wait())
-        job = await supervise.Job.start(cmd, state.facts.valid_until, settings.exec_grace,
+        job = await exec_supervise.Job.start(cmd, state.facts.valid_until, settings.exec_grace,
                                         settings.timing.safety_margin, _job_env(sidecar, state))
-        sidecar.job_running = True
+        release.job_running = True
         log.info("started command", extra={"lease": state.lease, "pid": job.pid,
                                            "fencing_token": state.facts.fencing_token})
         exited = asyncio.ensure_future(job.wait())
@@ -122,7 +122,7 @@ async def run(settings: Settings, cmd: list[str], acquire_timeout: float | None)
                 # command gets its whole grace.
                 job.extend(state.facts.valid_until)
             reason = ("signal" if stop.is_set() else
-                      "release requested" if sidecar.release_requested.is_set() else
+                      "release requested" if release.requested.is_set() else
                       None if leading else "lease lost")
             if reason and stopping is None:
                 stopping = reason
@@ -130,7 +130,7 @@ async def run(settings: Settings, cmd: list[str], acquire_timeout: float | None)
                 job.stop()
             if kill.is_set():
                 job.kill()
-            await first_of(exited, stop.wait(), kill.wait(), sidecar.release_requested.wait(),
+            await first_of(exited, stop.wait(), kill.wait(), release.requested.wait(),
                             state.wait_for_change(state.facts.version,
                                                   settings.timing.claim_horizon / 2))
         code = await exited

@@ -29,7 +29,7 @@ left" means "no descendants left", which is how the guard knows the job is reall
 
 Why a separate interpreter and not ``fork()``: the supervisor is a multi-threaded asyncio
 process, where forking and running Python in the child can deadlock on locks held by
-other threads. The guard is started as ``python -I -S guard.py`` (stdlib only, no site
+other threads. The guard is started as ``python -I -S exec_guard.py`` (stdlib only, no site
 packages, ignores ``PYTHON*`` variables): about 20 ms, once per ``exec``.
 
 Control protocol (supervisor → guard, one ASCII line each): ``T <monotonic>`` the lease
@@ -141,7 +141,7 @@ def log(level: str, msg: str, **fields: object) -> None:
 
     now = time.time()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
-    print(json.dumps({"ts": stamp, "level": level, "logger": "sidecar.guard", "msg": msg,
+    print(json.dumps({"ts": stamp, "level": level, "logger": "sidecar.cli.exec_guard", "msg": msg,
                       **fields}), file=sys.stderr, flush=True)
 
 
@@ -300,7 +300,7 @@ class Guard:
 def main(argv: list[str]) -> int:
     control, grace, margin, valid_until, sep, *cmd = argv
     if sep != "--" or not cmd:
-        print("usage: guard.py CONTROL_FD GRACE MARGIN VALID_UNTIL -- CMD...", file=sys.stderr)
+        print("usage: exec_guard.py CONTROL_FD GRACE MARGIN VALID_UNTIL -- CMD...", file=sys.stderr)
         return 2
     os.set_blocking(int(control), False)
     guard = Guard(int(control), float(grace), float(margin), float(valid_until), cmd)

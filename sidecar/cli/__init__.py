@@ -13,8 +13,9 @@ import sys
 from collections.abc import Sequence
 
 import sidecar
-from sidecar import cli_exec, cli_handover, cli_status, config, jsonlog, supervise
+from sidecar import config, jsonlog
 from sidecar.aio import first_of
+from sidecar.cli import exec_command, exec_supervise, handover, status
 from sidecar.durations import parse_duration
 from sidecar.errors import (
     EXIT_BAD_SETTINGS,
@@ -108,16 +109,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if not cmd:
                 raise ConfigError("exec: no command given (lease-sidecar exec -- CMD ARGS...)")
-            unusable = supervise.check_command(cmd[0])
+            unusable = exec_supervise.check_command(cmd[0])
             if unusable is not None:
                 code, line = unusable
                 return _fail(f"exec: {line}", code=code)
             timeout = _acquire_timeout(args.acquire_timeout)
-            return asyncio.run(cli_exec.run(settings, cmd, timeout))
+            return asyncio.run(exec_command.run(settings, cmd, timeout))
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
         if args.command == "handover":
-            return cli_handover.run(settings, args.to)
+            return handover.run(settings, args.to)
         return asyncio.run(_status(settings, as_json=args.json))
     except ConfigError as exc:
         return _fail(str(exc))
@@ -183,9 +184,9 @@ async def _schema(settings: Settings, apply: bool) -> int:
         print(entry.schema_sql(settings))
         return 0
     await entry.apply_schema(settings)
-    print(f"schema applied ({store.backend}, {store.schema}.{store.table_name})")
+    print(f"schema applied ({store.backend}, {store.schema}.{store.table})")
     return 0
 
 
 async def _status(settings: Settings, as_json: bool) -> int:
-    return await cli_status.report(settings, as_json=as_json)
+    return await status.report(settings, as_json=as_json)

@@ -1,0 +1,528 @@
+"""The docs' benchmark tables, generated from ``bench/results/*.json``, never typed.
+
+    python -m bench.report            # rewrite every table block (and draw the pictures)
+    python -m bench.report --check    # exit 1 naming each block that differs from its file
+
+A block in any page (README.md, DEVELOPMENT.md, docs/*.md) is
+
+    <!-- bench:NAME -->
+    ...generated...
+    <!-- /bench -->
+
+where NAME is a key of ``TABLES``. Each table ends with the line that says which file,
+commit, date and trial count it describes; a results file written before files named
+their commit (``bench/record.py``) is marked stale rather than given invented metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.record import REPO, RESULTS
+
+Row = dict[str, Any]
+BLOCK = re.compile(r"(<!-- bench:([a-z0-9-]+) -->\n)(.*?)(<!-- /bench -->)", re.S)
+
+
+# -- formatting --------------------------------------------------------------------------
+def ms(value: float | None) -> str:
+    """Milliseconds as the docs write them: 9.4, 261, 3,321."""
+    if value is None:
+        return "—"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.1f}"
+
+
+def p50_p99(s: Row | None, unit: str = " ms") -> str:
+    return "—" if not s or "p50_ms" not in s else f"{ms(s['p50_ms'])} / {ms(s['p99_ms'])}{unit}"
+
+
+def p50_max(s: Row | None, unit: str = " ms") -> str:
+    return "—" if not s or "p50_ms" not in s else f"{ms(s['p50_ms'])} / {ms(s['max_ms'])}{unit}"
+
+
+def n(s: Row | None) -> str:
+    return "—" if not s else str(s["n"])
+
+
+def table(header: list[str], rows: list[list[Any]], right: int = 1) -> list[str]:
+    """A markdown table; columns from ``right`` on are right-aligned (figures)."""
+    align = ["---" if i < right else "---:" for i in range(len(header))]
+    return [f"| {' | '.join(header)} |", f"|{'|'.join(align)}|",
+            *(f"| {' | '.join(str(c) for c in row)} |" for row in rows)]
+
+
+# -- the tables --------------------------------------------------------------------------
+def core(r: Row) -> list[str]:
+    term, kill = r["sigterm_handover"], r["sigkill_takeover"]
+    return table(["figure", "p50 / p99", "n"], [
+        ["SIGTERM → the standby holds the lease (its `acquired lease` line)",
+         p50_p99(term["lease"]), n(term["lease"])],
+        ["SIGTERM → first claim of the new leader", p50_p99(term["claim"]), n(term["claim"])],
+        ["SIGKILL → the standby holds the lease", p50_p99(kill["lease"]), n(kill["lease"])],
+        ["SIGKILL → first claim of the new leader", p50_p99(kill["claim"]), n(kill["claim"])],
+    ])
+
+
+def core_costs(r: Row) -> list[str]:
+    rows = []
+    http = r.get("http") or {}
+    if "sidecar" in http:
+        side, bare = http["sidecar"], http["bare_aiohttp"]
+        rows.append(["`GET /leader`, wrk, 1 thread and 32 connections",
+                     f"{side['requests_per_s']:,} req/s, p99 {side['p99_ms']} ms; bare aiohttp "
+                     f"in the same run {bare['requests_per_s']:,} req/s, p99 {bare['p99_ms']} ms "
+                     f"(ratio {http['ratio']:.2f})"])
+    elif http:
+        rows.append(["`GET /leader` under wrk", f"not measured: {http.get('skipped')}"])
+    idle = r.get("idle")
+    if idle:
+        lead, stand = idle["idle-leader"], idle["idle-standby"]
+        where = idle.get("state_dir_filesystem", "disk")
+        rows += [[f"idle RSS, leader / standby (over {idle['seconds']:g} s)",
+                  f"{lead['rss_mb']} / {stand['rss_mb']} MB"],
+                 [f"idle CPU, leader / standby (state directory on {where})",
+                  f"{lead['cpu_percent_of_core']:.2f} % / {stand['cpu_percent_of_core']:.2f} % "
+                  "of a core"]]
+    return table(["figure", "value"], rows, right=2)
+
+
+def http_limits(r: Row) -> list[str]:
+    w, fat, slow = r["waiters"], r.get("fat_heads"), r["slowloris"]
+    rows = [
+        ["RSS, idle", f"{r['rss_mib_idle']} MiB"],
+        [f"RSS, {w['connections_attempted']:,} clients each sending `GET /leader?wait=300` "
+         "(peak)", f"{w['rss_mib_peak']} MiB: {w['parked']} parked, "
+         f"{w['answered_at_once_wait_cap']:,} answered at once (`Lease-Wait: full`), "
+         f"{w['refused_503_connection_cap']:,} refused `503` + `Retry-After`"],
+        ["parked waiters after a `POST /release`",
+         f"{w['parked_answered_after_release']} answered, "
+         f"{w['parked_told_leader_after_release']} told \"leader\""],
+    ]
+    if fat:
+        rows.append([f"RSS, {fat['connections']} connections each holding an unfinished "
+                     f"head of {fat['head_bytes_each'] / 1024:.0f} KiB (peak)",
+                     f"{fat['rss_mib_peak']} MiB"])
+    rows.append([f"{slow['connections']} half-sent requests (one more header line a second)",
+                 f"{slow['closed_by_server']} closed by the sidecar after "
+                 f"{slow['open_seconds_p50']} s (p50) / {slow['open_seconds_max']} s (max); "
+                 f"header timeout {slow['header_timeout_s']:g} s"])
+    rows.append(["the sidecar answers `/healthz` afterwards", "yes" if r["alive_after"] else
+                 "**no**"])
+    return table(["figure", "value"], rows, right=2)
+
+
+def exec_(r: Row) -> list[str]:
+    g = r["guard_overhead"]
+    return table(["figure", "p50 / p99", "n"], [
+        ["`POST /release` → `exec` has exited, both workers gone",
+         p50_p99(r["release_to_job_gone"]), n(r["release_to_job_gone"])],
+        ["SIGKILL of `exec` → both workers gone (they exit on SIGTERM)",
+         p50_p99(r["sigkill_to_job_gone"]), n(r["sigkill_to_job_gone"])],
+        ["SIGKILL of `exec`, workers ignore SIGTERM, `--grace 60s` → both gone",
+         p50_p99(r["sigkill_stubborn_to_job_gone"]), n(r["sigkill_stubborn_to_job_gone"])],
+        ["the guard's spawn-to-exit around `true`", p50_p99(g["guarded"]), n(g["guarded"])],
+        ["`true` alone", p50_p99(g["direct"]), n(g["direct"])],
+    ])
+
+
+def sqlite_commit(r: Row) -> list[str]:
+    return table(["journal mode", "commit p50 / p99", "n"],
+                 [[f"`{mode}`", p50_p99(s), n(s)] for mode, s in r["commit_time"].items()])
+
+
+def metrics(r: Row) -> list[str]:
+    return table(["figure", "value"], [
+        [f"`GET /metrics` body, {r['leases']} lease(s)",
+         f"{r['body_bytes']:,} bytes, {r['body_lines']} lines"],
+        ["one scrape over loopback, p50 / p99", p50_p99(r["scrape"])],
+    ], right=2)
+
+
+def longpoll(r: Row) -> list[str]:
+    idle, h = r["idle"], r.get("handover")
+    rows = [[f"wake-ups per minute per waiter besides `wait` timeouts, idle {role}",
+             f"{idle[role]['wakeups_per_minute_per_waiter']:g} "
+             f"({idle[role]['timeouts']} timeouts over {idle[role]['waiters']} waiters)"]
+            for role in ("leader", "standby")]
+    if h:
+        a, b = h["release_to_leader_answer_ms"], h["first_claim_to_standby_answer_ms"]
+        rows += [[f"`POST /release` → the leader's waiter hears `503`, p50 / max ({h['rounds']})",
+                  f"{ms(a['p50'])} / {ms(a['max'])} ms"],
+                 [f"the standby's first claim → its waiter hears `200`, p50 / max "
+                  f"({h['rounds']})", f"{ms(b['p50'])} / {ms(b['max'])} ms"]]
+    return table(["figure", "value"], rows, right=2)
+
+
+def postgres_advisory(r: Row) -> list[str]:
+    rows = [["SIGKILL → lock passes", "sigkill_lock_passing"],
+            ["SIGKILL → first claim", "sigkill_published_claim"],
+            ["SIGTERM → lock passes", "sigterm_lock_passing"],
+            ["SIGTERM → first claim", "sigterm_handover_claim"]]
+    return table(["figure", "p50 / p99", "n"],
+                 [[label, p50_p99(r[key]), n(r[key])] for label, key in rows])
+
+
+def postgres_row(r: Row) -> list[str]:
+    t, rt = r["throughput"], r["round_trips"]
+    rows = [[f"renews/s over {t['names']:,} names ({t['callers']} callers, pool of "
+             f"{t['pool_size']})", f"{t['renews_per_s']:,} (p50 {t['latency_ms_p50']} ms, "
+             f"p99 {t['latency_ms_p99']} ms)"],
+            ["round trips per renew (driver calls / client writes / server replies)",
+             f"{rt['driver_calls_per_renew']:g} / {rt['client_writes_per_renew']:g} / "
+             f"{rt['server_replies_per_renew']:g}"]]
+    for h in r.get("sigterm_handover", []):
+        rows.append([f"SIGTERM → first claim, claim horizon {h['claim_horizon_s'] * 1000:g} ms "
+                     f"({h['trials']} trials)", p50_p99(h)])
+    return table(["figure", "value"], rows, right=2)
+
+
+def pgbouncer_refusals(r: Row) -> list[str]:
+    rows = []
+    for x in r["advisory_transaction_pooling"]:
+        took = x["start_to_all_refused"]
+        rows.append([f"pool {x['pool_size']}, {x['sidecars']} sidecars", x["rounds"],
+                     f"{x['samples']:,}", x["claims"], f"**{x['overlaps']}**", x["refused"],
+                     "—" if not took else f"{took['p50_ms'] / 1000:.1f} / "
+                                          f"{took['max_ms'] / 1000:.1f} s"])
+    return table(["`postgres` (advisory), `pool_mode=transaction`", "rounds", "samples",
+                  "claims", "overlaps", "refused (exit 2)", "start → all refused p50 / max"],
+                 rows)
+
+
+def pgbouncer_handovers(r: Row) -> list[str]:
+    rows = [[f"`{x['backend']}`, `pool_mode={x['pool_mode']}`, pool {x['pool_size']}",
+             p50_p99(x["sigterm_handover"]), x["trials"], f"{x['samples']:,}",
+             f"**{x['overlaps']}**", x["prepared_statement_errors"]] for x in r["handovers"]]
+    return table(["SIGTERM hand-over through the pooler (3 sidecars)", "first claim p50 / p99",
+                  "trials", "samples", "overlaps", "prepared-statement errors"], rows)
+
+
+def pg_failover(r: Row) -> list[str]:
+    rows = []
+    for x in r["runs"]:
+        gap, promo = x["leaderless_gap"] or {}, x["promotion_to_claim"] or {}
+        rows.append([f"`{x['backend']}`", x["style"], x["failovers"], x["handovers_during_lag"],
+                     x["overlaps"], len(x["token_problems"]), x["log_tracebacks"],
+                     "—" if not gap else f"{ms(gap['p50_ms'])} / {ms(gap['p99_ms'])} / "
+                                         f"{ms(gap['max_ms'])}",
+                     "—" if not promo else f"{ms(promo['p50_ms'])} / {ms(promo['max_ms'])}"])
+    return table(["backend", "connection", "failovers", "hand-overs during the lag",
+                  "overlapping claims", "token problems", "tracebacks in logs",
+                  "leaderless gap ms p50 / p99 / max", "promotion → first claim ms p50 / max"],
+                 rows, right=2)
+
+
+def kubernetes(r: Row) -> list[str]:
+    rows = [["SIGTERM hand-over (new holder's `acquireTime`)", "sigterm_handover_sidecar",
+             "sigterm_handover_anchor"],
+            ["SIGKILL takeover (new holder's `acquireTime`)", "sigkill_takeover_sidecar",
+             "sigkill_takeover_anchor"],
+            ["SIGTERM → first claim", "sigterm_published_claim_sidecar", None],
+            ["SIGKILL → first claim", "sigkill_published_claim_sidecar", None],
+            ["label lag (new holder → `lease-role=leader` visible)", "label_lag_sidecar", None],
+            ["stale `leader` label demoted after SIGKILL", "stale_label_demotion_sidecar", None],
+            ["SIGTERM → own label `standby` (before the release)",
+             "unpublish_after_sigterm_sidecar", None]]
+    return table(["figure", "lease-sidecar p50 / p99", "the client's leaderelection p50 / p99"],
+                 [[label, p50_p99(r.get(ours)), p50_p99(r.get(theirs)) if theirs else "—"]
+                  for label, ours, theirs in rows if r.get(ours)], right=3)
+
+
+def kubernetes_foreign(r: Row) -> list[str]:
+    labels = {"holder-cleared": "`holderIdentity` cleared",
+              "holder-to-standby": "`holderIdentity` → a standby",
+              "duration-1s": "`leaseDurationSeconds: 1`",
+              "deleted": "Lease deleted, a newcomer started at once"}
+    rows = []
+    for edit, x in r["edits"].items():
+        kept = x["holder_kept_leading"]
+        step = (f"kept leading ({kept} of {x['trials']})" if kept == x["trials"]
+                else p50_p99(x["step_down"]))
+        rows.append([labels.get(edit, edit), x["trials"], x["overlapping_claims"],
+                     x["token_regressions"], step, p50_p99(x["next_leader_first_claim"])])
+    hand = r["preferred_holder_handoff"]
+    rows.append(["`spec.preferredHolder` set to a standby", hand["n"],
+                 hand["overlapping_claims"], "—", "—", p50_p99(hand)])
+    return table(["write", "trials", "overlapping claims", "token regressions",
+                  "holder's step-down p50 / p99", "next leader's first claim p50 / p99"], rows,
+                 right=1)
+
+
+def clientgo_interop(r: Row) -> list[str]:
+    labels = {"SIGTERM sidecar->client-go": "SIGTERM, sidecar → client-go (`OnStartedLeading`)",
+              "SIGTERM client-go->sidecar": "SIGTERM, client-go → sidecar (first `200`)",
+              "SIGKILL sidecar->client-go": "SIGKILL, sidecar → client-go",
+              "SIGKILL client-go->sidecar": "SIGKILL, client-go → sidecar"}
+    rows = [[labels.get(k, k), p50_p99(s), n(s)] for k, s in r["signal_to_first_claim"].items()]
+    rows.append(["overlapping claims", f"**{len(r['overlaps'])}**", ""])
+    rows.append(["fencing token grew on every takeover",
+                 "yes" if r["fencing_tokens_grow"] else "**no**", ""])
+    return table(["signal → first claim of the new holder", "p50 / p99", "n"], rows)
+
+
+def handover(r: Row) -> list[str]:
+    horizons = r["claim_horizon_ms"]
+    rows = []
+    for backend in ("sqlite", "postgres", "postgres-row", "kubernetes"):
+        x = r.get(backend)
+        if not x:
+            continue
+        horizon = horizons.get(backend, horizons.get("others"))
+        rows.append([f"`{backend}`", f"{horizon:g} ms", p50_p99(x), p50_p99(x["leaderless_gap"]),
+                     x["overlapping_claims"], f"{x['named_standby_led']} of {x['n']}"])
+    return table(["backend", "claim horizon", "request → named standby leads, p50 / p99",
+                  "leaderless gap, p50 / p99", "overlapping claims", "named standby led"],
+                 rows, right=2)
+
+
+def pods(r: Row) -> list[str]:
+    rows = [["pod start → sidecar container ready", "pod_start_to_sidecar_ready"],
+            ["pod start → pod Ready (2/2)", "pod_start_to_pod_ready"],
+            ["`kubectl delete pod <leader>` → another pod's first claim",
+             "deletion_to_first_claim"],
+            ["leader deletion: longest leaderless gap", "deletion_longest_gap"],
+            ["`kubectl rollout restart`: longest leaderless gap", "restart_longest_gap"],
+            ["`kubectl rollout restart`: duration", "restart_duration"]]
+    out = [[label, p50_p99(r[key]), n(r[key])] for label, key in rows if r.get(key)]
+    out.append(["overlapping claims (deletions / restarts)",
+                f"**{r['deletion_overlaps']} / {r['restart_overlaps']}**", ""])
+    return table(["figure", "p50 / p99", "n"], out)
+
+
+def pods_usage(r: Row) -> list[str]:
+    rows = []
+    for role in ("leader", "standby"):
+        x = r["sidecar_usage"][role]
+        rows.append([f"{role} ({x['pods']} pod{'s' if x['pods'] != 1 else ''})",
+                     f"{x['rss_mb']} MiB", f"{x['working_set_mb']} MiB",
+                     f"{x['kubelet_cpu_millicores']} millicores",
+                     f"{x['cgroup_cpu_percent']} % of a core"])
+    return table(["sidecar container, idle", "RSS", "working set", "CPU, kubelet",
+                  "CPU, cgroup"], rows)
+
+
+def pods_idle(r: Row) -> list[str]:
+    """Idle memory from the sidecar containers' own cgroup and the start-up figure, for
+    one backend (bench_pods --backend)."""
+    m = r.get("idle_sidecar_memory")
+    if not m:
+        return ["*This results file predates the per-trial cgroup memory reading.*"]
+
+    def mib(key: str) -> str:
+        x = m[key]
+        return f"{x['p50_mib']} / {x['max_mib']} MiB" if x["n"] else "—"
+
+    rows = [["idle `total_rss` (anonymous memory; the kubelet's RSS)", mib("rss_mib"),
+             m["rss_mib"]["n"]],
+            ["idle working set (usage minus inactive file)", mib("working_set_mib"),
+             m["working_set_mib"]["n"]],
+            ["idle file pages charged: mapped / cache",
+             f"{m['mapped_file_mib']['p50_mib']} / {m['cache_mib']['p50_mib']} MiB (p50)",
+             m["cache_mib"]["n"]],
+            ["pod start → sidecar container ready", p50_p99(r["pod_start_to_sidecar_ready"]),
+             n(r["pod_start_to_sidecar_ready"])]]
+    return table([f"`{r['backend']}` backend, real pods", "p50 / max (ready: p50 / p99)",
+                  "n"], rows)
+
+
+def image_sizes(r: Row) -> list[str]:
+    rows = []
+    for target, x in r["targets"].items():
+        top = ", ".join(f"{name} {mb}" for name, mb in list(x["distributions_mb"].items())[:4])
+        rows.append([f"`{target}`", top, f"**{x['archive_mb']} MB**", f"{x['files_mb']} MB",
+                     f"{x['stdlib_mb']} MB", f"{x['system_mb']} MB"])
+    b = r["backends"]
+    sql = b["sqlserver"]
+    adds = [["kubernetes", "nothing: aiohttp is the core", f"{b['kubernetes_mb']} MB"],
+            ["sqlite", "`_sqlite3` and libsqlite3", f"{b['sqlite_mb']} MB"],
+            ["postgres, postgres-row", "asyncpg", f"{b['postgres_and_postgres_row_mb']} MB"],
+            ["sqlserver (the `sidecar-sqlserver` image)",
+             f"pyodbc {sql['pyodbc_mb']} MB; unixODBC, FreeTDS and the libraries they load "
+             f"{sql['odbc_driver_and_libraries_mb']} MB; glibc's gconv converters "
+             f"{sql['gconv_mb']} MB", f"{sql['archive_mb']} MB"]]
+    return [*table(["target", "largest distributions (MB)", "docker archive", "files",
+                    "standard library", "interpreter, shared libraries, /etc"], rows, right=2),
+            "", *table(["backend", "what it adds to its image", "archive"], adds, right=2)]
+
+
+def rollout(r: Row) -> list[str]:
+    strategies = {"default": "default (25 % / 25 %)",
+                  "surge1-unavailable0": "`maxSurge: 1, maxUnavailable: 0`"}
+    rows = []
+    for mode, by in r["results"].items():
+        for strategy, x in by.items():
+            per = x["handovers_per_rollout"]
+            rows.append([f"`{mode}`", strategies.get(strategy, strategy),
+                         f"{x['exactly_one_handover']} of {x['rollouts']}",
+                         "all 1" if set(per) == {1} else " ".join(map(str, per)),
+                         x["handovers_to_an_old_pod"], p50_p99(x["gap"]), x["overlaps"]])
+    return table(["`shutdownHandover`", "strategy", "exactly one hand-over",
+                  "hand-overs per rollout", "hand-overs to an old pod",
+                  "gap per hand-over, p50 / p99", "overlapping claims"], rows, right=2)
+
+
+def lean_lone(r: Row) -> list[str]:
+    rows = []
+    for backend, x in r["lone"].items():
+        rss, start = x["idle_rss_mib"], x["start_to_healthz_ms"]
+        rows.append([backend, f"{rss['p50']} / {rss['max']} MiB",
+                     f"{ms(start['p50'])} / {ms(start['max'])} ms", x["trials"]])
+    return table(["backend", "idle RSS p50 / max (VmRSS, outside pods)",
+                  "process start → `/healthz` 200, p50 / max", "trials"], rows)
+
+
+def lean_apiserver(r: Row) -> list[str]:
+    g = r["idle_group_of_3"]
+    rows = [["apiserver requests per minute, idle group of 3: sidecars / client-go electors",
+             f"{g['sidecars_per_min']:g} / {g['clientgo_per_min']:g} "
+             f"(ratio {g['ratio']:.2f}; baseline {g['baseline_per_min']:g} subtracted)"]]
+    rows += [[f"watch events per leadership change, {w['sidecars']} sidecars",
+              f"{w['watch_events_per_change']:g} (over {w['changes']} changes)"]
+             for w in r["watch_fanout"]]
+    return table(["figure", "value"], rows, right=2)
+
+
+def chaos(r: Row) -> list[str]:
+    rows = [[x["kind"], x["faults"], x["leader_hits"], x["overlaps"],
+             f"{x['max_overlap'] * 1000:.1f}", ms(x["max_gap"] * 1000), ms(x["bound"] * 1000),
+             len(x["takeovers"]),
+             ms(None if x["takeover_p50"] is None else x["takeover_p50"] * 1000),
+             ms(None if x["takeover_p99"] is None else x["takeover_p99"] * 1000)]
+            for x in r["rows"]]
+    verdict = "**PASS**" if r["ok"] else f"**FAIL** ({len(r['violations'])} violations)"
+    return [*table(["fault", "faults", "leader hits", "overlaps", "max overlap ms",
+                    "max leaderless gap ms", "bound ms", "takeovers", "p50 takeover ms",
+                    "p99 takeover ms"], rows),
+            "", f"Verdict: {verdict}; {r['faults_injected']:,} faults, "
+                f"{r['restarts']} sidecar restarts, `{r['command']}`."]
+
+
+@dataclass(frozen=True)
+class Table:
+    source: str  # the results file, under bench/results
+    render: Callable[[Row], list[str]]
+    bench: str  # its name for python -m bench run
+
+
+TABLES: dict[str, Table] = {
+    "core": Table("core.json", core, "core"),
+    "core-costs": Table("core.json", core_costs, "core"),
+    "http-limits": Table("http-limits.json", http_limits, "http_limits"),
+    "exec": Table("exec.json", exec_, "exec"),
+    "sqlite-commit": Table("sqlite-commit.json", sqlite_commit, "sqlite_commit"),
+    "metrics": Table("metrics.json", metrics, "metrics"),
+    "longpoll": Table("longpoll.json", longpoll, "longpoll"),
+    "postgres-advisory": Table("postgres_advisory.json", postgres_advisory, "postgres_advisory"),
+    "postgres-row": Table("postgres_row.json", postgres_row, "postgres_row"),
+    "pgbouncer-refusals": Table("pgbouncer.json", pgbouncer_refusals, "pgbouncer"),
+    "pgbouncer-handovers": Table("pgbouncer.json", pgbouncer_handovers, "pgbouncer"),
+    "pg-failover": Table("pg-failover.json", pg_failover, "pg_failover"),
+    "kubernetes": Table("kubernetes.json", kubernetes, "kubernetes"),
+    "kubernetes-foreign": Table("kubernetes-foreign.json", kubernetes_foreign,
+                                "kubernetes_foreign"),
+    "clientgo-interop": Table("clientgo-interop.json", clientgo_interop, "clientgo_interop"),
+    "handover": Table("handover.json", handover, "handover"),
+    "pods": Table("pods-kubernetes.json", pods, "pods"),
+    "pods-usage": Table("pods-kubernetes.json", pods_usage, "pods"),
+    "pods-idle-kubernetes": Table("pods-kubernetes.json", pods_idle, "pods"),
+    "pods-idle-postgres": Table("pods-postgres.json", pods_idle, "pods_postgres"),
+    "pods-idle-postgres-row": Table("pods-postgres-row.json", pods_idle, "pods_postgres_row"),
+    "image": Table("image.json", image_sizes, "image"),
+    "rollout": Table("rollout.json", rollout, "rollout"),
+    "lean-lone": Table("lean.json", lean_lone, "lean"),
+    "lean-apiserver": Table("lean.json", lean_apiserver, "lean"),
+    **{f"chaos-{b}": Table(f"chaos-{b}.json", chaos, f"chaos-{b}")
+       for b in ("sqlite", "postgres", "postgres-row", "kubernetes")},
+}
+
+
+def provenance(name: str, t: Table, r: Row) -> str:
+    """The line under every table: which file, commit, date and trial count."""
+    where = f"`bench/results/{t.source}`"
+    rerun = f"`python -m bench run {t.bench}`"
+    if "commit" not in r:
+        return (f"*{where}: **stale**: written before results files named their commit, "
+                f"date and load; re-run with {rerun}.*")
+    commit = r["commit"]
+    short = commit[:7] + ("+dirty" if commit.endswith("+dirty") else "")
+    start, end = r.get("loadavg_at_start"), r.get("loadavg_at_end")
+    load = f"load average {start[0]:g} → {end[0]:g}" if start and end else "load not recorded"
+    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {r['trials']} trials, "
+            f"{r['cores']} cores, {load}; {rerun}.*")
+
+
+def render(name: str, results: Path) -> str:
+    t = TABLES[name]
+    path = results / t.source
+    if not path.exists():
+        return (f"*Not measured yet: `bench/results/{t.source}` is missing; "
+                f"`python -m bench run {t.bench}` writes it.*\n")
+    r = json.loads(path.read_text())
+    return "\n".join([*t.render(r), "", provenance(name, t, r)]) + "\n"
+
+
+def pages(root: Path = REPO) -> list[Path]:
+    return [p for p in [root / "README.md", root / "DEVELOPMENT.md",
+                        *sorted((root / "docs").rglob("*.md"))] if p.exists()]
+
+
+def regenerate(text: str, results: Path, where: str) -> tuple[str, list[str]]:
+    """``text`` with every block regenerated, and the names of blocks that changed."""
+    changed: list[str] = []
+
+    def one(m: re.Match[str]) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise SystemExit(f"{where}: unknown bench block {name!r} "
+                             f"(known: {', '.join(TABLES)})")
+        body = render(name, results)
+        if body != m.group(3):
+            changed.append(name)
+        return m.group(1) + body + m.group(4)
+
+    return BLOCK.sub(one, text), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if a block differs from its results file")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--no-pictures", action="store_true")
+    parser.add_argument("pages", nargs="*", type=Path,
+                        help="default: README.md, DEVELOPMENT.md, docs/**/*.md")
+    args = parser.parse_args(argv)
+    stale = []
+    for page in args.pages or pages():
+        text = page.read_text()
+        new, changed = regenerate(text, args.results, str(page))
+        if changed:
+            stale += [f"{page}: {name}" for name in changed]
+            if not args.check:
+                page.write_text(new)
+    if args.check:
+        if stale:
+            print("tables that differ from their results file (python -m bench.report "
+                  "rewrites them):\n  " + "\n  ".join(stale), file=sys.stderr)
+            return 1
+        return 0
+    for line in stale:
+        print(f"rewrote {line}")
+    if not args.no_pictures:
+        from bench import plots
+
+        for out in plots.draw_all(args.results):
+            print(f"drew {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

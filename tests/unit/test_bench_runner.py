@@ -1,0 +1,57 @@
+"""`python -m bench run` knows every benchmark, and what a benchmark writes names its run.
+
+Through subprocesses: tests do not import ``bench`` (tests/unit/test_support_layers.py).
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+from testkit.support import REPO
+
+# What every results file opens with (bench/record.py).
+METADATA = ["commit", "date", "cores", "loadavg_at_start", "loadavg_at_end", "trials"]
+
+
+def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_runner_knows_every_benchmark_module():
+    modules = {f"bench.{p.stem}" for p in (REPO / "bench").glob("*.py")
+               if p.stem not in ("__init__", "__main__")}
+    modules |= {f"bench.{p.name}" for p in (REPO / "bench").iterdir()
+                if (p / "__main__.py").exists()}
+    listing = bench("list")
+    assert listing.returncode == 0, listing.stderr
+    runs = set(re.findall(r"^\S+\s+python -m (\S+)", listing.stdout, re.M))
+    helpers = set(re.search(r"^helpers, not benchmarks: (.*)$", listing.stdout,
+                            re.M).group(1).split())
+    assert modules - helpers == runs, (
+        "add the benchmark to bench.runner.BENCHES (or a helper module to HELPERS)")
+    names = re.findall(r"^(\S+)\s+python -m", listing.stdout, re.M)
+    assert len(names) == len(set(names)) > 15
+
+
+def test_a_quick_run_writes_the_run_metadata_into_a_scratch_directory(tmp_path):
+    # The fastest benchmark (a few dozen SQLite commits, no sidecar), through the runner.
+    before = sorted((REPO / "bench" / "results").iterdir())
+    done = bench("run", "--quick", "--results", str(tmp_path), "sqlite_commit")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "sqlite-commit.json").read_text())
+    assert list(result)[:len(METADATA)] == METADATA
+    assert all(result[key] is not None for key in METADATA), result
+    assert result["trials"] == 20
+    assert result["commit_time"]["WAL"]["n"] == 20
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+    assert result["commit"].split("+")[0] == head
+    assert sorted((REPO / "bench" / "results").iterdir()) == before
+
+
+def test_an_unknown_benchmark_is_named():
+    done = bench("run", "--quick", "nonesuch")
+    assert done.returncode != 0
+    assert "unknown benchmark nonesuch" in done.stderr
