@@ -22,9 +22,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
+from sidecar.base.stats import OPERATIONS, OUTCOMES
 from sidecar.elector import HANDOVER_REASONS
 from sidecar.state import LeaseState
-from sidecar.stats import OPERATIONS, OUTCOMES
 
 PREFIX = "lease_sidecar_"
 

@@ -1,6 +1,6 @@
 """``lease-sidecar run | exec | schema | status | handover | operator``.
 
-Exit codes: ``sidecar.errors`` (``EXIT_*``), told to users in the README's table.
+Exit codes: ``sidecar.base.errors`` (``EXIT_*``), told to users in the README's table.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import sys
 from collections.abc import Sequence
 
 import sidecar
-from sidecar import config, jsonlog
-from sidecar.aio import first_of
-from sidecar.cli import exec_command, exec_supervise, handover, status
-from sidecar.durations import parse_duration
-from sidecar.errors import (
+from sidecar import config
+from sidecar.base import jsonlog
+from sidecar.base.clock import first_of, parse_duration
+from sidecar.base.errors import (
     EXIT_BAD_SETTINGS,
     EXIT_FAILED,
     EXIT_NO_SUCH_LEASE,
@@ -25,8 +24,9 @@ from sidecar.errors import (
     ConfigError,
     NotFound,
 )
+from sidecar.base.redact import redact
+from sidecar.cli import exec_command, exec_supervise, handover, status
 from sidecar.lease import backend_entry
-from sidecar.redact import redact
 from sidecar.runtime import Sidecar
 from sidecar.settings import Settings
 
