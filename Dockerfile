@@ -1,12 +1,17 @@
 # syntax=docker/dockerfile:1
-# Two images from one file, each with only what it runs, as a non-root user on a
+# Three images from one file, each with only what it runs, as a non-root user on a
 # read-only root filesystem (writes go only to /run/lease, the shared emptyDir, and /tmp):
 #
 #   docker build --target sidecar -t lease-sidecar .            # the default target
+#   docker build --target sidecar-sqlserver -t lease-sidecar-sqlserver .
 #   docker build --target operator -t lease-sidecar-operator .
 #
-# - sidecar: `lease-sidecar run` (every backend; no kopf). Injected into every replica,
-#   so it carries no admission or operator code.
+# - sidecar: `lease-sidecar run` on every backend but SQL Server (kubernetes, postgres,
+#   postgres-row, sqlite). Injected into every replica, so it holds nothing else: the
+#   virtualenv, its Python and the shared libraries they load, gathered by
+#   scripts/image-rootfs.sh onto an empty root (no shell, no package manager).
+# - sidecar-sqlserver: the same plus pyodbc, unixODBC and an ODBC driver; the Helm chart
+#   picks it when lease.backend is sqlserver.
 # - operator: `lease-sidecar operator` (the admission webhook and the lease-role label
 #   reconciler; kopf, the kubernetes client, cryptography), no database drivers.
 #
@@ -14,16 +19,16 @@
 # ODBC Driver 18 (by building it you accept Microsoft's licence terms), name Microsoft's
 # Debian 12 package repository and signing key, as given in Microsoft's install guide:
 #
-#   docker build --build-arg ODBC_DRIVER=msodbcsql18 \
+#   docker build --target sidecar-sqlserver --build-arg ODBC_DRIVER=msodbcsql18 \
 #     --build-arg MSODBC_APT_REPO=<repository URL> \
-#     --build-arg MSODBC_KEY_URL=<signing key URL> -t lease-sidecar:msodbc .
+#     --build-arg MSODBC_KEY_URL=<signing key URL> -t lease-sidecar-sqlserver:msodbc .
 #
-# Needs BuildKit (the default builder): it builds only the ODBC stage that is selected.
+# Needs BuildKit (the default builder): it builds only the stages the target needs.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG ODBC_DRIVER=freetds
 
-# ---- build: the sidecar's virtualenv, with every backend the Helm chart can use
+# ---- build: the sidecar's virtualenv, with every backend but SQL Server
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -31,10 +36,14 @@ WORKDIR /src
 RUN python -m venv /opt/lease-sidecar
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
-# Extras: postgres (postgres, postgres-row), sqlserver (pyodbc), kubernetes (the backend;
-# the lease-role label and Events need nothing extra). pip byte-compiles what it
-# installs, so nothing needs writing at run time.
-RUN /opt/lease-sidecar/bin/pip install ".[postgres,sqlserver,kubernetes]"
+# Extras: postgres (postgres, postgres-row), kubernetes (the backend; the lease-role label
+# and Events need nothing extra). pip byte-compiles what it installs, so nothing needs
+# writing at run time.
+RUN /opt/lease-sidecar/bin/pip install ".[postgres,kubernetes]"
+
+# ---- build-sqlserver: the same virtualenv plus pyodbc
+FROM build AS build-sqlserver
+RUN /opt/lease-sidecar/bin/pip install ".[sqlserver]"
 
 # ---- build-operator: the operator's virtualenv (kopf, kubernetes client, cryptography)
 FROM ${PYTHON_IMAGE} AS build-operator
@@ -99,21 +108,39 @@ RUN if [ -z "$MSODBC_APT_REPO" ] || [ -z "$MSODBC_KEY_URL" ]; then \
  && odbcinst -q -d -n "ODBC Driver 18 for SQL Server"
 ENV LEASE_ODBC_DRIVER="ODBC Driver 18 for SQL Server"
 
-# ---- sidecar: the default target, last (hadolint cannot see that odbc-* names a stage
-# above, not an image)
+# ---- rootfs: what the sidecar image holds, gathered into /rootfs
+FROM ${PYTHON_IMAGE} AS rootfs
+COPY --from=build /opt/lease-sidecar /opt/lease-sidecar
+COPY scripts/image-rootfs.sh /usr/local/bin/
+RUN image-rootfs.sh /rootfs
+
+# ---- rootfs-sqlserver: the same, with pyodbc and the ODBC driver manager and driver
 # hadolint ignore=DL3006
-FROM odbc-${ODBC_DRIVER} AS sidecar
-ENV PATH=/opt/lease-sidecar/bin:$PATH \
+FROM odbc-${ODBC_DRIVER} AS rootfs-sqlserver
+COPY --from=build-sqlserver /opt/lease-sidecar /opt/lease-sidecar
+COPY scripts/image-rootfs.sh /usr/local/bin/
+RUN image-rootfs.sh /rootfs
+
+# ---- runtime: how a sidecar image runs. Its files: a rootfs stage's /rootfs, which holds
+# the user (a fixed numeric uid/gid, so runAsNonRoot can verify it without lookups) and
+# /run/lease; and that stage's CA bundle, taken from its layers, not in a RUN (see
+# image-rootfs.sh).
+FROM scratch AS runtime
+ENV PATH=/opt/lease-sidecar/bin:/usr/local/bin:/usr/bin:/bin \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp
-# A fixed numeric uid/gid, so runAsNonRoot can verify it without /etc/passwd lookups.
-RUN groupadd --system --gid 10001 lease \
- && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home \
-      --shell /usr/sbin/nologin lease \
- && install -d -o 10001 -g 10001 -m 0755 /run/lease
-COPY --from=build /opt/lease-sidecar /opt/lease-sidecar
 USER 10001:10001
 EXPOSE 8099
 ENTRYPOINT ["lease-sidecar"]
 CMD ["run"]
+
+# ---- sidecar-sqlserver: the sidecar for lease.backend=sqlserver
+FROM runtime AS sidecar-sqlserver
+COPY --from=rootfs-sqlserver /rootfs /
+COPY --from=rootfs-sqlserver /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/
+
+# ---- sidecar: the default target, last
+FROM runtime AS sidecar
+COPY --from=rootfs /rootfs /
+COPY --from=rootfs /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/

@@ -21,6 +21,13 @@ sidecars' own log timestamps.
 - **sidecar RSS / CPU**: the kubelet's ``/stats/summary`` for the ``lease-sidecar``
   container (RSS, working set, usageNanoCores), and the container's own cgroup
   (``cpuacct.usage`` over a quiet minute), leader and standbys apart.
+- **idle sidecar memory per trial**: after each rolling restart, once the new pods have
+  idled IDLE_AFTER_RESTART, every sidecar container's own memory cgroup
+  (``memory.stat``): ``total_rss`` (anonymous memory: the Python heap, thread stacks; the
+  kubelet's ``rssBytes`` is this same counter), the working set (usage minus inactive
+  file pages, what the kubelet evicts on) and ``total_mapped_file``/``total_cache`` (file
+  pages charged to the container; the image's files are usually charged to whoever
+  read them first, so these stay small).
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from testkit.testbed.cluster import Cluster, unavailable_reason
 # the kubelet's stats are sampled every 10 s and the cgroup's CPU time taken over QUIET.
 SETTLE = 30.0
 QUIET = 60.0
+# A restart trial ends when the new pods are Ready and one leads; the per-trial memory
+# reading waits this long after that, so start-up is over.
+IDLE_AFTER_RESTART = 10.0
 
 
 def _pg_backend(cluster: Cluster, ns: str) -> tuple[Any, tuple[str, ...]]:
@@ -89,17 +99,53 @@ def restart_trial(cluster: Cluster, ns: str, obs: ps.PodObserver) -> dict[str, f
             "fencing_violations": len(verdict.fencing)}
 
 
-def _cpuacct(pod: dict[str, Any], container: str) -> Path | None:
+def _cgroup_file(pod: dict[str, Any], container: str, controller: str,
+                 name: str) -> Path | None:
+    """A file of the container's own cgroup (v1, cgroupfs driver), or None."""
     uid = pod["metadata"]["uid"]
     for status in pod["status"].get("initContainerStatuses", []):
         if status["name"] == container and status.get("containerID"):
             cid = status["containerID"].split("://", 1)[1]
             for qos in ("burstable", "besteffort", ""):
-                path = Path("/sys/fs/cgroup/cpuacct/kubepods", qos, f"pod{uid}", cid,
-                            "cpuacct.usage")
+                path = Path(f"/sys/fs/cgroup/{controller}/kubepods", qos, f"pod{uid}", cid,
+                            name)
                 if path.exists():
                     return path
     return None
+
+
+def _cpuacct(pod: dict[str, Any], container: str) -> Path | None:
+    return _cgroup_file(pod, container, "cpuacct", "cpuacct.usage")
+
+
+def idle_memory(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
+    """Every sidecar container's memory cgroup, once, in MiB (see the module doc)."""
+    table = ps.roles(cluster, ns)
+    rows = []
+    for pod in ps.app_pods(cluster, ns):
+        stat_path = _cgroup_file(pod, ps.SIDECAR, "memory", "memory.stat")
+        usage_path = _cgroup_file(pod, ps.SIDECAR, "memory", "memory.usage_in_bytes")
+        if stat_path is None or usage_path is None:
+            continue
+        try:
+            stat = dict(line.split() for line in stat_path.read_text().splitlines())
+            usage = int(usage_path.read_text())
+        except (OSError, ValueError):
+            continue  # the container went away meanwhile
+        rows.append({
+            "pod": pod["metadata"]["name"],
+            "role": table.get(pod["metadata"]["name"]),
+            "rss_mib": round(int(stat["total_rss"]) / 2**20, 1),
+            "working_set_mib": round((usage - int(stat["total_inactive_file"])) / 2**20, 1),
+            "mapped_file_mib": round(int(stat["total_mapped_file"]) / 2**20, 1),
+            "cache_mib": round(int(stat["total_cache"]) / 2**20, 1),
+        })
+    return rows
+
+
+def _mib_summary(values: list[float]) -> dict[str, float | int]:
+    return {"n": len(values), "p50_mib": round(statistics.median(values), 1),
+            "max_mib": round(max(values), 1)} if values else {"n": 0}
 
 
 def resources(cluster: Cluster, ns: str) -> dict[str, Any]:
@@ -166,9 +212,13 @@ def run(trials: int, backend: str) -> dict[str, Any]:
             for i in range(trials):
                 deletions.append(deletion_trial(cluster, ns, obs))
                 print(f"deletion {i + 1}/{trials}: {deletions[-1]}", file=sys.stderr, flush=True)
+            memory: list[list[dict[str, Any]]] = []
             for i in range(trials):
                 restarts.append(restart_trial(cluster, ns, obs))
-                print(f"restart {i + 1}/{trials}: {restarts[-1]}", file=sys.stderr, flush=True)
+                time.sleep(IDLE_AFTER_RESTART)
+                memory.append(idle_memory(cluster, ns))
+                print(f"restart {i + 1}/{trials}: {restarts[-1]}; idle sidecar memory "
+                      f"{memory[-1]}", file=sys.stderr, flush=True)
             created = obs.created_since_start()
             sidecar_ready = [obs.sidecar_ready[n] - t for n, t in created.items()
                              if n in obs.sidecar_ready]
@@ -194,7 +244,10 @@ def run(trials: int, backend: str) -> dict[str, Any]:
             "http_poll_period_ms_p50": round(statistics.median(http_periods) * 1000, 1),
             "anomalies": anomalies[:20],
             "sidecar_usage": usage,
-            "raw": {"deletions": deletions, "restarts": restarts},
+            "idle_sidecar_memory": {
+                key: _mib_summary([row[key] for trial in memory for row in trial])
+                for key in ("rss_mib", "working_set_mib", "mapped_file_mib", "cache_mib")},
+            "raw": {"deletions": deletions, "restarts": restarts, "idle_memory": memory},
         }
     finally:
         cluster.stop()
@@ -217,6 +270,11 @@ def table(r: dict[str, Any]) -> str:
             f"overlaps: {r['deletion_overlaps']}"),
         row("rolling restart: longest leaderless gap", r["restart_longest_gap"],
             f"overlaps: {r['restart_overlaps']} (target 0)"),
+        "",
+        f"idle sidecar memory, its cgroup, {IDLE_AFTER_RESTART:.0f} s after each restart "
+        "(MiB): " + ", ".join(
+            f"{key.removesuffix('_mib')} p50 {m.get('p50_mib')} max {m.get('max_mib')} "
+            f"(n {m['n']})" for key, m in r["idle_sidecar_memory"].items()),
         "",
         "| sidecar container, idle | RSS | working set | CPU (kubelet) | CPU (cgroup, "
         f"{QUIET:.0f} s) |",

@@ -308,6 +308,50 @@ def pods_usage(r: Row) -> list[str]:
                   "CPU, cgroup"], rows)
 
 
+def pods_idle(r: Row) -> list[str]:
+    """Idle memory from the sidecar containers' own cgroup and the start-up figure, for
+    one backend (bench_pods --backend)."""
+    m = r.get("idle_sidecar_memory")
+    if not m:
+        return ["*This results file predates the per-trial cgroup memory reading.*"]
+
+    def mib(key: str) -> str:
+        x = m[key]
+        return f"{x['p50_mib']} / {x['max_mib']} MiB" if x["n"] else "—"
+
+    rows = [["idle `total_rss` (anonymous memory; the kubelet's RSS)", mib("rss_mib"),
+             m["rss_mib"]["n"]],
+            ["idle working set (usage minus inactive file)", mib("working_set_mib"),
+             m["working_set_mib"]["n"]],
+            ["idle file pages charged: mapped / cache",
+             f"{m['mapped_file_mib']['p50_mib']} / {m['cache_mib']['p50_mib']} MiB (p50)",
+             m["cache_mib"]["n"]],
+            ["pod start → sidecar container ready", p50_p99(r["pod_start_to_sidecar_ready"]),
+             n(r["pod_start_to_sidecar_ready"])]]
+    return table([f"`{r['backend']}` backend, real pods", "p50 / max (ready: p50 / p99)",
+                  "n"], rows)
+
+
+def image_sizes(r: Row) -> list[str]:
+    rows = []
+    for target, x in r["targets"].items():
+        top = ", ".join(f"{name} {mb}" for name, mb in list(x["distributions_mb"].items())[:4])
+        rows.append([f"`{target}`", top, f"**{x['archive_mb']} MB**", f"{x['files_mb']} MB",
+                     f"{x['stdlib_mb']} MB", f"{x['system_mb']} MB"])
+    b = r["backends"]
+    sql = b["sqlserver"]
+    adds = [["kubernetes", "nothing: aiohttp is the core", f"{b['kubernetes_mb']} MB"],
+            ["sqlite", "`_sqlite3` and libsqlite3", f"{b['sqlite_mb']} MB"],
+            ["postgres, postgres-row", "asyncpg", f"{b['postgres_and_postgres_row_mb']} MB"],
+            ["sqlserver (the `sidecar-sqlserver` image)",
+             f"pyodbc {sql['pyodbc_mb']} MB; unixODBC, FreeTDS and the libraries they load "
+             f"{sql['odbc_driver_and_libraries_mb']} MB; glibc's gconv converters "
+             f"{sql['gconv_mb']} MB", f"{sql['archive_mb']} MB"]]
+    return [*table(["target", "largest distributions (MB)", "docker archive", "files",
+                    "standard library", "interpreter, shared libraries, /etc"], rows, right=2),
+            "", *table(["backend", "what it adds to its image", "archive"], adds, right=2)]
+
+
 def rollout(r: Row) -> list[str]:
     strategies = {"default": "default (25 % / 25 %)",
                   "surge1-unavailable0": "`maxSurge: 1, maxUnavailable: 0`"}
@@ -387,6 +431,10 @@ TABLES: dict[str, Table] = {
     "handover": Table("handover.json", handover, "handover"),
     "pods": Table("pods-kubernetes.json", pods, "pods"),
     "pods-usage": Table("pods-kubernetes.json", pods_usage, "pods"),
+    "pods-idle-kubernetes": Table("pods-kubernetes.json", pods_idle, "pods"),
+    "pods-idle-postgres": Table("pods-postgres.json", pods_idle, "pods_postgres"),
+    "pods-idle-postgres-row": Table("pods-postgres-row.json", pods_idle, "pods_postgres_row"),
+    "image": Table("image.json", image_sizes, "image"),
     "rollout": Table("rollout.json", rollout, "rollout"),
     "lean-lone": Table("lean.json", lean_lone, "lean"),
     "lean-apiserver": Table("lean.json", lean_apiserver, "lean"),
@@ -406,8 +454,14 @@ def provenance(name: str, t: Table, r: Row) -> str:
     short = commit[:7] + ("+dirty" if commit.endswith("+dirty") else "")
     start, end = r.get("loadavg_at_start"), r.get("loadavg_at_end")
     load = f"load average {start[0]:g} → {end[0]:g}" if start and end else "load not recorded"
+    kept = r.get("earlier_run") or {}
+    earlier = ""
+    if kept.get("sections"):  # a run of some sections keeps the others' figures
+        when = f"commit `{kept['commit'][:7]}`" if kept.get("commit") else "unrecorded commit"
+        earlier = (f" ({', '.join(f'`{x}`' for x in kept['sections'])} from an earlier run, "
+                   f"{when})")
     return (f"*{where}: commit `{short}`, {r['date'][:10]}, {r['trials']} trials, "
-            f"{r['cores']} cores, {load}; {rerun}.*")
+            f"{r['cores']} cores, {load}{earlier}; {rerun}.*")
 
 
 def render(name: str, results: Path) -> str:

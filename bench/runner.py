@@ -84,6 +84,14 @@ BENCHES: tuple[Bench, ...] = (
           ("--trials", "2", "--groups", "3"), ("postgres", "apiserver", "go"), ("lean.json",)),
     Bench("pods", "bench.bench_pods", ("--trials", "10"), ("--trials", "1"), ("pods",),
           ("pods-kubernetes.json",)),
+    Bench("pods_postgres", "bench.bench_pods", ("--trials", "10", "--backend", "postgres"),
+          ("--trials", "1", "--backend", "postgres"), ("pods", "postgres"),
+          ("pods-postgres.json",)),
+    Bench("pods_postgres_row", "bench.bench_pods",
+          ("--trials", "10", "--backend", "postgres-row"),
+          ("--trials", "1", "--backend", "postgres-row"), ("pods", "postgres"),
+          ("pods-postgres-row.json",)),
+    Bench("image", "bench.bench_image", (), (), ("image",), ("image.json",)),
     Bench("rollout", "bench.bench_rollout", ("--trials", "10"), ("--trials", "1"), ("pods",),
           ("rollout.json",)),
     _chaos("sqlite", ()),
@@ -129,6 +137,12 @@ def _wrk() -> str | None:
     return None if shutil.which("wrk") else "wrk not installed (apt-get install wrk)"
 
 
+def _image() -> str | None:
+    from testkit.testbed import image
+
+    return image.unavailable_reason()
+
+
 def _pods() -> str | None:
     from testkit.testbed import cluster, image
 
@@ -137,7 +151,7 @@ def _pods() -> str | None:
 
 NEEDS: dict[str, Callable[[], str | None]] = {
     "postgres": _postgres, "pgbouncer": _pgbouncer, "go": _go, "apiserver": _apiserver,
-    "pods": _pods, "wrk": _wrk}
+    "pods": _pods, "image": _image, "wrk": _wrk}
 
 
 def unmet(bench: Bench) -> str | None:
@@ -208,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "list":
         for bench in BENCHES:
             reason, partial = unmet(bench), left_out(bench)
-            print(f"{bench.name:<20} python -m {bench.module} {' '.join(bench.full)}"
+            where = results_dir()
+            shown = where.relative_to(REPO) if where.is_relative_to(REPO) else where
+            full = " ".join(command(bench, False, shown)[2:])
+            print(f"{bench.name:<20} python -m {full}"
                   + (f"\n{'':<20} (skipped here: {reason})" if reason else "")
                   + (f"\n{'':<20} (partly here: {partial})" if partial else ""))
         print(f"helpers, not benchmarks: {' '.join(HELPERS)}")

@@ -165,6 +165,7 @@ def install_release(
         f"image.repository={repo}",
         f"image.tag={tag}",
         f"image.operatorRepository={repo}-operator",
+        f"image.sqlserverRepository={repo}-sqlserver",
         "image.pullPolicy=Never",
         "injector.enabled=true",
         f"lease.backend={backend}",
@@ -202,7 +203,10 @@ def app_deployment(name: str, image: str, lease: str, replicas: int = 3,
     volumes = []
     if ready_file:
         app["volumeMounts"] = [{"name": READY_VOLUME, "mountPath": "/ready"}]
-        app["readinessProbe"] = {"exec": {"command": ["test", "-e", f"/ready/{READY_FILE}"]},
+        # The app runs on the sidecar image: Python, and no shell or coreutils.
+        app["readinessProbe"] = {"exec": {"command": [
+            "python", "-I", "-S", "-c",
+            f"import os, sys; sys.exit(not os.path.exists('/ready/{READY_FILE}'))"]},
                                  "periodSeconds": 1, "failureThreshold": 1}
         volumes = [{"name": READY_VOLUME, "emptyDir": {}}]
     return json.dumps({

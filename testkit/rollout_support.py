@@ -340,10 +340,11 @@ class ProxySyncs:
 def through_service(client: ServiceClient, syncs: ProxySyncs, watch: SliceWatch,
                     obs: ps.PodObserver, moves: list[tuple[str, str, float]],
                     end: float) -> list[dict[str, Any]]:
-    """Per hand-over, from the client pod's answers through the ClusterIP:
+    """Per hand-over, from the client pod's answers through the ClusterIP while the new
+    leader led (from its first claim to its last ``200`` the client got, or ``end``):
 
     - ``claim_to_client``: the new leader's first claim -> the first request after which
-      every answer (until the next hand-over or ``end``) came from the new leader;
+      every answer came from the new leader;
     - ``slices_to_proxy``: the EndpointSlices listing exactly the new leader -> the end
       of kube-proxy's first rule sync after that;
     - ``not_leader_after_proxy``: requests sent after that sync whose answer was not 200
@@ -354,13 +355,19 @@ def through_service(client: ServiceClient, syncs: ProxySyncs, watch: SliceWatch,
     logged answer stands for the requests up to the next one.
     """
     answers = [a for a in client.history() if a.sent < end]
+    runs = [(a, b.count - a.count) for a, b in itertools.pairwise(answers)]
+    if answers:
+        runs.append((answers[-1], 1))
     out = []
     for i, (_, new, at) in enumerate(moves):
         until = moves[i + 1][2] if i + 1 < len(moves) else end
-        runs = [(a, b.count - a.count) for a, b in itertools.pairwise(answers)
-                if a.sent < until and b.sent > at]
+        # Up to the new leader's last 200: what came after is its own stepping down.
+        window = [(a, n) for k, (a, n) in enumerate(runs) if a.sent < until and (
+            k + 1 == len(runs) or runs[k + 1][0].sent > at)]
+        led = [k for k, (a, _) in enumerate(window) if a.key == (200, new)]
+        window = window[:led[-1] + 1] if led else []
         settled = None
-        for a, _ in reversed(runs):
+        for a, _ in reversed(window):
             if a.key != (200, new):
                 break
             settled = a.sent
@@ -372,8 +379,8 @@ def through_service(client: ServiceClient, syncs: ProxySyncs, watch: SliceWatch,
             "claim_to_client": None if settled is None else max(0.0, settled - at),
             "slices_to_proxy": None if synced is None or sliced is None
             else max(0.0, synced - sliced),
-            "not_leader_after_proxy": None if synced is None else sum(
-                n for a, n in runs if a.key != (200, new) and a.sent >= synced),
+            "not_leader_after_proxy": None if synced is None or not led else sum(
+                n for a, n in window if a.key != (200, new) and a.sent >= synced),
         })
     return out
 

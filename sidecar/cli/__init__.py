@@ -25,7 +25,6 @@ from sidecar.base.errors import (
     NotFound,
 )
 from sidecar.base.redact import redact
-from sidecar.cli import exec_command, exec_supervise, handover, status
 from sidecar.lease import backend_entry
 from sidecar.runtime import Sidecar
 from sidecar.settings import Settings
@@ -109,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if not cmd:
                 raise ConfigError("exec: no command given (lease-sidecar exec -- CMD ARGS...)")
+            from sidecar.cli import exec_command, exec_supervise
+
             unusable = exec_supervise.check_command(cmd[0])
             if unusable is not None:
                 code, line = unusable
@@ -118,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
         if args.command == "handover":
+            from sidecar.cli import handover
+
             return handover.run(settings, args.to)
         return asyncio.run(_status(settings, as_json=args.json))
     except ConfigError as exc:
@@ -189,4 +192,6 @@ async def _schema(settings: Settings, apply: bool) -> int:
 
 
 async def _status(settings: Settings, as_json: bool) -> int:
+    from sidecar.cli import status
+
     return await status.report(settings, as_json=as_json)

@@ -20,6 +20,7 @@ import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from fractions import Fraction
 from typing import Any, Protocol
 
 from sidecar.base.clock import Clock
@@ -188,6 +189,10 @@ class BackendEntry:
     check_dsn: Callable[[str], None] | None = None
     # (seconds, why): the least safety margin that is safe against this backend's peers.
     min_safety_margin: tuple[float, str] | None = None
+    # The renew interval when LEASE_RENEW_INTERVAL is unset, as a share of the validity
+    # (lease duration less safety margin), where the election's 2/15 of the lease does
+    # not suit the backend; None: 2/15.
+    renew_share: Fraction | None = None
     # The DDL of the lease table, and applying it (idempotent).
     schema_sql: Callable[[Settings], str] | None = None
     apply_schema: Callable[[Settings], Awaitable[None]] | None = None

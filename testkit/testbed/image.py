@@ -98,7 +98,8 @@ HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 IMAGE_NAME = "localhost/lease-sidecar"
 # The Dockerfile's targets and their image names; both are tagged with the same digest
 # (of the same inputs), so one ref names the other.
-TARGETS = {"sidecar": IMAGE_NAME, "operator": f"{IMAGE_NAME}-operator"}
+TARGETS = {"sidecar": IMAGE_NAME, "sidecar-sqlserver": f"{IMAGE_NAME}-sqlserver",
+           "operator": f"{IMAGE_NAME}-operator"}
 BASE_NAME = "localhost/lease-base"
 KEEP_ARCHIVES = 4  # newest image archives kept (worktrees sharing the cache alternate)
 
@@ -540,9 +541,10 @@ def _prune(keep: Path) -> None:
 
 
 def build_image(target: str = "sidecar", digest: str | None = None) -> ImageArtifact:
-    """The image of one Dockerfile target (``sidecar`` or ``operator``), as a
-    docker-archive tar and its ref. ``digest``: tag it so (the other target's digest, so
-    one ref names the other even if the sources changed between the two builds).
+    """The image of one Dockerfile target (``sidecar``, ``sidecar-sqlserver`` or
+    ``operator``), as a docker-archive tar and its ref. ``digest``: tag it so (another
+    target's digest, so one ref names the others even if the sources changed between
+    the builds).
 
     Cached on a hash of its inputs: a second call returns in well under a second.
     Raises ImageError (why, and the log's path) if it cannot be built.
@@ -589,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
             artifact = build_image(target)
             print(f"lease-{target}\t{artifact.path}\t{artifact.ref}", flush=True)
         else:
-            log("usage: python -m testkit.testbed.image [build [sidecar|operator]|base|check]")
+            log("usage: python -m testkit.testbed.image "
+                "[build [sidecar|sidecar-sqlserver|operator]|base|check]")
             return 2
     except (ImageError, subprocess.TimeoutExpired) as exc:
         log(f"ERROR: {exc}")

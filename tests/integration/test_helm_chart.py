@@ -126,6 +126,32 @@ def test_values_reach_the_sidecar_env() -> None:
                                | {("", "events", v) for v in ("create", "patch")})
 
 
+@pytest.mark.parametrize(("backend", "repository"), [
+    ("kubernetes", "lease-sidecar"), ("postgres", "lease-sidecar"),
+    ("postgres-row", "lease-sidecar"), ("sqlserver", "lease-sidecar-sqlserver")])
+def test_sidecar_image_follows_the_backend(backend: str, repository: str) -> None:
+    """Only SQL Server needs the ODBC driver: its sidecars (the example's, the injected
+    ones, the schema Job) run the Dockerfile's `sidecar-sqlserver` target, every other
+    backend the ODBC-free `sidecar`; the operator image is the same for all."""
+    values = {"kubernetes": [], "postgres": VALUE_SETS["postgres"],
+              "postgres-row": [*VALUE_SETS["postgres-row"], "schemaJob.enabled=true",
+                               "schemaJob.dsnSecret.name=admin"],
+              "sqlserver": [*VALUE_SETS["sqlserver"], "schemaJob.enabled=true",
+                            "schemaJob.dsnSecret.name=admin"]}[backend]
+    docs = documents(template("r", "apps", [*values, "example.enabled=true",
+                                            "injector.enabled=true", "image.tag=v7"]).stdout)
+    images = {find(docs, "Deployment", "-example")["spec"]["template"]["spec"][
+        "initContainers"][0]["image"],
+        json.loads(find(docs, "ConfigMap", "-injector")["data"]["sidecar.json"])[
+            "container"]["image"]}
+    if backend in ("postgres-row", "sqlserver"):
+        images.add(find(docs, "Job", "-schema")["spec"]["template"]["spec"][
+            "containers"][0]["image"])
+    assert images == {f"{repository}:v7"}
+    operator = find(docs, "Deployment", "-injector")["spec"]["template"]["spec"]
+    assert operator["containers"][0]["image"] == "lease-sidecar-operator:v7"
+
+
 def test_injector_spec_is_the_chart_sidecar() -> None:
     """The injector injects exactly what the named template renders for the example."""
     values = ["example.enabled=true", "injector.enabled=true"]

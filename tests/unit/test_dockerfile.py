@@ -29,6 +29,13 @@ CHART = REPO / "charts" / "lease-sidecar"
 # fails test_image_installs_every_extra_the_chart_needs until it is mapped here.
 BACKEND_EXTRA = {"kubernetes": "kubernetes", "postgres": "postgres",
                  "postgres-row": "postgres", "sqlserver": "sqlserver"}
+# The Dockerfile target the chart runs for each backend (templates/_helpers.tpl,
+# lease-sidecar.image): only SQL Server needs the ODBC driver.
+BACKEND_TARGET = {"kubernetes": "sidecar", "postgres": "sidecar", "postgres-row": "sidecar",
+                  "sqlserver": "sidecar-sqlserver"}
+# The build stages whose virtualenv each sidecar target carries.
+TARGET_BUILDS = {"sidecar": ("build",), "sidecar-sqlserver": ("build", "build-sqlserver")}
+ROOTFS_SCRIPT = REPO / "scripts" / "image-rootfs.sh"
 
 
 @dataclass(frozen=True)
@@ -110,17 +117,52 @@ def test_every_base_image_is_slim_python() -> None:
     for name, stage in _stages().items():
         base = stage[0].args.split()[0]
         internal = base.replace("${ODBC_DRIVER}", "freetds")
-        assert base == "${PYTHON_IMAGE}" or internal in names, f"{name}: FROM {base}"
+        # scratch: the sidecar images start empty (image-rootfs.sh fills them).
+        assert base in ("${PYTHON_IMAGE}", "scratch") or internal in names, \
+            f"{name}: FROM {base}"
 
 
-def test_build_is_multi_stage_and_copies_only_the_venv() -> None:
-    final = _stages()["sidecar"]
-    assert final[0].args == "odbc-${ODBC_DRIVER} AS sidecar"
-    assert list(_stages())[-1] == "sidecar"  # the default target
-    copies = [i.args for i in final if i.keyword == "COPY"]
-    assert copies == ["--from=build /opt/lease-sidecar /opt/lease-sidecar"]
-    # Nothing in the final stage compiles or installs Python packages.
-    assert not any("pip" in i.args for i in final if i.keyword == "RUN")
+@pytest.mark.parametrize(("target", "rootfs", "builder"), [
+    ("sidecar", "rootfs", "${PYTHON_IMAGE}"),
+    ("sidecar-sqlserver", "rootfs-sqlserver", "odbc-${ODBC_DRIVER}")])
+def test_sidecar_images_hold_only_the_gathered_root(target: str, rootfs: str,
+                                                   builder: str) -> None:
+    """Each sidecar target is an empty root plus what image-rootfs.sh gathered in its
+    rootfs stage (the ODBC-free one on the plain base, the SQL Server one on the ODBC
+    stage), from the virtualenv of its build stage."""
+    stages = _stages()
+    assert list(stages)[-1] == "sidecar"  # the default target
+    final = stages[target]
+    assert final[0].args == f"runtime AS {target}"
+    assert stages["runtime"][0].args == "scratch AS runtime"
+    assert [i.keyword for i in stages["runtime"] + final].count("RUN") == 0  # no shell
+    assert [i.args for i in final if i.keyword == "COPY"] == [
+        f"--from={rootfs} /rootfs /",
+        f"--from={rootfs} /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/"]
+    gather = stages[rootfs]
+    assert gather[0].args == f"{builder} AS {rootfs}"
+    copies = [i.args for i in gather if i.keyword == "COPY"]
+    venv = TARGET_BUILDS[target][-1]
+    assert copies == [f"--from={venv} /opt/lease-sidecar /opt/lease-sidecar",
+                      "scripts/image-rootfs.sh /usr/local/bin/"]
+    assert [i.args for i in gather if i.keyword == "RUN"] == ["image-rootfs.sh /rootfs"]
+    # Nothing in a rootfs stage compiles or installs Python packages.
+    assert not any("pip" in i.args for i in gather if i.keyword == "RUN")
+
+
+def test_rootfs_script_leaves_the_build_tools_out() -> None:
+    """What image-rootfs.sh promises, read from the script (the built image is checked
+    by tests/testbed/test_image.py): pip and setuptools removed from the virtualenv, the
+    standard library's unused parts dropped, and shared libraries found by ldd."""
+    script = ROOTFS_SCRIPT.read_text()
+    assert "pip uninstall --quiet --yes pip setuptools" in script
+    for unused in ("ensurepip", "idlelib", "tkinter", "test", "lib2to3", "pydoc_data"):
+        assert re.search(rf"unused_stdlib=\([^)]*\b{unused}\b", script), unused
+    assert "ldd" in script and "ldconfig -r" in script
+    assert ROOTFS_SCRIPT.stat().st_mode & 0o111  # COPY keeps the mode; RUN executes it
+    proc = subprocess.run(["bash", "-n", str(ROOTFS_SCRIPT)], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_odbc_driver_is_freetds_by_default_and_microsofts_by_build_arg() -> None:
@@ -140,30 +182,32 @@ def test_odbc_driver_is_freetds_by_default_and_microsofts_by_build_arg() -> None
 
 
 def test_runs_as_the_non_root_user_the_chart_expects() -> None:
-    final = _stages()["sidecar"]
-    user = _last(final, "USER")
+    runtime = _stages()["runtime"]  # both sidecar targets' parent
+    user = _last(runtime, "USER")
     uid, _, gid = user.partition(":")
     assert uid.isdigit() and int(uid) != 0 and gid.isdigit() and int(gid) != 0
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     security = values["sidecar"]["securityContext"]
     assert (security["runAsUser"], security["runAsGroup"]) == (int(uid), int(gid))
     assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"]
-    setup = " ".join(i.args for i in final if i.keyword == "RUN")
-    assert f"--uid {uid}" in setup and f"--gid {gid}" in setup
+    # The empty root gets its users from the script, not from useradd.
+    setup = ROOTFS_SCRIPT.read_text()
+    assert f"lease:x:{uid}:{gid}:" in setup and f"lease:x:{gid}:" in setup
     # The leader file's directory exists and belongs to that user (docker run without
     # a volume); in Kubernetes an emptyDir is mounted over it.
-    assert f"install -d -o {uid} -g {gid}" in setup and "/run/lease" in setup
+    assert f'install -d -o {uid} -g {gid} -m 0755 "$dest/run/lease"' in setup
 
 
 def test_read_only_root_needs_no_writes() -> None:
-    env = " ".join(i.args for i in _stages()["sidecar"] if i.keyword == "ENV")
+    env = " ".join(i.args for i in _stages()["runtime"] if i.keyword == "ENV")
     assert "PYTHONDONTWRITEBYTECODE=1" in env  # no __pycache__ writes at run time
     assert "HOME=/tmp" in env  # anything that insists on $HOME writes to the /tmp emptyDir
-    assert "PATH=/opt/lease-sidecar/bin:$PATH" in env
+    # scratch has no PATH to extend: the whole search path is spelled out.
+    assert "PATH=/opt/lease-sidecar/bin:/usr/local/bin:/usr/bin:/bin" in env
 
 
 def test_entrypoint_and_cmd() -> None:
-    final = _stages()["sidecar"]
+    final = _stages()["runtime"]
     assert json.loads(_last(final, "ENTRYPOINT")) == ["lease-sidecar"]
     assert json.loads(_last(final, "CMD")) == ["run"]
     assert _last(final, "EXPOSE") == "8099"
@@ -185,9 +229,15 @@ def test_image_installs_every_extra_the_chart_needs() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     backends = set(schema["properties"]["lease"]["properties"]["backend"]["enum"])
     assert backends <= set(BACKEND_EXTRA), f"map {backends - set(BACKEND_EXTRA)} to extras"
-    needed = {BACKEND_EXTRA[b] for b in backends}
-    installed = _installed_extras()
-    assert needed <= installed, f"the image lacks extras {needed - installed}"
+    assert backends <= set(BACKEND_TARGET), f"map {backends - set(BACKEND_TARGET)} to targets"
+    for backend in backends:
+        target = BACKEND_TARGET[backend]
+        extras = set().union(*(_installed_extras(b) for b in TARGET_BUILDS[target]))
+        assert BACKEND_EXTRA[backend] in extras, f"{target} lacks the {backend} extra"
+    # The default sidecar carries no ODBC: pyodbc is only in the SQL Server target.
+    assert "sqlserver" not in _installed_extras("build")
+    assert _installed_extras("build-sqlserver") == {"sqlserver"}
+    installed = _installed_extras("build") | _installed_extras("build-sqlserver")
     # The injector Deployment runs lease-sidecar operator from the operator image.
     operator = _installed_extras("build-operator")
     assert operator == {"injector"}
@@ -205,20 +255,22 @@ def test_the_operator_image_runs_the_operator_as_the_same_user() -> None:
     copies = [i.args for i in operator if i.keyword == "COPY"]
     assert copies == ["--from=build-operator /opt/lease-sidecar /opt/lease-sidecar"]
     assert not any("pip" in i.args for i in operator if i.keyword == "RUN")
-    assert _last(operator, "USER") == _last(_stages()["sidecar"], "USER")
+    assert _last(operator, "USER") == _last(_stages()["runtime"], "USER")
     assert json.loads(_last(operator, "ENTRYPOINT")) == ["lease-sidecar"]
     assert json.loads(_last(operator, "CMD")) == ["operator"]
     env = " ".join(i.args for i in operator if i.keyword == "ENV")
     assert "PYTHONDONTWRITEBYTECODE=1" in env and "HOME=/tmp" in env
 
 
-@pytest.mark.parametrize("path", ["pyproject.toml", "README.md", "sidecar"])
-def test_dockerignore_lets_the_copied_sources_in(path: str) -> None:
+@pytest.mark.parametrize(("path", "stage"), [
+    ("pyproject.toml", "build"), ("README.md", "build"), ("sidecar", "build"),
+    ("scripts/image-rootfs.sh", "rootfs")])
+def test_dockerignore_lets_the_copied_sources_in(path: str, stage: str) -> None:
     rules = [r for r in (REPO / ".dockerignore").read_text().splitlines()
              if r and not r.startswith("#")]
     assert rules[0] == "**"  # everything else (tests, .git, charts) stays out
     assert f"!{path}" in rules or f"!{path}/" in rules
-    copied = " ".join(i.args for i in _stages()["build"] if i.keyword == "COPY")
+    copied = " ".join(i.args for i in _stages()[stage] if i.keyword == "COPY")
     assert path in copied
 
 

@@ -48,22 +48,32 @@ runs the sidecar as this account). */}}
 {{- end }}
 {{- end }}
 
-{{/* The image: image.tag, else this chart's appVersion. In a context a parent chart built
-(its own .Chart), .Chart.AppVersion would be the parent's: then the appVersion this chart
-was released with (lease-sidecar.appVersion, kept equal to Chart.yaml by a test). */}}
-{{- define "lease-sidecar.image" -}}
+{{/* The images' tag: image.tag, else this chart's appVersion. In a context a parent chart
+built (its own .Chart), .Chart.AppVersion would be the parent's: then the appVersion this
+chart was released with (lease-sidecar.appVersion, kept equal to Chart.yaml by a test). */}}
+{{- define "lease-sidecar.imageTag" -}}
 {{- $tag := .Values.image.tag }}
 {{- if not $tag }}
 {{- $tag = include "lease-sidecar.appVersion" . }}
 {{- if include "lease-sidecar.ownChart" . }}{{ $tag = .Chart.AppVersion }}{{ end }}
 {{- end }}
-{{- .Values.image.repository }}:{{ $tag }}
+{{- $tag }}
+{{- end }}
+
+{{/* The sidecar image: Dockerfile target `sidecar` (every backend but SQL Server, no
+ODBC), or `sidecar-sqlserver` (the same plus pyodbc and the ODBC driver) when the lease
+is in SQL Server. */}}
+{{- define "lease-sidecar.image" -}}
+{{- $repository := .Values.image.repository }}
+{{- if eq .Values.lease.backend "sqlserver" }}
+{{- $repository = .Values.image.sqlserverRepository | default "lease-sidecar-sqlserver" }}
+{{- end }}
+{{- $repository }}:{{ include "lease-sidecar.imageTag" . }}
 {{- end }}
 
 {{/* The operator image (Dockerfile target `operator`), same tag as the sidecar's. */}}
 {{- define "lease-sidecar.operatorImage" -}}
-{{- $image := include "lease-sidecar.image" . }}
-{{- .Values.image.operatorRepository | default "lease-sidecar-operator" }}:{{ $image | splitList ":" | last }}
+{{- .Values.image.operatorRepository | default "lease-sidecar-operator" }}:{{ include "lease-sidecar.imageTag" . }}
 {{- end }}
 
 {{- define "lease-sidecar.appVersion" -}}0.1.0{{- end }}
