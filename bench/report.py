@@ -454,8 +454,14 @@ def provenance(name: str, t: Table, r: Row) -> str:
     short = commit[:7] + ("+dirty" if commit.endswith("+dirty") else "")
     start, end = r.get("loadavg_at_start"), r.get("loadavg_at_end")
     load = f"load average {start[0]:g} → {end[0]:g}" if start and end else "load not recorded"
+    kept = r.get("earlier_run") or {}
+    earlier = ""
+    if kept.get("sections"):  # a run of some sections keeps the others' figures
+        when = f"commit `{kept['commit'][:7]}`" if kept.get("commit") else "unrecorded commit"
+        earlier = (f" ({', '.join(f'`{x}`' for x in kept['sections'])} from an earlier run, "
+                   f"{when})")
     return (f"*{where}: commit `{short}`, {r['date'][:10]}, {r['trials']} trials, "
-            f"{r['cores']} cores, {load}; {rerun}.*")
+            f"{r['cores']} cores, {load}{earlier}; {rerun}.*")
 
 
 def render(name: str, results: Path) -> str:

@@ -51,8 +51,8 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 
-from sidecar.aio import first_of
-from sidecar.errors import Forbidden
+from sidecar.base.clock import first_of
+from sidecar.base.errors import Forbidden
 from sidecar.lease import Grant, Lease, successor_of
 from sidecar.publish import Publisher
 from sidecar.settings import RENEW_JITTER, Timing
@@ -402,7 +402,7 @@ class Elector:
     async def _call(self, what: str, call: Awaitable[Grant]) -> Grant | None:
         """Run a backend call; map failures to ``None`` and log reachability changes.
 
-        Each call that ends is timed into the state for the metrics (``sidecar.stats``).
+        Each call that ends is timed into the state for the metrics (``sidecar.base.stats``).
         """
         started = self._clock.monotonic()
         try:

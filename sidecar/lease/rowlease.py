@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from sidecar.clock import Clock, SystemClock
-from sidecar.errors import BackendError
+from sidecar.base.clock import Clock, SystemClock
+from sidecar.base.errors import BackendError
 from sidecar.lease import Grant, Holder
 from sidecar.settings import Settings, Timing
 

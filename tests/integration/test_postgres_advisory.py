@@ -191,7 +191,7 @@ async def test_fencing_token_grows_across_holders_and_a_crash(pg: PgServer, pg_d
 
 
 async def test_unreachable_server_is_one_redacted_backend_error(pg: PgServer) -> None:
-    from sidecar.errors import BackendError
+    from sidecar.base.errors import BackendError
 
     dsn = pg.dsn.replace(f":{pg.port}/", ":1/")
     backend = advisory(dsn, "nobody")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from sidecar.base.errors import BackendError
 from sidecar.elector import Elector
-from sidecar.errors import BackendError
 from sidecar.lease import Grant, successor_of
 from sidecar.publish.events import EventPublisher
 from sidecar.settings import Settings, Timing

@@ -5,7 +5,7 @@ import sqlite3
 
 import pytest
 
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sqlite import schema_sql, sqlite_path
 from sidecar.lease.sqlite.store import SqliteStore

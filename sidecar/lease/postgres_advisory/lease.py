@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import asyncpg
 
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 from sidecar.lease import Grant, Holder
-from sidecar.lease.pg_errors import version_num
+from sidecar.lease.pg_session import version_num
 from sidecar.lease.pg_timeline import (
     CHECKPOINT,
     OUT_OF_RANGE,

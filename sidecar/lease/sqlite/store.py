@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 from sidecar.lease.rowlease import Row
 from sidecar.lease.sqlite.file_identity import FileGuard, Replaced
 from sidecar.lease.sqlite.watch import CommitWatch
