@@ -31,7 +31,7 @@ import os
 import secrets
 from pathlib import Path
 
-from sidecar.errors import ConfigError
+from sidecar.base.errors import ConfigError
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.file")
