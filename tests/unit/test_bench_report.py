@@ -69,5 +69,7 @@ def test_no_page_types_a_table_of_percentiles_outside_a_generated_block():
 def test_every_table_names_its_file_and_commit_or_says_it_is_stale():
     for page in pages():
         for name, body in BLOCK.findall(page.read_text()):
+            if name == "files":  # the overview: one row per file
+                continue
             assert (("`bench/results/" in body and (" commit `" in body or "**stale**" in body))
                     or body.startswith("*Not measured yet")), (page, name)
