@@ -460,11 +460,33 @@ def provenance(name: str, t: Table, r: Row) -> str:
         when = f"commit `{kept['commit'][:7]}`" if kept.get("commit") else "unrecorded commit"
         earlier = (f" ({', '.join(f'`{x}`' for x in kept['sections'])} from an earlier run, "
                    f"{when})")
-    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {r['trials']} trials, "
+    trials = f"{r['trials']} trial{'' if r['trials'] == 1 else 's'}"
+    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {trials}, "
             f"{r['cores']} cores, {load}{earlier}; {rerun}.*")
 
 
+def overview(results: Path) -> str:
+    """The ``files`` block: every results file a table uses, and what it describes."""
+    rows = []
+    for source in sorted({t.source for t in TABLES.values()}):
+        path = results / source
+        r = json.loads(path.read_text()) if path.exists() else None
+        if r is None:
+            rows.append([f"`{source}`", "missing", "", "", ""])
+        elif "commit" not in r:
+            rows.append([f"`{source}`", "**stale** (no commit recorded)", "", "", ""])
+        else:
+            commit = r["commit"]
+            rows.append([f"`{source}`", f"`{commit[:7]}`" + ("+dirty" if commit.endswith(
+                "+dirty") else ""), r["date"][:10], r["trials"],
+                f"{r['loadavg_at_start'][0]:g} → {r['loadavg_at_end'][0]:g}"])
+    return "\n".join(table(["results file", "commit", "date", "trials", "load average"],
+                           rows, right=3)) + "\n"
+
+
 def render(name: str, results: Path) -> str:
+    if name == "files":
+        return overview(results)
     t = TABLES[name]
     path = results / t.source
     if not path.exists():
@@ -485,7 +507,7 @@ def regenerate(text: str, results: Path, where: str) -> tuple[str, list[str]]:
 
     def one(m: re.Match[str]) -> str:
         name = m.group(2)
-        if name not in TABLES:
+        if name not in TABLES and name != "files":
             raise SystemExit(f"{where}: unknown bench block {name!r} "
                              f"(known: {', '.join(TABLES)})")
         body = render(name, results)

@@ -32,7 +32,7 @@ import secrets
 from collections.abc import Sequence
 from pathlib import Path
 
-from sidecar.errors import ConfigError
+from sidecar.base.errors import ConfigError
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.file")

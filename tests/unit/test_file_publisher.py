@@ -3,7 +3,7 @@
 import asyncio
 import json
 
-from sidecar.clock import SystemClock
+from sidecar.base.clock import SystemClock
 from sidecar.publish.file import FilePublisher
 from sidecar.state import LeaseState
 

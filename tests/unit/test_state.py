@@ -110,7 +110,7 @@ def test_rfc3339_is_the_floored_millisecond_in_utc_across_seconds():
     millisecond must still read as datetime spells it, rounded down."""
     from datetime import UTC
 
-    from sidecar.clock import epoch_ms, rfc3339
+    from sidecar.base.clock import epoch_ms, rfc3339
 
     for wall in (0.0, -0.0005, 59.9999, 60.0, 1764613948.7931, 1764613949.0004,
                  1764613948.9999, 4102444799.9995):
