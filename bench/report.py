@@ -368,6 +368,20 @@ def rollout(r: Row) -> list[str]:
                   "gap per hand-over, p50 / p99", "overlapping claims"], rows, right=2)
 
 
+def rollout_service(r: Row) -> list[str]:
+    rows = []
+    for mode, by in r["results"].items():
+        for strategy, x in by.items():
+            rows.append([f"`{mode}`", strategy, p50_p99(x.get("service_claim_to_label")),
+                         p50_p99(x.get("service_claim_to_endpoints")),
+                         p50_p99(x.get("service_label_to_endpoints")),
+                         x.get("service_endpoints_not_leader_after_settle", "—")])
+    return table(["`shutdownHandover`", "strategy", "first claim → pod label `leader`",
+                  "first claim → EndpointSlice lists only its pod",
+                  "label → EndpointSlice", "endpoints not the leader afterwards"], rows,
+                 right=2)
+
+
 def lean_lone(r: Row) -> list[str]:
     rows = []
     for backend, x in r["lone"].items():
@@ -436,6 +450,7 @@ TABLES: dict[str, Table] = {
     "pods-idle-postgres-row": Table("pods-postgres-row.json", pods_idle, "pods_postgres_row"),
     "image": Table("image.json", image_sizes, "image"),
     "rollout": Table("rollout.json", rollout, "rollout"),
+    "rollout-service": Table("rollout.json", rollout_service, "rollout"),
     "lean-lone": Table("lean.json", lean_lone, "lean"),
     "lean-apiserver": Table("lean.json", lean_apiserver, "lean"),
     **{f"chaos-{b}": Table(f"chaos-{b}.json", chaos, f"chaos-{b}")
