@@ -1,6 +1,6 @@
 """``lease-sidecar run | exec | schema | status | handover | operator``.
 
-Exit codes: ``sidecar.errors`` (``EXIT_*``), told to users in the README's table.
+Exit codes: ``sidecar.errors`` (``EXIT_*``), told to users in docs/cli.md's table.
 
 Each command imports what only it needs when it runs (``exec``'s process supervision,
 ``status``, ``handover``): ``run`` starts by importing what it serves ``/healthz`` with
