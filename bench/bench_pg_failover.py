@@ -33,13 +33,13 @@ from typing import Any
 
 from bench import record
 from bench.failover import summary
-from testkit.chaos.backends import Timing, make_env
+from testkit.chaos.backends import ChaosTiming, make_env
 from testkit.chaos.failover import gaps, token_problems
 from testkit.chaos.harness import Config, Harness, Result
 
 
 async def run_one(backend: str, style: str, failovers: int, seed: int,
-                  timing: Timing) -> tuple[Result, dict[str, Any]]:
+                  timing: ChaosTiming) -> tuple[Result, dict[str, Any]]:
     env = make_env(backend, timing, style=style)
     config = Config(backend=backend, seed=seed, duration=3600.0, faults=("failover",),
                     sidecars=3, max_faults=failovers, timing=timing)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="default: bench/results/pg-failover.json")
     args = p.parse_args(argv)
     run = record.start(args.failovers)
-    timing = Timing()
+    timing = ChaosTiming()
     reports = []
     print("| backend | connection | failovers | handovers in lag | overlaps | token "
           "problems | tracebacks | leaderless gap ms p50 / p99 / max | promotion → claim ms "
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     for backend in args.backends.split(","):
         for style in args.styles.split(","):
             _, report = asyncio.run(run_one(backend, style, args.failovers, args.seed,
-                                            Timing.for_backend(backend)))
+                                            ChaosTiming.for_backend(backend)))
             reports.append(report)
             print(line(report), flush=True)
     ok = all(r["overlaps"] == 0 and not r["token_problems"] and not r["violations"]

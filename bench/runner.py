@@ -222,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "list":
         for bench in BENCHES:
             reason, partial = unmet(bench), left_out(bench)
-            print(f"{bench.name:<20} python -m {bench.module} {' '.join(bench.full)}"
+            where = results_dir()
+            shown = where.relative_to(REPO) if where.is_relative_to(REPO) else where
+            full = " ".join(command(bench, False, shown)[2:])
+            print(f"{bench.name:<20} python -m {full}"
                   + (f"\n{'':<20} (skipped here: {reason})" if reason else "")
                   + (f"\n{'':<20} (partly here: {partial})" if partial else ""))
         print(f"helpers, not benchmarks: {' '.join(HELPERS)}")

@@ -3,9 +3,11 @@
 Every setting has one ``LEASE_*`` variable and one flag; a flag wins over the variable,
 the variable over the default. Two defaults are derived from the lease duration when
 unset, as client-go's are (15s lease, 10s renew deadline, 2s retry period): the renew
-deadline (2/3 of it) and the renew interval (2/15 of it), so ``LEASE_DURATION=3s`` alone
-works. Loading reports the first bad setting as one line naming both spellings, the
-values it compared and which of them were defaults; the CLI exits with code 2.
+deadline (2/3 of it) and the renew interval (2/15 of it; on kubernetes, where each renew
+is an apiserver request, 1/3 of it less the safety margin: ``BackendEntry.renew_share``),
+so ``LEASE_DURATION=3s`` alone works. Loading reports the first bad setting as one line naming
+both spellings, the values it compared and which of them were defaults; the CLI exits with
+code 2.
 
 The rules live where their data does: the timing rules in
 :class:`~sidecar.settings.Timing`, a backend's own rules in its
@@ -24,14 +26,14 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
-from sidecar.dsn import DsnError
-from sidecar.durations import format_duration, parse_duration
-from sidecar.errors import ConfigError
+from sidecar.base.clock import format_duration, parse_duration
+from sidecar.base.dsn import DsnError
+from sidecar.base.errors import ConfigError
+from sidecar.base.names import validate_identifier
+from sidecar.base.redact import remember_secrets
 from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
-from sidecar.names import validate_identifier
-from sidecar.redact import remember_secrets
 from sidecar.settings import MAX_IDENTITY, Settings, StoreSettings, Timing, TimingError
 
 ROLES = ("all", "worker", "api")
@@ -87,13 +89,16 @@ def parse_containers(text: str) -> tuple[str, ...]:
     return names
 
 
-def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in options:
-            raise ValueError(f"{text!r} is not one of {', '.join(options)}")
-        return text
+@dataclass(frozen=True)
+class _Choice:
+    """A parser that accepts one of ``options`` (which the reference lists)."""
 
-    return parse
+    options: tuple[str, ...]
+
+    def __call__(self, text: str) -> str:
+        if text not in self.options:
+            raise ValueError(f"{text!r} is not one of {', '.join(self.options)}")
+        return text
 
 
 def _identifier(text: str) -> str:
@@ -115,6 +120,11 @@ def _bool(text: str) -> bool:
 
 @dataclass(frozen=True)
 class Option:
+    """One setting. Its meaning is written here once: ``help`` in one line (what ``--help``
+    shows), ``details`` whatever the configuration reference adds to it
+    (``docs/configuration.md`` is generated from this table by ``python -m scripts.gendocs``).
+    """
+
     field: str
     env: str
     flag: str
@@ -126,6 +136,12 @@ class Option:
     why_low: str = ""
     # The subcommands that offer this flag (and list it in their --help).
     commands: frozenset[str] = frozenset({"run", "exec"})
+    # The default as the reference and --help tell it, where ``default`` is None but
+    # something else applies (the identity; a backend's own default, which the reference
+    # lists from the backends' entries).
+    shown_default: str | None = None
+    # Markdown for the reference only, beyond ``help``: when it applies, links.
+    details: str = ""
 
 
 # ``run`` and ``exec`` hold a lease and take every setting; ``status`` only reads and
@@ -138,92 +154,165 @@ _READS = frozenset({"run", "exec", "status", "handover"})
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("backend", "LEASE_BACKEND", "--backend", _choice(BACKENDS), "sqlite",
+    Option("backend", "LEASE_BACKEND", "--backend", _Choice(BACKENDS), "sqlite",
            "where the lease lives",
-           commands=_EVERY),
+           commands=_EVERY,
+           details="[Choosing a backend](backends.md)."),
     Option("dsn", "LEASE_DSN", "--dsn", _text, None,
            "backend address: sqlite file path, postgresql:// URL or ODBC connection string",
-           commands=_EVERY),
+           commands=_EVERY, shown_default="the backend's own, where it has one",
+           details="SQLite also takes `sqlite:////abs/path` and `sqlite:///relative`; unused "
+           "by `kubernetes`. Checked before anything starts ([DSNs](#dsns))."),
     Option("replica_dsn", "LEASE_REPLICA_DSN", "--replica-dsn", _text, None,
-           "read replica that must confirm an acquisition (row backends)"),
+           "read replica that must confirm an acquisition (row backends)",
+           details="`postgres-row`, `sqlserver`: an acquisition counts only once the replica "
+           "shows it ([postgres-row](postgres-row.md#replica-confirmation))."),
     Option("replica_timeout", "LEASE_REPLICA_TIMEOUT", "--replica-timeout", parse_duration,
            "5s", "how long to wait for the replica to confirm", (0.01, HOUR)),
     Option("names", "LEASE_NAME", "--name", parse_names, "default",
            "lease name, or several separated by commas (the first is the primary)",
-           commands=_READS),
+           commands=_READS,
+           details="The primary is the one `/leader` and the file `leader` answer for; each "
+           "name also has `/leader/{name}` and the file `{name}`."),
     Option("identity", "LEASE_IDENTITY", "--identity", _text, None,
-           "this contender's unique id (default: POD_NAME, else host:pid)"),
+           "this contender's unique id", shown_default="`POD_NAME`, else `host:pid`",
+           details=f"At most {MAX_IDENTITY} characters. Two live processes with one identity "
+           "are a misconfiguration ([design](design.md#the-safety-model))."),
     Option("key_prefix", "LEASE_KEY_PREFIX", "--key-prefix", _text, "lease-sidecar",
            "namespace for lock ids and row names",
-           commands=_READS),
+           commands=_READS,
+           details="Lock ids, row names and Lease objects are `{prefix}.{name}` (the name "
+           "alone with an empty prefix), so services sharing a store never collide."),
     Option("lease_duration", "LEASE_DURATION", "--lease-duration", parse_duration, "15s",
-           "TTL of row and Lease backends", (1.0, HOUR)),
+           "TTL of row and Lease backends", (1.0, HOUR),
+           details="Also the base of the derived defaults below."),
     Option("renew_interval", "LEASE_RENEW_INTERVAL", "--renew-interval", parse_duration, None,
-           "renew / retry / heartbeat period", (0.01, HOUR),
-           "a faster renew loop only burns CPU"),
+           "renew / retry / heartbeat period (kubernetes: 1/3 of the lease duration "
+           "minus the safety margin unless given, as each renew is an apiserver request)",
+           (0.01, HOUR),
+           "a faster renew loop only burns CPU",
+           details="The elector adds up to 10 % jitter."),
     Option("renew_deadline", "LEASE_RENEW_DEADLINE", "--renew-deadline", parse_duration, None,
            "postgres (advisory lock): step down when no heartbeat succeeded for this long",
            (0.01, HOUR)),
     Option("safety_margin", "LEASE_SAFETY_MARGIN", "--safety-margin", parse_duration, "1s",
            "TTL backends: stop claiming this long before the lease could expire",
-           (0.0, HOUR)),
+           (0.0, HOUR),
+           details="Absorbs clock-rate differences; at least `1s` on `kubernetes` "
+           "([next to client-go](kubernetes-backend.md#next-to-client-go-electors))."),
     Option("claim_horizon", "LEASE_CLAIM_HORIZON", "--claim-horizon", parse_duration, "250ms",
            "how far ahead a published claim is valid", (0.01, HOUR),
-           "the leader file is rewritten every half horizon"),
+           "the leader file is rewritten every half horizon",
+           details="Also a new holder's wait before its first claim, and the longest a "
+           "stepping-down holder waits before it releases."),
     Option("http_addr", "LEASE_HTTP_ADDR", "--http-addr", parse_addr, "127.0.0.1:8099",
            "host:port of the HTTP endpoint",
-           commands=frozenset({"run", "exec", "handover"})),
+           commands=frozenset({"run", "exec", "handover"}),
+           details="Port `0` picks a free one ([HTTP API](http-api.md))."),
     Option("state_dir", "LEASE_STATE_DIR", "--state-dir", _text, "/run/lease",
-           "directory of the leader file"),
-    Option("role", "LEASE_ROLE", "--role", _choice(ROLES), "all",
-           "all | worker (contend) or api (never contend)"),
+           "directory of the leader file",
+           details="Vetted at start: exit 2 naming it if others could write there "
+           "([the state directory](security.md#the-state-directory)). If the *default* "
+           "cannot be created (non-root on a VM), a private `0700` directory "
+           "`lease-sidecar-<uid>` under `$XDG_RUNTIME_DIR` or `/tmp` is used and logged."),
+    Option("role", "LEASE_ROLE", "--role", _Choice(ROLES), "all",
+           "all | worker (contend) or api (never contend)",
+           details="`api` reports `role: api` and the label `lease-role=api`."),
     Option("schema", "LEASE_SCHEMA", "--schema", _identifier, "lease",
            "row-lease schema",
-           commands=_EVERY),
+           commands=_EVERY, details="A plain SQL identifier."),
     Option("table", "LEASE_TABLE", "--table", _identifier, None,
-           "row-lease table (default Leases on sqlserver, leases elsewhere)",
-           commands=_EVERY),
+           "row-lease table",
+           commands=_EVERY, shown_default="the backend's own",
+           details="A plain SQL identifier."),
     Option("odbc_driver", "LEASE_ODBC_DRIVER", "--odbc-driver", _text, None,
-           "ODBC driver name when the DSN names none (default FreeTDS)",
-           commands=_EVERY),
+           "ODBC driver name when the DSN names none",
+           commands=_EVERY, shown_default="`FreeTDS`",
+           details="Used only when the DSN has no `DRIVER=`."),
     Option("ensure_schema", "LEASE_ENSURE_SCHEMA", "--ensure-schema", _bool, "false",
            "postgres-row, sqlserver: create the lease table at start if missing "
-           "(idempotent; needs a role that may create it)"),
-    Option("pod_label", "LEASE_POD_LABEL", "--pod-label", _choice(POD_LABEL_MODES), "auto",
-           "keep the lease-role pod label (auto: when POD_NAME/POD_NAMESPACE are set)"),
+           "(idempotent; needs a role that may create it)",
+           details="A role that may not stays \"not leader\" with one line naming why "
+           "([creating the table](database-operations.md#creating-the-table))."),
+    Option("pod_label", "LEASE_POD_LABEL", "--pod-label", _Choice(POD_LABEL_MODES), "auto",
+           "keep the lease-role pod label (auto: when POD_NAME/POD_NAMESPACE are set)",
+           details="Also the pod Events ([pod label](pod-label.md))."),
     Option("exec_grace", "LEASE_EXEC_GRACE", "--grace", parse_duration, "10s",
            "exec: time between SIGTERM and SIGKILL of the command on lease loss", (0.0, HOUR),
-           commands=frozenset({"exec"})),
+           commands=frozenset({"exec"}),
+           details="Never later than the lease could pass "
+           "([exec](cli.md#when-sigkill-comes))."),
     Option("work_stall_after", "LEASE_WORK_STALL_AFTER", "--work-stall-after", parse_duration,
            None, "step down when the application has not POSTed /heartbeat for this long "
            "while leading (unset: no work watchdog)", (0.1, 24 * HOUR),
-           "a shorter period leaves no room for the application's heartbeats"),
+           "a shorter period leaves no room for the application's heartbeats",
+           details="Counted from the term's first claim at the earliest; the step-down is "
+           "`POST /release`'s ([heartbeat](http-api.md#other-endpoints))."),
     Option("app_ready_url", "LEASE_APP_READY_URL", "--app-ready-url", parse_ready_url, None,
            "campaign only while this http:// URL of the application answers 2xx (unset: "
-           "always campaign)"),
+           "always campaign)",
+           details="Polled every renew interval; a pod whose application never becomes "
+           "ready never leads. Not with `LEASE_APP_READY_CONTAINERS` "
+           "([hand-over](handover.md#lead-only-when-the-application-can-work))."),
     Option("app_ready_containers", "LEASE_APP_READY_CONTAINERS", "--app-ready-containers",
            parse_containers, None, "in a pod: campaign only while these containers of the "
-           "own pod are Ready (comma-separated names; unset: always campaign)"),
+           "own pod are Ready (comma-separated names; unset: always campaign)",
+           details="Their readiness as kubelet reports it, through a watch of the own pod "
+           "(needs the pods `get`/`list`/`watch` rule)."),
     Option("shutdown_handover", "LEASE_SHUTDOWN_HANDOVER", "--shutdown-handover",
-           _choice(SHUTDOWN_HANDOVERS), "off", "in a pod, on SIGTERM: off (release; the "
+           _Choice(SHUTDOWN_HANDOVERS), "off", "in a pod, on SIGTERM: off (release; the "
            "first standby wins) or youngest-ready (hand over to the youngest Ready pod of "
-           "the lease group)"),
+           "the lease group)",
+           details="`youngest-ready` moves leadership once per rolling update; it needs the "
+           "pod label and the pod name as identity "
+           "([hand-over](handover.md#one-hand-over-per-rollout))."),
     Option("app_unready_after", "LEASE_APP_UNREADY_AFTER", "--app-unready-after",
-           parse_duration, "10s", "with LEASE_APP_READY_URL: a leader whose application "
-           "has not answered 2xx for this long hands over", (0.1, 24 * HOUR),
-           "a shorter period leaves no room for one slow readiness answer"),
+           parse_duration, "10s", "with LEASE_APP_READY_URL or LEASE_APP_READY_CONTAINERS: "
+           "a leader whose application has not been ready for this long hands over",
+           (0.1, 24 * HOUR),
+           "a shorter period leaves no room for one slow readiness answer",
+           details="As `POST /handover` does."),
     Option("log_level", "LEASE_LOG_LEVEL", "--log-level",
-           _choice(("debug", "info", "warning", "error")), "info", "log level"),
+           _Choice(("debug", "info", "warning", "error")), "info", "log level"),
 )
 
 _BY_FIELD = {option.field: option for option in OPTIONS}
 
+class Share(NamedTuple):
+    """A default derived from the lease duration (less the safety margin, where
+    ``of_validity``): ``fraction`` of it."""
+
+    fraction: Fraction
+    of_validity: bool = False
+
+    def of(self, values: Mapping[str, Any]) -> float:
+        base = values["lease_duration"]
+        if self.of_validity:
+            base -= values["safety_margin"]
+        return round(float(base * self.fraction), 3)
+
+    def text(self, env: bool = True) -> str:
+        """``2/15 of LEASE_DURATION`` (``env``) or ``2/15 of the lease duration``."""
+        base = "LEASE_DURATION" if env else "the lease duration"
+        if self.of_validity:
+            base += " minus LEASE_SAFETY_MARGIN" if env else " minus the safety margin"
+        return f"{self.fraction} of {base}"
+
+
 # Defaults derived from the lease duration when unset: client-go's ratios (a 15s lease,
 # a 10s renew deadline, a 2s retry period).
-DERIVED: dict[str, tuple[Fraction, str]] = {
-    "renew_deadline": (Fraction(2, 3), "2/3"),
-    "renew_interval": (Fraction(2, 15), "2/15"),
+DERIVED: dict[str, Share] = {
+    "renew_deadline": Share(Fraction(2, 3)),
+    "renew_interval": Share(Fraction(2, 15)),
 }
+
+
+def derived(entry: BackendEntry) -> dict[str, Share]:
+    """The derived defaults a backend uses: :data:`DERIVED`, with the backend's own renew
+    interval where it has one (``BackendEntry.renew_share``, of the validity)."""
+    if entry.renew_share is None:
+        return DERIVED
+    return {**DERIVED, "renew_interval": Share(entry.renew_share, of_validity=True)}
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
@@ -231,10 +320,11 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     for option in OPTIONS:
         if command not in option.commands:
             continue
-        default = option.default
+        default = option.default or option.shown_default
         if option.field in DERIVED:
-            default = f"{DERIVED[option.field][1]} of the lease duration"
+            default = DERIVED[option.field].text(env=False)
         where = option.env if default is None else f"{option.env}; default {default}"
+        where = where.replace("`", "")
         parser.add_argument(option.flag, dest=option.field, default=None,
                             help=f"{option.help} [{where}]")
 
@@ -265,19 +355,20 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         except ValueError as exc:
             raise ConfigError(f"{option.env} / {option.flag}: {exc}") from None
         _check_bounds(option, values[option.field])
-    for name, (fraction, _) in DERIVED.items():
+    entry = backend_entry(values["backend"])
+    shares = derived(entry)
+    for name, share in shares.items():
         if values[name] is None:
-            values[name] = round(float(values["lease_duration"] * fraction), 3)
+            values[name] = share.of(values)
     values["pod_name"] = env.get("POD_NAME") or None
     values["pod_namespace"] = env.get("POD_NAMESPACE") or None
     if not values["identity"]:
         values["identity"] = values["pod_name"] or f"{socket.gethostname()}:{os.getpid()}"
-    entry = backend_entry(values["backend"])
     values["dsn"] = values["dsn"] or entry.default_dsn
     values["table"] = values["table"] or entry.default_table
     # Before any check can fail: every later line that might echo a DSN masks these.
     remember_secrets([values["dsn"], values["replica_dsn"]])
-    blame = _Blame(values, frozenset(explicit))
+    blame = _Blame(values, frozenset(explicit), shares)
     try:
         timing = Timing(**{name: values.pop(name) for name in _TIMING_FIELDS},
                         holds_by=entry.holds_by)
@@ -364,16 +455,18 @@ class _Blame:
     """Names a broken rule's setting: the first one the user gave (else the first one),
     and shows every value with its origin: given, default, or derived."""
 
-    def __init__(self, values: Mapping[str, Any], explicit: frozenset[str]) -> None:
+    def __init__(self, values: Mapping[str, Any], explicit: frozenset[str],
+                 shares: Mapping[str, Share]) -> None:
         self.values = dict(values)
         self.explicit = explicit
+        self.shares = shares
 
     def describe(self, name: str) -> str:
         text = format_duration(self.values[name])
         if name in self.explicit:
             return text
-        if name in DERIVED:
-            return f"{text} (derived: {DERIVED[name][1]} of LEASE_DURATION)"
+        if name in self.shares:
+            return f"{text} (derived: {self.shares[name].text()})"
         return f"{text} (default)"
 
     def error(self, candidates: list[str], template: str) -> ConfigError:

@@ -4,8 +4,13 @@ A custom collector on a registry of our own: nothing to keep in sync with the el
 and tests or a host application using the library never collide on metric names (the
 process collector, too, is registered only here, not on the library's global registry).
 Names follow Prometheus conventions: one ``lease_sidecar_`` prefix, counters end in
-``_total``, durations in seconds, times as Unix timestamps in seconds. The README's
-metrics reference lists every name; ``tests/unit/test_metrics.py`` keeps them in step.
+``_total``, durations in seconds, times as Unix timestamps in seconds. The HELP texts
+here are the metrics reference: ``docs/monitoring.md`` is generated from what this
+registry serves (``python -m scripts.gendocs``).
+
+Imported at the first scrape, not at start (:mod:`sidecar.publish.http.app`): the
+collectors count nothing themselves, so a registry built late reports the same, and
+``prometheus_client`` stays off the path to the first ``/healthz``.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
+from sidecar.base.stats import OPERATIONS, OUTCOMES
 from sidecar.elector import HANDOVER_REASONS
+from sidecar.publish.http.limits import Limits
 from sidecar.state import LeaseState
-from sidecar.stats import OPERATIONS, OUTCOMES
 
 PREFIX = "lease_sidecar_"
 
@@ -35,7 +41,8 @@ EVENTS = ("acquired", "lost", "released")
 
 _GAUGES = {
     "leader": "1 while this contender hands out leader claims (GET /leader answers 200)",
-    "holding": "1 while the backend grants this contender the lease",
+    "holding": "1 while the backend grants this contender the lease (also during the wait "
+               "before the first claim, and while stepping down)",
     "backend_up": "1 while the backend answers",
     "fencing_token": "fencing token of the current term (0 when not holding)",
     "claim_expiry_timestamp_seconds":
@@ -57,7 +64,9 @@ class LeaseCollector(Collector):
         gauges = {name: GaugeMetricFamily(PREFIX + name, text, labels=["lease"])
                   for name, text in _GAUGES.items()}
         transitions = CounterMetricFamily(
-            f"{PREFIX}transitions", "leadership transitions of this contender, by event",
+            f"{PREFIX}transitions", "leadership transitions of this contender, by event: acquired, "
+            "lost (a renew was refused), released (SIGTERM, POST /release, a hand-over, or the "
+            "validity ran out before a renew succeeded)",
             labels=["lease", "event"])
         stalls = CounterMetricFamily(
             f"{PREFIX}work_stalls",
@@ -133,9 +142,31 @@ class LeaseCollector(Collector):
         return info
 
 
-def registry_for(states: list[LeaseState]) -> CollectorRegistry:
+class LimitsCollector(Collector):
+    """The HTTP endpoint's bounds (:mod:`sidecar.publish.http.limits`)."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+
+    def collect(self) -> Iterator[Metric]:
+        limits = self._limits
+        yield GaugeMetricFamily(f"{PREFIX}http_connections", "open HTTP connections",
+                                value=limits.open_connections())
+        yield GaugeMetricFamily(f"{PREFIX}http_waiters", "parked blocking queries",
+                                value=limits.waiters)
+        refused = CounterMetricFamily(f"{PREFIX}http_refused",
+                                      "requests turned away by a bound", labels=["bound"])
+        refused.add_metric(["connections"], limits.refused_connections)
+        refused.add_metric(["waiters"], limits.waits_refused)
+        yield refused
+
+
+def registry_for(states: list[LeaseState], limits: Limits | None = None) -> CollectorRegistry:
+    """What ``/metrics`` serves: the leases, the HTTP bounds (when given), the process."""
     registry = CollectorRegistry()
     registry.register(LeaseCollector(states))
+    if limits is not None:
+        registry.register(LimitsCollector(limits))
     # process_* (memory, CPU, open files): watched against the chart's memory limit.
     ProcessCollector(registry=registry)
     return registry

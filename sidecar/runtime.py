@@ -19,15 +19,14 @@ from typing import Any
 
 from sidecar import watchdog
 from sidecar.appready import AppReadiness
-from sidecar.clock import SystemClock
+from sidecar.base.clock import SystemClock
+from sidecar.base.errors import ConfigError
+from sidecar.base.redact import redact_tree
 from sidecar.elector import Elector
-from sidecar.errors import ConfigError
 from sidecar.lease import Backend, create_backend
-from sidecar.metrics import registry_for
 from sidecar.publish import Publisher
 from sidecar.publish.file import FilePublisher
 from sidecar.publish.http import HeartbeatAnswer, HttpServer, ReleaseOutcome, build_app
-from sidecar.redact import redact_tree
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
 from sidecar.statedir import resolve_state_dir
@@ -77,10 +76,9 @@ class Sidecar:
         self._tasks: list[asyncio.Task[None]] = []
         self._no_credentials: str | None = None
         self._credentials_checked = 0.0
-        app = build_app(self.states, registry_for(self.states), status=self.status,
-                        alive=self.alive, ready=self.ready, release=self.release,
-                        heartbeat=self.heartbeat, handover=self.handover,
-                        cannot_lead=self.cannot_lead)
+        app = build_app(self.states, status=self.status, alive=self.alive, ready=self.ready,
+                        release=self.release, heartbeat=self.heartbeat,
+                        handover=self.handover, cannot_lead=self.cannot_lead)
         self.http = HttpServer(app, *settings.http_addr)
 
     @property

@@ -25,13 +25,12 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sidecar.clock import Clock, SystemClock, epoch_ms, rfc3339
-from sidecar.stats import CallStats
+from sidecar.base.clock import Clock, SystemClock, epoch_ms, rfc3339
+from sidecar.base.stats import CallStats
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,11 @@ class Facts:
             return None
         later = [t for t in (self.claim_from, self.valid_until) if t > now]
         return min(later) if later else None
+
+
+# The body's expiry fields for a wall time of 0, as ``json.dumps`` spells them: where
+# :meth:`LeaseState.encoded` puts each claim's own.
+_UNTIL_ZERO = '"valid_until": "1970-01-01T00:00:00.000Z", "valid_until_ms": 0'
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class LeaseState:
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _encoded_key: tuple[int, bool, int | None] | None = None
     _encoded: bytes = b""
+    _template_key: tuple[int, bool] | None = None
+    _template: tuple[str, str] = ("", "")
     _tag_key: tuple[Any, ...] | None = None
     _tag_facts: Facts | None = None
     _tag_leader: bool | None = None
@@ -143,7 +149,7 @@ class LeaseState:
         return new
 
     def observe_call(self, operation: str, seconds: float, outcome: str) -> None:
-        """One backend round trip (see :mod:`sidecar.stats`), for the metrics."""
+        """One backend round trip (see :mod:`sidecar.base.stats`), for the metrics."""
         self.stats.observe(operation, seconds, outcome, self.clock.wall())
 
     # -- read by publishers ----------------------------------------------------------
@@ -175,10 +181,19 @@ class LeaseState:
         later claims in that millisecond are valid at least as long as the first.
         """
         until = self.to_wall(claim.valid_until)
-        key = (claim.facts.version, claim.leader,
-               None if until is None else math.floor(until * 1000))
+        ms = epoch_ms(until)
+        key = (claim.facts.version, claim.leader, ms)
         if key != self._encoded_key:
-            self._encoded = json.dumps(self.body(claim, until)).encode()
+            # Only the expiry moves between claims of one version: the rest of the JSON
+            # is kept as text around it (the leader file asks eight times a second).
+            if key[:2] != self._template_key:
+                head, found, tail = json.dumps(self.body(claim, 0.0)).partition(_UNTIL_ZERO)
+                assert found, "body() must keep valid_until and valid_until_ms together"
+                self._template, self._template_key = (head, tail), key[:2]
+            head, tail = self._template
+            until_text = "null" if until is None else f'"{rfc3339(until)}"'
+            self._encoded = (f'{head}"valid_until": {until_text}, "valid_until_ms": '
+                             f'{"null" if ms is None else ms}{tail}').encode()
             self._encoded_key = key
         return self._encoded
 

@@ -1,6 +1,6 @@
 """``lease-sidecar run | exec | schema | status | handover | operator``.
 
-Exit codes: ``sidecar.errors`` (``EXIT_*``), told to users in the README's table.
+Exit codes: ``sidecar.base.errors`` (``EXIT_*``), told to users in the README's table.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import sys
 from collections.abc import Sequence
 
 import sidecar
-from sidecar import config, jsonlog
-from sidecar.aio import first_of
-from sidecar.cli import exec_command, exec_supervise, handover, status
-from sidecar.durations import parse_duration
-from sidecar.errors import (
+from sidecar import config
+from sidecar.base import jsonlog
+from sidecar.base.clock import first_of, parse_duration
+from sidecar.base.errors import (
     EXIT_BAD_SETTINGS,
     EXIT_FAILED,
     EXIT_NO_SUCH_LEASE,
@@ -25,8 +24,8 @@ from sidecar.errors import (
     ConfigError,
     NotFound,
 )
+from sidecar.base.redact import redact
 from sidecar.lease import backend_entry
-from sidecar.redact import redact
 from sidecar.runtime import Sidecar
 from sidecar.settings import Settings
 
@@ -109,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             if not cmd:
                 raise ConfigError("exec: no command given (lease-sidecar exec -- CMD ARGS...)")
+            from sidecar.cli import exec_command, exec_supervise
+
             unusable = exec_supervise.check_command(cmd[0])
             if unusable is not None:
                 code, line = unusable
@@ -118,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "schema":
             return asyncio.run(_schema(settings, apply=args.apply))
         if args.command == "handover":
+            from sidecar.cli import handover
+
             return handover.run(settings, args.to)
         return asyncio.run(_status(settings, as_json=args.json))
     except ConfigError as exc:
@@ -189,4 +192,6 @@ async def _schema(settings: Settings, apply: bool) -> int:
 
 
 async def _status(settings: Settings, as_json: bool) -> int:
+    from sidecar.cli import status
+
     return await status.report(settings, as_json=as_json)

@@ -20,10 +20,11 @@ import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from fractions import Fraction
 from typing import Any, Protocol
 
-from sidecar.clock import Clock
-from sidecar.errors import ConfigError
+from sidecar.base.clock import Clock
+from sidecar.base.errors import ConfigError
 from sidecar.settings import HoldsBy, Settings
 
 
@@ -184,10 +185,14 @@ class BackendEntry:
     default_table: str = "leases"
     # True where LEASE_REPLICA_DSN means something (row leases on a server).
     takes_replica: bool = False
-    # The syntax check of LEASE_DSN and LEASE_REPLICA_DSN; raises sidecar.dsn.DsnError.
+    # The syntax check of LEASE_DSN and LEASE_REPLICA_DSN; raises sidecar.base.dsn.DsnError.
     check_dsn: Callable[[str], None] | None = None
     # (seconds, why): the least safety margin that is safe against this backend's peers.
     min_safety_margin: tuple[float, str] | None = None
+    # The renew interval when LEASE_RENEW_INTERVAL is unset, as a share of the validity
+    # (lease duration less safety margin), where the election's 2/15 of the lease does
+    # not suit the backend; None: 2/15.
+    renew_share: Fraction | None = None
     # The DDL of the lease table, and applying it (idempotent).
     schema_sql: Callable[[Settings], str] | None = None
     apply_schema: Callable[[Settings], Awaitable[None]] | None = None

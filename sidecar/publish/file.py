@@ -6,13 +6,19 @@ so a sidecar that dies or freezes stops claiming within one horizon even
 though nobody removes its file. Writes are atomic: a temp file in the same directory,
 then ``rename``.
 
+Nothing else wakes the publisher: a timer is armed only while a file of ours is on disk
+(or a term's first claim is due), so a standby costs nothing here, and the rewrite is a
+plain callback of the event loop with a few system calls, since it runs eight times a
+second for as long as the sidecar leads (issue 20: the leader's idle CPU).
+
 No symlink is ever followed, so nobody who can write to the directory can make us write
-into another file: the temp file has a random name and is created with
-``O_CREAT | O_EXCL | O_NOFOLLOW`` (an existing file or symlink of that name is an error,
-and we pick another name), and ``rename`` replaces a ``leader`` symlink itself, never
-its target. Files are created with mode 0644 less the umask: the application usually
-runs as another user and must read it; the claim is not a secret. (The directory itself
-is vetted by :mod:`sidecar.statedir`.)
+into another file: the temp file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a
+random name (an existing file or symlink of that name is an error, and we pick another
+name), and ``rename`` replaces a ``leader`` symlink itself, never its target. The temp
+name is reused while it stays free: the rename frees it, and anything planted there
+since only costs one more random name. Files are created with mode 0644 less the umask:
+the application usually runs as another user and must read it; the claim is not a
+secret. (The directory itself is vetted by :mod:`sidecar.statedir`.)
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 
-from sidecar.errors import ConfigError
+from sidecar.base.errors import ConfigError
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.file")
@@ -39,32 +47,80 @@ def temp_name(path: Path) -> Path:
     return path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    for _ in range(_ATTEMPTS):
-        tmp = temp_name(path)
+class AtomicFile:
+    """One published file, replaced whole by ``rename`` from a temp file beside it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._target = os.fspath(path)
+        self._temp = os.fspath(temp_name(path))
+
+    def write(self, data: bytes, also: Sequence[AtomicFile] = ()) -> None:
+        """Replace the file with ``data``, and each of ``also`` with the same file: one
+        more name for the temp file (a hard link) each, where the filesystem has them."""
+        tmp = self._create(data)
         try:
-            fd = os.open(tmp, _CREATE, 0o644)
-        except FileExistsError:
-            continue  # something already has that name (planted or not): never reuse it
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            for other in also:
+                other._take(tmp, data)
+            os.replace(tmp, self._target)
         except BaseException:
+            _unlink(tmp)
+            raise
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._target)
+
+    def _create(self, data: bytes) -> str:
+        """A new temp file holding ``data``; its name."""
+        for _ in range(_ATTEMPTS):
+            tmp = self._temp
+            try:
+                fd = os.open(tmp, _CREATE, 0o644)
+            except FileExistsError:
+                # Something already has that name (planted or not): never open it.
+                self._temp = os.fspath(temp_name(self.path))
+                continue
+            try:
+                done = os.write(fd, data)
+                while done < len(data):
+                    done += os.write(fd, data[done:])
+            except BaseException:
+                os.close(fd)
+                _unlink(tmp)
+                raise
             os.close(fd)
-            _unlink(tmp)
-            raise
-        os.close(fd)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        return
-    raise FileExistsError(f"{path.parent}: no free temporary name in {_ATTEMPTS} attempts")
+            return tmp
+        raise FileExistsError(f"{self.path.parent}: no free temporary name in {_ATTEMPTS} "
+                              "attempts")
+
+    def _take(self, source: str, data: bytes) -> None:
+        """Become the temp file ``source`` of another published file (same content)."""
+        for _ in range(_ATTEMPTS):
+            tmp = self._temp
+            try:
+                # Never replaces whatever has that name, never follows a symlink.
+                os.link(source, tmp, follow_symlinks=False)
+            except FileExistsError:
+                self._temp = os.fspath(temp_name(self.path))
+                continue
+            except OSError:  # a filesystem without hard links: a copy of our own
+                tmp = self._create(data)
+            try:
+                os.replace(tmp, self._target)
+            except BaseException:
+                _unlink(tmp)
+                raise
+            return
+        raise FileExistsError(f"{self.path.parent}: no free temporary name in {_ATTEMPTS} "
+                              "attempts")
 
 
-def _unlink(path: Path) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
+    AtomicFile(path).write(data)
+
+
+def _unlink(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
 
@@ -73,8 +129,16 @@ class FilePublisher:
     def __init__(self, states: list[LeaseState], directory: Path) -> None:
         self._states = states
         self._dir = directory
-        self._task: asyncio.Task[None] | None = None
+        self._paths = {id(state): self.paths(state) for state in states}
+        self._files = {id(state): [AtomicFile(path) for path in self._paths[id(state)]]
+                       for state in states}
         self._written: set[Path] = set()
+        # Half a horizon: the file always has at least half a horizon left, at two
+        # writes per horizon.
+        self._period = min(s.claim_horizon for s in states) / 2 if states else math.inf
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = math.inf  # loop time the timer fires at
+        self._running = False
 
     def paths(self, state: LeaseState) -> list[Path]:
         paths = [self._dir / state.lease]
@@ -85,6 +149,8 @@ class FilePublisher:
     async def start(self) -> None:
         self._dir.mkdir(parents=True, exist_ok=True)
         for state in self._states:  # a previous run's leftovers are not our claims
+            for file in self._files[id(state)]:
+                self._written.add(file.path)
             try:
                 self._publish(state)
             except OSError as exc:
@@ -92,44 +158,86 @@ class FilePublisher:
                 # something else that happens to be started next.
                 raise ConfigError(f"LEASE_STATE_DIR / --state-dir: "
                                   f"{exc.filename or self._dir}: {exc.strerror or exc}") from None
-        horizon = min(s.claim_horizon for s in self._states)
-        # Half a horizon: the file always has at least half a horizon left, at two
-        # writes per horizon (each write costs CPU on an idle sidecar).
-        self._task = asyncio.create_task(self._refresh(horizon / 2), name="leader-file")
+        self._running = True
+        self._schedule()
 
     async def changed(self, state: LeaseState) -> None:
-        self._publish(state)
+        try:
+            self._publish(state)
+        finally:
+            self._schedule()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for path in list(self._written):
-            self._remove(path)
+        self._running = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._due = None, math.inf
+        for state in self._states:
+            for file in self._files[id(state)]:
+                if file.path in self._written:
+                    self._remove(file)
 
-    def _publish(self, state: LeaseState) -> None:
+    def _publish(self, state: LeaseState) -> bool:
+        """Write or remove ``state``'s files; True while it leads (they need rewriting)."""
         claim = state.claim()
         if claim.leader:
-            data = state.encoded(claim)
-            for path in self.paths(state):
-                write_atomically(path, data)
-                self._written.add(path)
+            first, *others = self._files[id(state)]
+            first.write(state.encoded(claim), also=others)
+            self._written.update(self._paths[id(state)])
+            return True
+        for file in self._files[id(state)]:
+            if file.path in self._written:  # a standby has nothing to remove
+                self._remove(file)
+        return False
+
+    def _remove(self, file: AtomicFile) -> None:
+        file.remove()
+        self._written.discard(file.path)
+
+    def _tick(self) -> None:
+        self._timer, self._due = None, math.inf
+        rewrite = False
+        for state in self._states:
+            try:
+                rewrite = self._publish(state) or rewrite
+            except OSError as exc:
+                rewrite = True  # leading: try again at the next rewrite
+                log.warning("cannot write leader file", extra={
+                    "lease": state.lease, "error": str(exc)})
+        if rewrite:  # the usual case, eight times a second: no need to ask every state
+            self._arm(self._period)
         else:
-            for path in self.paths(state):
-                self._remove(path)
+            self._schedule()
 
-    def _remove(self, path: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        self._written.discard(path)
+    def _schedule(self) -> None:
+        """Arm the timer for the earliest state whose files need a look, unless it is
+        armed for earlier already (so a transition keeps the rewrites' cadence)."""
+        if not self._running:
+            return
+        waits = [w for w in map(self._next_look, self._states) if w is not None]
+        if not waits:
+            return  # an armed timer just finds nothing to do, and is not re-armed
+        self._arm(min(waits))
 
-    async def _refresh(self, period: float) -> None:
-        while True:
-            await asyncio.sleep(period)
-            for state in self._states:
-                try:
-                    self._publish(state)
-                except OSError as exc:
-                    log.warning("cannot write leader file", extra={
-                        "lease": state.lease, "error": str(exc)})
+    def _arm(self, delay: float) -> None:
+        if not self._running:
+            return
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        if due < self._due:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._due = loop.call_at(due, self._tick), due
+
+    def _next_look(self, state: LeaseState) -> float | None:
+        """Seconds until ``state``'s files need a look with no word from the elector:
+        half a horizon while it leads or a file of it is on disk (its claim runs out,
+        or a write failed and is retried); until the term's first claim is due while one
+        is coming; None while nothing can change before the elector says so."""
+        facts = state.facts
+        now = state.clock.monotonic()
+        if facts.leads_at(now) or any(f.path in self._written
+                                      for f in self._files[id(state)]):
+            return self._period
+        flip = facts.next_flip(now)
+        return None if flip is None else max(0.0, flip - now)

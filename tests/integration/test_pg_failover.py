@@ -20,7 +20,7 @@ import time
 import pytest
 
 from sidecar.lease.pg_timeline import timeline_of
-from testkit.chaos.backends import Timing, make_env
+from testkit.chaos.backends import ChaosTiming, make_env
 from testkit.chaos.failover import gaps, token_problems
 from testkit.chaos.harness import Config, Harness
 from testkit.chaos.recorder import Recorder, Target
@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 @pytest.mark.parametrize("backend", ["postgres", "postgres-row"])
 async def test_failover_during_lag_never_gives_two_leaders_or_an_old_token(
         backend: str, style: str, tmp_path) -> None:
-    timing = Timing.for_backend(backend)
+    timing = ChaosTiming.for_backend(backend)
     env = make_env(backend, timing, style=style)
     config = Config(backend=backend, seed=18, duration=300.0, faults=("failover",),
                     sidecars=3, max_faults=2, timing=timing, workdir=tmp_path)

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from testkit.support import REPO
 
@@ -55,3 +56,25 @@ def test_an_unknown_benchmark_is_named():
     done = bench("run", "--quick", "nonesuch")
     assert done.returncode != 0
     assert "unknown benchmark nonesuch" in done.stderr
+
+
+def test_every_benchmark_module_imports():
+    # A rename elsewhere (testkit, sidecar) breaks a benchmark only when it runs, hours
+    # later; importing each one here finds it at once.
+    listing = bench("list").stdout
+    modules = re.findall(r"^\S+\s+python -m (\S+)", listing, re.M)
+    modules = [m + ".__main__" if m == "bench.chaos" else m for m in modules]
+    code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+    done = subprocess.run([sys.executable, "-c", code, *sorted(set(modules))], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_every_benchmark_writes_its_results_through_the_shared_record():
+    # bench/record.py puts the commit, date, cores, load and trials in every file.
+    listing = bench("list").stdout
+    modules = set(re.findall(r"^\S+\s+python -m (\S+)", listing, re.M))
+    sources = {m: (REPO / Path(*m.split("."))).with_suffix(".py") for m in modules}
+    sources["bench.chaos"] = REPO / "bench" / "chaos" / "__main__.py"
+    lacking = [m for m, path in sources.items() if "record.write(" not in path.read_text()]
+    assert not lacking, lacking

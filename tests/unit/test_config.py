@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from sidecar import config
+from sidecar.base.dsn import DsnError, check_odbc, check_postgres_url, check_sqlite, parse_odbc
+from sidecar.base.redact import forget_secrets
 from sidecar.config import ConfigError, format_duration, parse_duration
-from sidecar.dsn import DsnError, check_odbc, check_postgres_url, check_sqlite, parse_odbc
 from sidecar.lease import backend_entry
-from sidecar.redact import forget_secrets
 
 
 @pytest.fixture(autouse=True)
@@ -163,13 +163,37 @@ def test_defaults_match_client_go():
 ])
 def test_lease_duration_alone_derives_deadline_and_interval(duration, deadline, interval):
     for backend, dsn in (("sqlite", None), ("postgres", "postgresql://db/x"),
-                         ("postgres-row", "postgresql://db/x"), ("kubernetes", None)):
+                         ("postgres-row", "postgresql://db/x")):
         env = {"LEASE_DURATION": duration, "LEASE_BACKEND": backend}
         if dsn:
             env["LEASE_DSN"] = dsn
         s = config.load({}, env=env)
         assert (s.timing.renew_deadline, s.timing.renew_interval) == (deadline, interval), backend
         assert "renew_deadline" not in s.explicit and "renew_interval" not in s.explicit
+
+
+@pytest.mark.parametrize(("duration", "interval"), [
+    ("15s", 4.667), ("3s", 0.667), ("1.5s", 0.167), ("1m30s", 29.667), ("1h", 1199.667),
+])
+def test_kubernetes_renews_every_third_of_the_validity(duration, interval):
+    """Each renew is an apiserver request (the idle group's main one), so the kubernetes
+    backend derives a third of the validity (lease less margin), not 2/15 of the lease:
+    always two renew attempts before the claim ends, and about 12 PUTs a minute instead
+    of 30 for the default 15 s lease."""
+    s = config.load({}, env={"LEASE_DURATION": duration, "LEASE_BACKEND": "kubernetes"})
+    assert s.timing.renew_interval == interval
+    assert "renew_interval" not in s.explicit
+    t = s.timing
+    assert 2 * t.renew_interval * 1.1 < t.validity  # two attempts before the claim ends
+    given = config.load({}, env={"LEASE_BACKEND": "kubernetes", "LEASE_RENEW_INTERVAL": "2s"})
+    assert given.timing.renew_interval == 2.0
+
+
+def test_a_broken_rule_names_the_kubernetes_share():
+    message = error(LEASE_BACKEND="kubernetes", LEASE_DURATION="1.2s")
+    assert message.startswith("LEASE_DURATION / --lease-duration:")
+    assert ("LEASE_RENEW_INTERVAL 67ms (derived: 1/3 of LEASE_DURATION minus "
+            "LEASE_SAFETY_MARGIN)") in message
 
 
 def test_given_values_win_over_derived_ones():
@@ -192,6 +216,7 @@ def test_help_names_the_derived_defaults():
     text = " ".join(result.stdout.split())
     assert "LEASE_RENEW_DEADLINE; default 2/3 of the lease duration" in text
     assert "LEASE_RENEW_INTERVAL; default 2/15 of the lease duration" in text
+    assert "kubernetes: 1/3 of the lease duration minus the safety margin" in text
 
 
 # -- the timing rules: each names the values it compared and which were defaults ----------

@@ -3,7 +3,7 @@
 import asyncio
 import json
 
-from sidecar.clock import SystemClock
+from sidecar.base.clock import SystemClock
 from sidecar.publish.file import FilePublisher
 from sidecar.state import LeaseState
 
@@ -131,3 +131,78 @@ def _umask() -> int:
     current = os.umask(0)
     os.umask(current)
     return current
+
+
+async def test_a_standby_arms_no_timer_and_a_due_first_claim_is_written(tmp_path):
+    """Issue 20 (idle CPU): nothing wakes the publisher of a standby; and a term whose
+    first claim is not due yet when the elector tells the publisher (a wake-up ended its
+    wait early) gets its file when the claim is due, without another word."""
+    (state,) = states_for("a")
+    publisher = FilePublisher([state], tmp_path)
+    await publisher.start()
+    try:
+        assert publisher._timer is None  # a standby: no periodic wake-ups at all
+        now = state.clock.monotonic()
+        state.update(holding=True, claim_from=now + 0.2, valid_until=now + 10,
+                     fencing_token=3)
+        await publisher.changed(state)
+        assert not (tmp_path / "leader").exists()  # not due yet
+        await asyncio.sleep(0.3)
+        assert json.loads((tmp_path / "leader").read_text())["fencing_token"] == 3
+        state.update(holding=False)
+        await publisher.changed(state)
+        assert not (tmp_path / "leader").exists()
+        await asyncio.sleep(0.2)  # the armed rewrite finds nothing and stops
+        assert publisher._timer is None
+    finally:
+        await publisher.stop()
+
+
+async def test_rewrites_replace_the_file_whole_and_leave_no_temp_file(tmp_path):
+    (state,) = states_for("a")
+    publisher = FilePublisher([state], tmp_path)
+    await publisher.start()
+    try:
+        lead(state)
+        await publisher.changed(state)
+        inodes = set()
+        for _ in range(3):
+            await asyncio.sleep(0.16)  # a rewrite every half horizon (150 ms)
+            inodes.add((tmp_path / "leader").stat().st_ino)
+        assert len(inodes) >= 2  # rewritten by rename, a new file each time
+        assert not list(tmp_path.glob(".*.tmp"))
+    finally:
+        await publisher.stop()
+
+
+async def test_the_second_name_is_a_link_that_never_follows_what_was_planted(
+        tmp_path, monkeypatch):
+    """The first lease's two files (``leader`` and its own name) are one write and a hard
+    link (issue 20); a name planted where the link would go is skipped, never followed,
+    as the temp file's is."""
+    from sidecar.publish import file as file_module
+
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    planted = state_dir / ".a.planted.tmp"
+    planted.symlink_to(target)
+    real = file_module.temp_name
+    names = iter([None, planted])  # leader's temp name: real; a's: the planted symlink
+    monkeypatch.setattr(file_module, "temp_name",
+                        lambda path: next(names, None) or real(path))
+    (state,) = states_for("a")
+    publisher = FilePublisher([state], state_dir)
+    await publisher.start()
+    try:
+        lead(state)
+        await publisher.changed(state)
+        leader, own = state_dir / "leader", state_dir / "a"
+        assert leader.read_bytes() == own.read_bytes()
+        assert json.loads(own.read_text())["fencing_token"] == 9
+        assert not own.is_symlink() and not leader.is_symlink()
+        assert leader.stat().st_ino == own.stat().st_ino  # one file, two names
+    finally:
+        await publisher.stop()
+    assert target.read_text() == "precious\n" and planted.is_symlink()

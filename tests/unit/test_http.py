@@ -18,7 +18,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from sidecar.metrics import registry_for
 from sidecar.publish.http import (
     HttpServer,
     Limits,
@@ -46,7 +45,7 @@ def make_app(clock: FakeClock, released: list[str | None] | None = None,
             released.append(name)
         return "released"
 
-    app = build_app(states, registry_for(states), status=lambda: {"ok": True},
+    app = build_app(states, status=lambda: {"ok": True},
                     alive=lambda: True, ready=lambda: states[0].facts.backend_ok,
                     release=release, limits=limits)
     return app, states
@@ -201,7 +200,7 @@ async def test_a_contender_that_can_never_lead_fails_healthz_and_readyz_not_live
     states = [LeaseState(lease="first", identity="me", role="all", claim_horizon=0.25,
                          clock=clock)]
     reason: list[str | None] = ["cannot lead: kubernetes: no usable credentials"]
-    app = build_app(states, registry_for(states), status=lambda: {}, alive=lambda: True,
+    app = build_app(states, status=lambda: {}, alive=lambda: True,
                     ready=lambda: True, release=lambda name: "not-holding",
                     cannot_lead=lambda: reason[0])
     client = await client_for(app)
@@ -291,7 +290,7 @@ async def test_an_unexpected_error_is_a_bare_500():
     def broken_status() -> dict:
         raise RuntimeError("secret internals")
 
-    app = build_app(states, registry_for(states), status=broken_status, alive=lambda: True,
+    app = build_app(states, status=broken_status, alive=lambda: True,
                     ready=lambda: True, release=lambda name: True)
     client = await client_for(app)
     try:
@@ -519,7 +518,7 @@ def beat_app(clock: FakeClock):
         state = by_name.get(name or "first")
         return watchdog.beat(state) if state else ("no-such-lease", {})
 
-    app = build_app(states, registry_for(states), status=lambda: {}, alive=lambda: True,
+    app = build_app(states, status=lambda: {}, alive=lambda: True,
                     ready=lambda: True, release=lambda name: "not-holding",
                     heartbeat=heartbeat)
     return app, states

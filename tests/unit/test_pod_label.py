@@ -6,9 +6,11 @@ the kopf handlers ask before they demote another pod, and which must never disag
 ``GET /leader``. Building the publisher connects to nothing (that happens in ``start``).
 """
 
+import json
+
 import pytest
 
-from sidecar.publish.pod_label import PodLabelPublisher
+from sidecar.publish.pod_label import ANNOTATION, PodLabelPublisher, note_of
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock
@@ -52,3 +54,18 @@ def test_both_pod_publishers_refuse_to_start_outside_a_pod():
         PodLabelPublisher(outside, [state])
     with pytest.raises(ValueError, match=r"^pod events need POD_NAME and POD_NAMESPACE$"):
         EventPublisher(outside, [state])
+
+
+@pytest.mark.parametrize(("annotation", "note"), [
+    ({"role": "leader", "object": "lease-sidecar.jobs"},
+     {"role": "leader", "object": "lease-sidecar.jobs"}),
+    (None, {}),  # no annotation (not a sidecar's pod, or not written yet)
+    ("not json", {}),
+    ([1, 2], {}),
+])
+def test_the_demotion_reads_another_pods_annotation_or_nothing(annotation, note):
+    meta = {"name": "web-1"}
+    if annotation is not None:
+        text = annotation if isinstance(annotation, str) else json.dumps(annotation)
+        meta["annotations"] = {ANNOTATION: text}
+    assert note_of(meta) == note

@@ -2,7 +2,7 @@
 uses one — no database at all.
 
 The Lease object is named ``StoreSettings.key(name)``, ``{key_prefix}.{name}`` (it must be a DNS
-subdomain, :mod:`sidecar.names`), and lives in ``POD_NAMESPACE`` (else the kubeconfig's
+subdomain, :mod:`sidecar.base.names`), and lives in ``POD_NAMESPACE`` (else the kubeconfig's
 namespace, else ``default``). The parts, one job each:
 
 - :mod:`.record`: the five spec fields we own and how a write keeps everyone else's;
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime
+from fractions import Fraction
 
-from sidecar.clock import Clock, SystemClock
-from sidecar.errors import ConfigError
+from sidecar.base.clock import Clock, SystemClock
+from sidecar.base.errors import ConfigError
+from sidecar.base.names import object_name_problem
 from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.kubernetes.lease import KubeLease
 from sidecar.lease.kubernetes.record import Record
 from sidecar.lease.kubernetes.transport import Connection
-from sidecar.names import object_name_problem
 from sidecar.settings import Settings, StoreSettings
 
 
@@ -105,6 +106,12 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
 
 ENTRY = BackendEntry(
     create=create, validate=validate, list_leases=list_leases,
+    # Each renew is a PUT to the apiserver, the only request an idle group makes besides
+    # one watch per sidecar (standbys follow the watch: a crashed holder is taken over at
+    # the lease's expiry, whatever the renew period). A third of the validity (4.67s for
+    # a 15s lease) still leaves two renew attempts before a claim ends, and costs the
+    # apiserver about 12 PUTs a minute, not 30 (docs/kubernetes-backend.md#renew-interval).
+    renew_share=Fraction(1, 3),
     min_safety_margin=(1.0, "client-go electors on the same Lease observe its changes at "
                             "one-second granularity and may take over up to 1s before its "
                             "nominal expiry"))

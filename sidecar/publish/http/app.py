@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sidecar.publish.http import longpoll
 from sidecar.publish.http.access import refusal
-from sidecar.publish.http.limits import LIMITS, Limits, LimitsCollector
+from sidecar.publish.http.limits import LIMITS, Limits
 from sidecar.state import LeaseState
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 ReleaseOutcome = Literal["released", "not-holding", "no-such-lease"]
 # POST /handover: (lease name or None, successor identity or None) -> outcome.
@@ -65,7 +67,7 @@ def _no_handover(name: str | None, to: str | None) -> ReleaseOutcome:
     return "not-holding"
 
 
-def build_app(states: list[LeaseState], registry: CollectorRegistry,
+def build_app(states: list[LeaseState],
               status: Callable[[], dict[str, Any]], alive: Callable[[], bool],
               ready: Callable[[], bool],
               release: Callable[[str | None], ReleaseOutcome],
@@ -80,9 +82,19 @@ def build_app(states: list[LeaseState], registry: CollectorRegistry,
     app = web.Application()
     app[longpoll.STATES] = {s.lease: s for s in states}
     app[LIMITS] = limits = limits or Limits()
-    registry.register(LimitsCollector(limits))
+    registry: CollectorRegistry | None = None
 
     async def metrics_handler(request: web.Request) -> web.Response:
+        # The registry is built at the first scrape: prometheus_client would be a tenth
+        # of the imports before the first /healthz, and the collectors read everything
+        # off the states and limits when scraped, so a late registry misses nothing.
+        nonlocal registry
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        from sidecar.metrics import registry_for
+
+        if registry is None:
+            registry = registry_for(states, limits)
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

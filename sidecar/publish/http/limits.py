@@ -15,12 +15,10 @@ connect:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 # An app's processes long-polling one sidecar number in the tens; these caps keep a
 # flood far below the chart's 128 Mi memory limit (bench/bench_http_limits.py).
@@ -39,7 +37,8 @@ MAX_HEADERS = 24
 
 @dataclass
 class Limits:
-    """Counters of the bounds above, shared by the app and the server (and /metrics)."""
+    """Counters of the bounds above, shared by the app and the server (and /metrics:
+    :class:`sidecar.metrics.LimitsCollector`)."""
 
     max_connections: int = MAX_CONNECTIONS
     max_waiters: int = MAX_WAITERS
@@ -53,20 +52,3 @@ class Limits:
 
 # Where the app keeps its Limits, for the handlers and for the server that runs it.
 LIMITS = web.AppKey("limits", Limits)
-
-
-class LimitsCollector(Collector):
-    def __init__(self, limits: Limits) -> None:
-        self._limits = limits
-
-    def collect(self) -> Iterator[Metric]:
-        limits = self._limits
-        yield GaugeMetricFamily("lease_sidecar_http_connections", "open HTTP connections",
-                                value=limits.open_connections())
-        yield GaugeMetricFamily("lease_sidecar_http_waiters", "parked blocking queries",
-                                value=limits.waiters)
-        refused = CounterMetricFamily("lease_sidecar_http_refused",
-                                      "requests turned away by a bound", labels=["bound"])
-        refused.add_metric(["connections"], limits.refused_connections)
-        refused.add_metric(["waiters"], limits.waits_refused)
-        yield refused
