@@ -368,6 +368,20 @@ def rollout(r: Row) -> list[str]:
                   "gap per hand-over, p50 / p99", "overlapping claims"], rows, right=2)
 
 
+def rollout_service(r: Row) -> list[str]:
+    rows = []
+    for mode, by in r["results"].items():
+        for strategy, x in by.items():
+            rows.append([f"`{mode}`", strategy, p50_p99(x.get("service_claim_to_label")),
+                         p50_p99(x.get("service_claim_to_endpoints")),
+                         p50_p99(x.get("service_label_to_endpoints")),
+                         x.get("service_endpoints_not_leader_after_settle", "—")])
+    return table(["`shutdownHandover`", "strategy", "first claim → pod label `leader`",
+                  "first claim → EndpointSlice lists only its pod",
+                  "label → EndpointSlice", "endpoints not the leader afterwards"], rows,
+                 right=2)
+
+
 def lean_lone(r: Row) -> list[str]:
     rows = []
     for backend, x in r["lone"].items():
@@ -436,6 +450,7 @@ TABLES: dict[str, Table] = {
     "pods-idle-postgres-row": Table("pods-postgres-row.json", pods_idle, "pods_postgres_row"),
     "image": Table("image.json", image_sizes, "image"),
     "rollout": Table("rollout.json", rollout, "rollout"),
+    "rollout-service": Table("rollout.json", rollout_service, "rollout"),
     "lean-lone": Table("lean.json", lean_lone, "lean"),
     "lean-apiserver": Table("lean.json", lean_apiserver, "lean"),
     **{f"chaos-{b}": Table(f"chaos-{b}.json", chaos, f"chaos-{b}")
@@ -460,11 +475,33 @@ def provenance(name: str, t: Table, r: Row) -> str:
         when = f"commit `{kept['commit'][:7]}`" if kept.get("commit") else "unrecorded commit"
         earlier = (f" ({', '.join(f'`{x}`' for x in kept['sections'])} from an earlier run, "
                    f"{when})")
-    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {r['trials']} trials, "
+    trials = f"{r['trials']} trial{'' if r['trials'] == 1 else 's'}"
+    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {trials}, "
             f"{r['cores']} cores, {load}{earlier}; {rerun}.*")
 
 
+def overview(results: Path) -> str:
+    """The ``files`` block: every results file a table uses, and what it describes."""
+    rows = []
+    for source in sorted({t.source for t in TABLES.values()}):
+        path = results / source
+        r = json.loads(path.read_text()) if path.exists() else None
+        if r is None:
+            rows.append([f"`{source}`", "missing", "", "", ""])
+        elif "commit" not in r:
+            rows.append([f"`{source}`", "**stale** (no commit recorded)", "", "", ""])
+        else:
+            commit = r["commit"]
+            rows.append([f"`{source}`", f"`{commit[:7]}`" + ("+dirty" if commit.endswith(
+                "+dirty") else ""), r["date"][:10], r["trials"],
+                f"{r['loadavg_at_start'][0]:g} → {r['loadavg_at_end'][0]:g}"])
+    return "\n".join(table(["results file", "commit", "date", "trials", "load average"],
+                           rows, right=3)) + "\n"
+
+
 def render(name: str, results: Path) -> str:
+    if name == "files":
+        return overview(results)
     t = TABLES[name]
     path = results / t.source
     if not path.exists():
@@ -485,7 +522,7 @@ def regenerate(text: str, results: Path, where: str) -> tuple[str, list[str]]:
 
     def one(m: re.Match[str]) -> str:
         name = m.group(2)
-        if name not in TABLES:
+        if name not in TABLES and name != "files":
             raise SystemExit(f"{where}: unknown bench block {name!r} "
                              f"(known: {', '.join(TABLES)})")
         body = render(name, results)
