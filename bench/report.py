@@ -93,6 +93,26 @@ def core_costs(r: Row) -> list[str]:
     return table(["figure", "value"], rows, right=2)
 
 
+def core_idle(r: Row) -> list[str]:
+    """bench_core --only idle: a leader and a standby per backend, default timing."""
+    rows = []
+    for key, backend in (("idle", "sqlite"), ("idle_postgres", "postgres"),
+                         ("idle_postgres_row", "postgres-row"),
+                         ("idle_kubernetes", "kubernetes")):
+        idle = r.get(key)
+        if not idle:
+            continue
+        lead, stand = idle["idle-leader"], idle["idle-standby"]
+        rows.append([backend, f"{lead['cpu_percent_of_core']:.2f} % / "
+                              f"{stand['cpu_percent_of_core']:.2f} %",
+                     f"{lead['rss_mb']} / {stand['rss_mb']} MB"])
+    where = next((r[k].get("state_dir_filesystem", "disk") for k in ("idle",) if k in r),
+                 "tmpfs")
+    seconds = next((r[k]["seconds"] for k in r if k.startswith("idle")), 0)
+    return table([f"backend (over {seconds:g} s, state directory on {where})",
+                  "idle CPU of a core, leader / standby", "RSS, leader / standby"], rows)
+
+
 def http_limits(r: Row) -> list[str]:
     w, fat, slow = r["waiters"], r.get("fat_heads"), r["slowloris"]
     rows = [
@@ -436,6 +456,7 @@ class Table:
 TABLES: dict[str, Table] = {
     "core": Table("core.json", core, "core"),
     "core-costs": Table("core.json", core_costs, "core"),
+    "core-idle": Table("core-idle.json", core_idle, "core_idle"),
     "http-limits": Table("http-limits.json", http_limits, "http_limits"),
     "exec": Table("exec.json", exec_, "exec"),
     "sqlite-commit": Table("sqlite-commit.json", sqlite_commit, "sqlite_commit"),

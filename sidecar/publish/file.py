@@ -173,26 +173,33 @@ class FilePublisher:
             self._timer.cancel()
             self._timer, self._due = None, math.inf
         for state in self._states:
-            for file in self._files[id(state)]:
-                if file.path in self._written:
-                    self._remove(file)
+            self._remove_all(self._files[id(state)])
 
     def _publish(self, state: LeaseState) -> bool:
         """Write or remove ``state``'s files; True while it leads (they need rewriting)."""
         claim = state.claim()
         if claim.leader:
+            # Before the write: a write that fails half-way may have replaced a name.
+            self._written.update(self._paths[id(state)])
             first, *others = self._files[id(state)]
             first.write(state.encoded(claim), also=others)
-            self._written.update(self._paths[id(state)])
             return True
-        for file in self._files[id(state)]:
-            if file.path in self._written:  # a standby has nothing to remove
-                self._remove(file)
+        self._remove_all(self._files[id(state)])
         return False
 
-    def _remove(self, file: AtomicFile) -> None:
-        file.remove()
-        self._written.discard(file.path)
+    def _remove_all(self, files: list[AtomicFile]) -> None:
+        """Remove each of ``files`` we may have written (a standby has none), all of them
+        even when one cannot be removed; then raise the first error."""
+        failed: OSError | None = None
+        for file in files:
+            if file.path in self._written:
+                try:
+                    file.remove()
+                    self._written.discard(file.path)
+                except OSError as exc:
+                    failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _tick(self) -> None:
         self._timer, self._due = None, math.inf
