@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench import record
 from bench.failover import failover_trials, summary
-from sidecar.durations import parse_duration
+from sidecar.base.clock import parse_duration
 from testkit.testbed.postgres import PgServer
 
 

@@ -31,9 +31,8 @@ sys.path.insert(0, str(REPO))
 
 from bench import record  # noqa: E402
 from bench.failover import failover_trials, pct, summary  # noqa: E402
-from sidecar.clock import SystemClock  # noqa: E402
+from sidecar.base.clock import SystemClock, parse_duration  # noqa: E402
 from sidecar.config import load  # noqa: E402
-from sidecar.durations import parse_duration  # noqa: E402
 from sidecar.lease import postgres_row  # noqa: E402
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver  # noqa: E402
 from sidecar.lease.sql.dialect import PostgresDialect  # noqa: E402

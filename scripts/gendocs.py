@@ -47,7 +47,7 @@ def _sentence(text: str) -> str:
 # --------------------------------------------------------------------------- settings
 
 def _duration(seconds: float) -> str:
-    from sidecar.durations import format_duration
+    from sidecar.base.clock import format_duration
 
     return format_duration(seconds)
 

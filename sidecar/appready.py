@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from sidecar.durations import format_duration
+from sidecar.base.clock import format_duration
 from sidecar.kubeapi import KubeClient, KubeError
 from sidecar.state import LeaseState
 

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
-from sidecar.dsn import DsnError
-from sidecar.durations import format_duration, parse_duration
-from sidecar.errors import ConfigError
+from sidecar.base.clock import format_duration, parse_duration
+from sidecar.base.dsn import DsnError
+from sidecar.base.errors import ConfigError
+from sidecar.base.names import validate_identifier
+from sidecar.base.redact import remember_secrets
 from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
-from sidecar.names import validate_identifier
-from sidecar.redact import remember_secrets
 from sidecar.settings import MAX_IDENTITY, Settings, StoreSettings, Timing, TimingError
 
 ROLES = ("all", "worker", "api")

@@ -26,8 +26,8 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 
-from sidecar.aio import first_of
-from sidecar.errors import Forbidden
+from sidecar.base.clock import first_of
+from sidecar.base.errors import Forbidden
 from sidecar.lease import Grant, Lease, successor_of
 from sidecar.publish import Publisher
 from sidecar.settings import RENEW_JITTER, Timing
@@ -89,6 +89,9 @@ class Elector:
             return False
         self._release_requested = True
         self._release_reason = reason
+        # No claim from now on: the wait for the last one starts here, not when the
+        # loop gets to the step-down (after a renew in flight, a commit on a busy disk).
+        self.state.update(released=True, reason=reason)
         self._wake.set()
         return True
 
@@ -152,7 +155,6 @@ class Elector:
             if to is not None and to != self.identity:
                 self._handover = ("shutdown", to)
                 reason = f"handed over to {to} (shutdown)"
-                await self._name_successor()
         await self._step_down(reason, release=True)
 
     async def _acquire_once(self) -> None:
@@ -247,7 +249,6 @@ class Elector:
                                       watch_lease=False, watch_loss=True)
         if self._release_requested:
             self._release_requested = False
-            await self._name_successor()
             await self._step_down(self._release_reason, release=True)
             await self._sleep_or_wake(self.timing.lease_duration, watch_lease=False)
             return
@@ -288,10 +289,21 @@ class Elector:
         # No claim is handed out from here on; the latest one handed out so far may
         # still run (at most one horizon, never past the lease's validity).
         outstanding = self.state.issued_until
-        await self._notify()
+        # A hand-over's hint is written while the publishers are told and the last
+        # claim runs out, not before: the named standby then leads two claim horizons
+        # after the request, plus the release's and its acquire's round trips (the
+        # hint's own round trips, and the advisory lock's queue, cost nothing more).
+        # Only a release hands over: the hint is dropped on a loss.
+        naming = asyncio.ensure_future(self._name_successor(named=release))
         waited = 0.0
+        try:
+            await self._notify()
+            if release:
+                waited = await self._claims_expired(outstanding)
+        finally:
+            # Before the release, so that standbys see the hint before the free lease.
+            await asyncio.shield(naming)
         if release:
-            waited = await self._claims_expired(outstanding)
             try:
                 async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
                     await self.lease.release()
@@ -303,11 +315,12 @@ class Elector:
         log.info("stepped down", extra={**self._fields(token), "reason": reason,
                                         "waited_for_claims_ms": round(waited * 1000, 1)})
 
-    async def _name_successor(self) -> None:
-        """Before a hand-over's step-down: count it, and leave the hint that names the
-        successor (bounded; a failure only costs the preference, never safety)."""
+    async def _name_successor(self, named: bool = True) -> None:
+        """In a hand-over's step-down, before the release: count it, and leave the hint
+        that names the successor (bounded; a failure only costs the preference, never
+        safety). ``named`` False: the term ended otherwise; forget the hand-over."""
         handover, self._handover = self._handover, None
-        if handover is None:
+        if handover is None or not named:
             return
         why, to = handover
         self.state.handovers[why] = self.state.handovers.get(why, 0) + 1
@@ -364,7 +377,7 @@ class Elector:
     async def _call(self, what: str, call: Awaitable[Grant]) -> Grant | None:
         """Run a backend call; map failures to ``None`` and log reachability changes.
 
-        Each call that ends is timed into the state for the metrics (``sidecar.stats``).
+        Each call that ends is timed into the state for the metrics (``sidecar.base.stats``).
         """
         started = self._clock.monotonic()
         try:

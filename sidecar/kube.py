@@ -22,7 +22,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 
 if TYPE_CHECKING:
     import kopf

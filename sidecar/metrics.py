@@ -27,10 +27,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sidecar import __version__
+from sidecar.base.stats import OPERATIONS, OUTCOMES
 from sidecar.elector import HANDOVER_REASONS
 from sidecar.publish.http.limits import Limits
 from sidecar.state import LeaseState
-from sidecar.stats import OPERATIONS, OUTCOMES
 
 PREFIX = "lease_sidecar_"
 

@@ -19,14 +19,14 @@ from typing import Any
 
 from sidecar import watchdog
 from sidecar.appready import AppReadiness
-from sidecar.clock import SystemClock
+from sidecar.base.clock import SystemClock
+from sidecar.base.errors import ConfigError
+from sidecar.base.redact import redact_tree
 from sidecar.elector import Elector
-from sidecar.errors import ConfigError
 from sidecar.lease import Backend, create_backend
 from sidecar.publish import Publisher
 from sidecar.publish.file import FilePublisher
 from sidecar.publish.http import HeartbeatAnswer, HttpServer, ReleaseOutcome, build_app
-from sidecar.redact import redact_tree
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
 from sidecar.statedir import resolve_state_dir

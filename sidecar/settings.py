@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sidecar.durations import format_duration
-from sidecar.errors import ConfigError
-from sidecar.names import prefixed
-from sidecar.redact import redact
+from sidecar.base.clock import format_duration
+from sidecar.base.errors import ConfigError
+from sidecar.base.names import prefixed
+from sidecar.base.redact import redact
 
 # An identity longer than this would not fit the row backends' owner column.
 MAX_IDENTITY = 128

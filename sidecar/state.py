@@ -31,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sidecar.clock import Clock, SystemClock, epoch_ms, rfc3339
-from sidecar.stats import CallStats
+from sidecar.base.clock import Clock, SystemClock, epoch_ms, rfc3339
+from sidecar.base.stats import CallStats
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class LeaseState:
         return new
 
     def observe_call(self, operation: str, seconds: float, outcome: str) -> None:
-        """One backend round trip (see :mod:`sidecar.stats`), for the metrics."""
+        """One backend round trip (see :mod:`sidecar.base.stats`), for the metrics."""
         self.stats.observe(operation, seconds, outcome, self.clock.wall())
 
     # -- read by publishers ----------------------------------------------------------

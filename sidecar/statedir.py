@@ -33,7 +33,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from sidecar.errors import ConfigError
+from sidecar.base.errors import ConfigError
 from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar")

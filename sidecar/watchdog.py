@@ -20,8 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
-from sidecar.clock import rfc3339
-from sidecar.durations import format_duration
+from sidecar.base.clock import format_duration, rfc3339
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.watchdog")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -101,6 +103,72 @@ def role_column(cp: ControlPlane, namespace: str) -> dict[str, str]:
 
 def leaders(processes: list[SidecarProcess]) -> list[SidecarProcess]:
     return [p for p in processes if p.proc and p.proc.poll() is None and p.leader() == 200]
+
+
+class LeaderLabels:
+    """Polls which pods of a namespace are labelled ``lease-role=leader`` (admin, one LIST
+    every ``interval`` seconds, in a thread) and keeps the longest stretch during which
+    two or more were: the "never two ``leader`` pods for longer than 5 s" check.
+
+    A stretch runs from the first sample that saw two leaders to the first that saw at
+    most one (or to :meth:`stop`). A LIST that fails (the apiserver is down) is no sample:
+    it neither starts nor ends a stretch. The thread stops by itself after ``limit`` s.
+    """
+
+    def __init__(self, cp: ControlPlane, namespace: str, interval: float = 0.1,
+                 limit: float = 600.0) -> None:
+        self._url = (f"{cp.server}/api/v1/namespaces/{namespace}/pods"
+                     "?labelSelector=lease-role%3Dleader")
+        self._ssl = cp.admin_ssl_context()
+        self._interval, self._limit = interval, limit
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.samples = 0  # LISTs answered
+        self.longest = 0.0  # seconds: the longest stretch with two or more leaders
+        self.worst: list[str] = []  # the pods of that stretch's first sample
+        self._since: float | None = None
+        self._seen: list[str] = []
+
+    def __enter__(self) -> LeaderLabels:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._close(time.monotonic())
+
+    def assert_never_two_longer_than(self, bound: float) -> None:
+        self.stop()
+        assert self.samples > 0, "the leader-label poller got no answer"
+        assert self.longest < bound, (
+            f"two or more pods labelled leader for {self.longest:.2f} s: {self.worst}")
+
+    def _close(self, now: float) -> None:
+        if self._since is not None and now - self._since > self.longest:
+            self.longest, self.worst = now - self._since, self._seen
+        self._since = None
+
+    def _run(self) -> None:
+        ends = time.monotonic() + self._limit
+        while not self._stop.is_set() and time.monotonic() < ends:
+            try:
+                with urllib.request.urlopen(self._url, timeout=1, context=self._ssl) as answer:
+                    items = json.loads(answer.read())["items"]
+            except (urllib.error.URLError, OSError, ValueError):
+                items = None
+            now = time.monotonic()
+            if items is not None:
+                self.samples += 1
+                names = sorted(item["metadata"]["name"] for item in items)
+                if len(names) >= 2 and self._since is None:
+                    self._since, self._seen = now, names
+                elif len(names) < 2:
+                    self._close(now)
+            self._stop.wait(self._interval)
 
 
 @dataclass

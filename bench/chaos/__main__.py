@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from bench import record
-from sidecar.durations import parse_duration
+from sidecar.base.clock import parse_duration
 from testkit.chaos.backends import ChaosTiming, make_env
 from testkit.chaos.faults import ALL_FAULTS
 from testkit.chaos.harness import Config, Harness

@@ -1,10 +1,6 @@
 """``lease-sidecar run | exec | schema | status | handover | operator``.
 
-Exit codes: ``sidecar.errors`` (``EXIT_*``), told to users in docs/cli.md's table.
-
-Each command imports what only it needs when it runs (``exec``'s process supervision,
-``status``, ``handover``): ``run`` starts by importing what it serves ``/healthz`` with
-and nothing more (``tests/unit/test_start_imports.py``).
+Exit codes: ``sidecar.base.errors`` (``EXIT_*``), told to users in docs/cli.md's table.
 """
 
 from __future__ import annotations
@@ -17,10 +13,10 @@ import sys
 from collections.abc import Sequence
 
 import sidecar
-from sidecar import config, jsonlog
-from sidecar.aio import first_of
-from sidecar.durations import parse_duration
-from sidecar.errors import (
+from sidecar import config
+from sidecar.base import jsonlog
+from sidecar.base.clock import first_of, parse_duration
+from sidecar.base.errors import (
     EXIT_BAD_SETTINGS,
     EXIT_FAILED,
     EXIT_NO_SUCH_LEASE,
@@ -28,8 +24,8 @@ from sidecar.errors import (
     ConfigError,
     NotFound,
 )
+from sidecar.base.redact import redact
 from sidecar.lease import backend_entry
-from sidecar.redact import redact
 from sidecar.runtime import Sidecar
 from sidecar.settings import Settings
 

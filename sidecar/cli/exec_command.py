@@ -13,9 +13,9 @@ import logging
 import os
 import signal
 
-from sidecar.aio import first_of
+from sidecar.base.clock import first_of
+from sidecar.base.errors import EXIT_BAD_SETTINGS, EXIT_NOT_ACQUIRED
 from sidecar.cli import exec_supervise
-from sidecar.errors import EXIT_BAD_SETTINGS, EXIT_NOT_ACQUIRED
 from sidecar.runtime import Sidecar
 from sidecar.settings import Settings
 from sidecar.state import LeaseState

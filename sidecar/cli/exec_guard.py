@@ -59,7 +59,7 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in (
     "SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGPWR")
     if hasattr(signal, name))
 
-# sidecar.errors.EXIT_CANNOT_EXECUTE / EXIT_COMMAND_NOT_FOUND: this file runs as a
+# sidecar.base.errors.EXIT_CANNOT_EXECUTE / EXIT_COMMAND_NOT_FOUND: this file runs as a
 # stdlib-only script (python -I -S) and cannot import them; a unit test holds them equal.
 EXIT_CANNOT_EXECUTE = 126
 EXIT_COMMAND_NOT_FOUND = 127

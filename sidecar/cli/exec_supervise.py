@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from sidecar.base.errors import EXIT_CANNOT_EXECUTE, EXIT_COMMAND_NOT_FOUND
 from sidecar.cli import exec_guard
-from sidecar.errors import EXIT_CANNOT_EXECUTE, EXIT_COMMAND_NOT_FOUND
 
 log = logging.getLogger("sidecar.exec")
 

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from sidecar.errors import EXIT_FAILED, EXIT_NO_SUCH_LEASE
+from sidecar.base.errors import EXIT_FAILED, EXIT_NO_SUCH_LEASE
 from sidecar.settings import Settings
 
 TIMEOUT = 5.0

@@ -9,7 +9,7 @@ nobody holds (released, expired) is shown with holder ``-``.
 
 Output: a table for people, or with ``--json`` one JSON document for programs
 (``{"backend", "key_prefix", "leases": [...], "unknown": [...]}``). Times are written as
-``/leader`` writes them (:func:`sidecar.clock.rfc3339`: UTC, milliseconds, ``Z``).
+``/leader`` writes them (:func:`sidecar.base.clock.rfc3339`: UTC, milliseconds, ``Z``).
 
 Exit codes: 0 every lease asked for exists (held or free); 3 a lease asked for, the
 database file or the lease table does not exist (nothing is created); the CLI adds 1 for
@@ -23,8 +23,8 @@ import sys
 from datetime import datetime
 from typing import Any, TextIO
 
-from sidecar.clock import rfc3339
-from sidecar.errors import EXIT_NO_SUCH_LEASE, ConfigError
+from sidecar.base.clock import rfc3339
+from sidecar.base.errors import EXIT_NO_SUCH_LEASE, ConfigError
 from sidecar.lease import LeaseInfo, backend_entry
 from sidecar.settings import Settings
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import kopf
 
-from sidecar import jsonlog
+from sidecar.base import jsonlog
 from sidecar.config import parse_addr
 from sidecar.injector import tls, webhook
 from sidecar.injector.inject import InjectionSpec

@@ -20,7 +20,7 @@ directory from ``appMount``, the volumes, the container's port), never from here
 
 Per-pod settings come from annotations (``lease-sidecar/name``, ``lease-sidecar/role``)
 and are validated here with the sidecar's own rules (for the kubernetes backend, the
-Lease object name rule of :mod:`sidecar.names`), so a typo rejects the Pod with a clear
+Lease object name rule of :mod:`sidecar.base.names`), so a typo rejects the Pod with a clear
 message instead of producing a crash-looping sidecar.
 
 The lease name is required: a Pod without ``lease-sidecar/name`` is refused. A default
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sidecar.base.names import object_name_problem, prefixed
 from sidecar.config import ROLES, parse_names
-from sidecar.names import object_name_problem, prefixed
 
 OPT_IN_LABEL = "lease-sidecar/inject"
 INJECTED_ANNOTATION = "lease-sidecar/injected"

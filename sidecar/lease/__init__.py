@@ -23,8 +23,8 @@ from datetime import datetime
 from fractions import Fraction
 from typing import Any, Protocol
 
-from sidecar.clock import Clock
-from sidecar.errors import ConfigError
+from sidecar.base.clock import Clock
+from sidecar.base.errors import ConfigError
 from sidecar.settings import HoldsBy, Settings
 
 
@@ -185,7 +185,7 @@ class BackendEntry:
     default_table: str = "leases"
     # True where LEASE_REPLICA_DSN means something (row leases on a server).
     takes_replica: bool = False
-    # The syntax check of LEASE_DSN and LEASE_REPLICA_DSN; raises sidecar.dsn.DsnError.
+    # The syntax check of LEASE_DSN and LEASE_REPLICA_DSN; raises sidecar.base.dsn.DsnError.
     check_dsn: Callable[[str], None] | None = None
     # (seconds, why): the least safety margin that is safe against this backend's peers.
     min_safety_margin: tuple[float, str] | None = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sidecar.dsn import check_postgres_url
+from sidecar.base.dsn import check_postgres_url
 from sidecar.lease.sql.dialect import PostgresDialect
 from sidecar.lease.sql.entry import SqlRowEntry
 from sidecar.settings import StoreSettings

@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from sidecar.clock import Clock, SystemClock
-from sidecar.errors import BackendError
+from sidecar.base.clock import Clock, SystemClock
+from sidecar.base.errors import BackendError
 from sidecar.lease import Grant, Holder
 from sidecar.settings import Settings, Timing
 
@@ -94,6 +94,13 @@ class RowStore(Protocol):
     async def close(self) -> None: ...
 
 
+def _release_to(store: RowStore) -> Callable[[str, str, str, str, float], Awaitable[None]] | None:
+    """The store's optional ``release_to(name, owner, hint, successor, bound)``: release
+    and write the hand-over hint in one commit (:meth:`.sqlite.store.SqliteStore.release_to`)."""
+    method = getattr(store, "release_to", None)
+    return method if callable(method) else None
+
+
 @dataclass
 class ReplicaCheck:
     store: RowStore
@@ -134,6 +141,9 @@ class RowLease:
         # Monotonic: until when a row we wrote may still be live (ours, not a duplicate's).
         self._own_row_until = float("-inf")
         self._duplicate_warned = False
+        # (identity, bound): the hint the release writes, where the store writes both in
+        # one commit (:meth:`hand_to`).
+        self._successor: tuple[str, float] | None = None
 
     async def try_acquire(self) -> Grant:
         if self._token is not None:
@@ -152,6 +162,7 @@ class RowLease:
             await self._store.release(self._key, self._owner)
             return Grant(held=False, holder=None, reason="replica did not confirm in time")
         self._token = self._version = row.version
+        self._successor = None  # named in an earlier term that ended without a release
         self._own_row_until = sent + self._duration + self._margin
         self._duplicate_warned = False
         return Grant(held=True, valid_for=self._valid_for, fencing_token=self._token,
@@ -192,8 +203,13 @@ class RowLease:
 
     async def release(self) -> None:
         self._token = self._version = None
+        successor, self._successor = self._successor, None
+        release_to = _release_to(self._store)
         with contextlib.suppress(Refused):
-            await self._store.release(self._key, self._owner)
+            if successor is not None and release_to is not None:
+                await release_to(self._key, self._owner, self._key + HINT_SUFFIX, *successor)
+            else:
+                await self._store.release(self._key, self._owner)
 
     async def describe(self) -> Holder:
         row = await self._store.read(self._key)
@@ -209,7 +225,12 @@ class RowLease:
         """Write the hint row: owned by ``identity``, expiring ``bound`` seconds from
         now by the database's clock. The store's own acquire writes it, so a plain role
         that can hold a lease can write it, and no table change is needed; a live hint
-        naming someone else (an earlier hand-over) is removed first."""
+        naming someone else (an earlier hand-over) is removed first. A store that can
+        release and write the hint in one commit (SQLite, whose commits are disk syncs)
+        does both in :meth:`release`: standbys see the free lease and the hint at once."""
+        if _release_to(self._store) is not None:
+            self._successor = (identity, bound)
+            return
         hint = self._key + HINT_SUFFIX
         earlier = await self._store.read(hint)
         if earlier is not None and earlier.owner != identity:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sidecar.dsn import check_odbc
+from sidecar.base.dsn import check_odbc
 from sidecar.lease.sql.dialect import TsqlDialect
 from sidecar.lease.sql.entry import SqlRowEntry
 from sidecar.settings import StoreSettings

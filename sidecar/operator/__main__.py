@@ -13,7 +13,7 @@ import sys
 
 import kopf
 
-from sidecar import jsonlog
+from sidecar.base import jsonlog
 from sidecar.config import parse_addr
 from sidecar.injector import __main__ as injector
 from sidecar.injector import webhook

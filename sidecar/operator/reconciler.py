@@ -10,7 +10,10 @@ back in its group.
 Convergence, whatever happened: a group whose reconcile failed (apiserver down, a 409
 because the pod changed since it was judged, permissions missing) stays dirty and is tried
 again every :data:`RETRY_EVERY` seconds; every group is reconciled again every
-:data:`RESYNC_EVERY` seconds even without events (a Lease that expired, an event lost).
+:data:`RESYNC_EVERY` seconds even without events (an event lost). A ``kubernetes`` group
+whose holder's pod says ``leader`` is judged again when the Lease it read runs out, so a
+holder killed with nobody to take over loses its label within :data:`RETRY_EVERY` of its
+Lease expiring (one Lease GET per lease duration while the holder renews).
 Every label write carries the resourceVersion it was judged on, so a sidecar's own newer
 write always wins over the operator's.
 """
@@ -43,6 +46,7 @@ class Reconciler:
         self._dirty: set[Group] = set()
         self._locks: dict[Group, asyncio.Lock] = {}
         self._failing: set[Group] = set()
+        self._expiry: dict[Group, float] = {}  # wall time the Lease judged runs out
 
     # -- inputs ------------------------------------------------------------------------
     async def on_pod(self, pod: dict[str, Any], deleted: bool) -> None:
@@ -65,6 +69,8 @@ class Reconciler:
             if time.monotonic() - last_full >= RESYNC_EVERY:
                 last_full = time.monotonic()
                 self._dirty |= {(v.namespace, v.group) for v in self.pods.values()}
+            now = time.time()
+            self._dirty |= {group for group, at in self._expiry.items() if at <= now}
             for group in list(self._dirty):
                 await self.reconcile(group)
 
@@ -73,6 +79,7 @@ class Reconciler:
         lock = self._locks.setdefault(group, asyncio.Lock())
         async with lock:
             self._dirty.discard(group)
+            self._expiry.pop(group, None)
             try:
                 await self._reconcile(group)
             except KubeError as exc:
@@ -88,6 +95,7 @@ class Reconciler:
                          extra={"namespace": group[0], "group": group[1]})
             if not any((v.namespace, v.group) == group for v in self.pods.values()):
                 self._locks.pop(group, None)
+                self._expiry.pop(group, None)
 
     async def _reconcile(self, group: Group) -> None:
         namespace, _ = group
@@ -101,7 +109,12 @@ class Reconciler:
                 truth = LeaseTruth.of(await self.client.get_or_none(
                     f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace)}/leases/"
                     f"{quote(members[0].note['object'])}"))
-        for name, labels in desired_labels(members, truth, time.time()).items():
+        now = time.time()
+        if truth is not None and truth.expires is not None and any(
+                v.says_leader and truth.holds(str(v.note.get("identity")), now)
+                for v in members):
+            self._expiry[group] = truth.expires  # its leader label is stale from then
+        for name, labels in desired_labels(members, truth, now).items():
             view = self.pods[(namespace, name)]
             patch = {"metadata": {"labels": labels, "resourceVersion": view.version}}
             try:

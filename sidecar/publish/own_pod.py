@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from sidecar.errors import ConfigError
+from sidecar.base.errors import ConfigError
 from sidecar.settings import Settings
 
 

@@ -12,17 +12,21 @@ What the sidecar writes, with plain PATCHes (:mod:`sidecar.kubeapi`, no kopf):
   own pod and returns once the apiserver accepted the patch, which is what makes "unpublish,
   then release" hold for the label: the label says ``standby`` before the lease is given
   back, and says ``leader`` only after the lease was acquired.
-- When our term begins, one LIST of the group's pods labelled ``leader`` and a PATCH to
-  ``standby`` for each other pod (a holder killed without cleanup), each guarded by the
-  resourceVersion we judged and done only while we still lead. So without any operator,
-  every leadership change leaves at most one ``leader`` pod in the group.
+- When our term begins, one LIST of the namespace's pods labelled ``leader`` and a PATCH
+  to ``standby`` for each other pod of our group (a holder killed without cleanup, a
+  label set by hand; found by its group label or, if that was edited, by its
+  annotation's lease object), each guarded by the resourceVersion we judged and done only
+  while we still lead. So without any operator, every leadership change leaves at most
+  one ``leader`` pod in the group.
 - Labels converge: a failed write (apiserver down, ``patch`` on pods revoked) is retried
   with backoff (at most :data:`RETRY_MAX` apart) until it succeeds, demotion included, so
   the labels are right within seconds of the apiserver and the permissions coming back.
 
-What only the operator does (``lease-sidecar operator``, docs/operator.md): restoring a
-label someone edited by hand, repairing the group label, and demoting a stale ``leader``
-between leadership changes.
+What only the operator does (``lease-sidecar operator``, docs/operator.md): putting back,
+within a second, any label someone edited by hand and any group label (the sidecar never
+reads its own pod back: an edit stays until its next transition, or, for a ``leader``
+label, the group's next leadership change), and demoting a stale ``leader`` between
+leadership changes (a holder killed with nobody to take over).
 
 The label is advisory (the lease and the claim rules are the truth): a dead apiserver must
 not keep a lease that could pass on, so the elector gives up waiting for the patch after
@@ -63,6 +67,17 @@ def group_value(object_name: str) -> str:
     digest = hashlib.sha256(object_name.encode()).hexdigest()[:12]
     head = re.sub(r"[^A-Za-z0-9_.-]", "-", object_name)[:50].strip("-_.")
     return f"{head}-{digest}" if head else digest
+
+
+def note_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """A pod's ``lease-sidecar/lease`` annotation, parsed; {} if missing or malformed."""
+    try:
+        note = json.loads(meta["annotations"][ANNOTATION])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    return note if isinstance(note, dict) else {}
+
+
 
 
 @dataclass(frozen=True)
@@ -193,14 +208,19 @@ class PodLabelPublisher:
             self._failing, delay = False, RETRY_FIRST
 
     async def _demote_others(self) -> None:
-        """One LIST of the group's ``leader`` pods, a guarded PATCH for each other one."""
+        """One LIST of the namespace's ``leader`` pods, a guarded PATCH to ``standby`` for
+        each other one of our group: by its group label, or by its annotation's lease
+        object when its group label was edited. Nothing else: the pod-patch policy
+        (deploy/pod-patch-policy.yaml) lets a sidecar change another pod only from
+        ``leader`` to ``standby``."""
         assert self._client is not None
-        found = await self._client.list(
-            self._own.pods_path(),
-            labelSelector=f"{GROUP_LABEL}={self._group},{ROLE_LABEL}=leader")
+        found = await self._client.list(self._own.pods_path(),
+                                        labelSelector=f"{ROLE_LABEL}=leader")
         for pod in found.get("items", []):
             meta = pod["metadata"]
-            if meta["name"] == self._own.name or not self._leads():
+            ours = ((meta.get("labels") or {}).get(GROUP_LABEL) == self._group
+                    or note_of(meta).get("object") == self._object)
+            if not ours or meta["name"] == self._own.name or not self._leads():
                 continue
             patch = {"metadata": {"labels": {ROLE_LABEL: "standby"},
                                   # only the version we judged: a newer write wins

@@ -3,7 +3,7 @@ registry builds it, and who holds the lock by ``pg_locks``."""
 
 from __future__ import annotations
 
-from sidecar.clock import SystemClock
+from sidecar.base.clock import SystemClock
 from sidecar.lease.postgres_advisory import AdvisoryBackend, create
 from sidecar.lease.postgres_advisory.sql import lock_halves, lock_id
 from sidecar.settings import Settings, StoreSettings, Timing

@@ -37,7 +37,7 @@ from testkit.testbed.postgres import PgServer
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
-# /leader's format (sidecar.clock.rfc3339): UTC, milliseconds, Z.
+# /leader's format (sidecar.base.clock.rfc3339): UTC, milliseconds, Z.
 RFC3339_MS = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 HEADER = ["LEASE", "HOLDER", "FENCING TOKEN", "EXPIRES"]
 

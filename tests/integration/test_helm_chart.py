@@ -238,7 +238,7 @@ def test_no_pod_or_event_rules_without_the_label() -> None:
     ["lease.keyPrefix=Prefix"],
 ], ids=["upper", "second-name", "lease-names", "prefix"])
 def test_kubernetes_lease_names_must_be_object_names(values: list[str]) -> None:
-    """The same rule as the backend (sidecar/names.py), before anything is installed."""
+    """The same rule as the backend (sidecar/base/names.py), before anything is installed."""
     proc = template("r", "apps", values, check=False)
     assert proc.returncode != 0
     # One line (helm adds its own hint about --debug below it).

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from testkit.kube_support import (
+    LeaderLabels,
     Recorder,
     create_pods,
     install_rbac,
@@ -143,19 +144,65 @@ def test_labels_converge_after_pods_patch_is_revoked_and_restored(
     rest = [p for p in group[:3] if p is not old]
     settled(cp, ns, old.identity, [p.identity for p in rest])
     verbs = "/rules/0/verbs"
-    cp.kubectl("-n", ns, "patch", "role", "lease-sidecar", "--type=json", "-p", json.dumps(
-        [{"op": "replace", "path": verbs, "value": ["get", "list", "watch"]}]))
-    try:
-        time.sleep(0.5)
-        old.signal(signal.SIGTERM)
-        new = wait_until(lambda: leaders(rest), timeout=8)[0]
-        time.sleep(3.0)  # several refused retries
-        roles = role_column(cp, ns)
-        assert roles[old.identity] == "leader" and roles[new.identity] == "standby"
-    finally:
-        cp.kubectl("-n", ns, "patch", "role", "lease-sidecar", "--type=json", "-p", json.dumps(
-            [{"op": "replace", "path": verbs, "value": ["get", "list", "watch", "patch"]}]))
-    restored = time.monotonic()
-    settled(cp, ns, new.identity, [p.identity for p in group[:3] if p is not new], timeout=5)
-    assert time.monotonic() - restored < 5
+    with LeaderLabels(cp, ns) as poller:
+        cp.kubectl("-n", ns, "patch", "role", "lease-sidecar", "--type=json", "-p",
+                   json.dumps([{"op": "replace", "path": verbs,
+                                "value": ["get", "list", "watch"]}]))
+        try:
+            time.sleep(0.5)
+            old.signal(signal.SIGTERM)
+            new = wait_until(lambda: leaders(rest), timeout=8)[0]
+            time.sleep(3.0)  # several refused retries
+            roles = role_column(cp, ns)
+            assert roles[old.identity] == "leader" and roles[new.identity] == "standby"
+        finally:
+            cp.kubectl("-n", ns, "patch", "role", "lease-sidecar", "--type=json", "-p",
+                       json.dumps([{"op": "replace", "path": verbs,
+                                    "value": ["get", "list", "watch", "patch"]}]))
+        restored = time.monotonic()
+        settled(cp, ns, new.identity, [p.identity for p in group[:3] if p is not new],
+                timeout=5)
+        assert time.monotonic() - restored < 5
+    poller.assert_never_two_longer_than(5)
     assert "pod label written again" in new.logs()
+
+
+def test_every_new_leader_demotes_the_groups_other_leader_labels(
+    control_plane: ControlPlane, kube_namespace: str, group: list[SidecarProcess]
+) -> None:
+    """Without any operator, on two leadership changes in a row: the new leader lists the
+    namespace's pods labelled ``leader`` and demotes every other one of its group to
+    ``standby``, within 5 s of its term beginning. First a pod whose sidecar died leading
+    and whose group label was edited since (found by its annotation) while the leader is
+    SIGTERMed; then the label of a leader SIGKILLed (nobody cleaned up)."""
+    cp, ns = control_plane, kube_namespace
+    contenders = group[:3]
+    first = leaders(contenders)[0]
+    settled(cp, ns, first.identity, [p.identity for p in contenders if p is not first])
+    dead = "web-9"
+    create_pods(cp, ns, dead)
+    cp.kubectl("-n", ns, "annotate", "pod", dead, "lease-sidecar/lease=" + json.dumps({
+        "lease": "jobs", "identity": dead, "role": "leader", "fencing_token": 1,
+        "object": "lease-sidecar.jobs", "backend": "kubernetes"}))
+    with LeaderLabels(cp, ns) as poller:
+        cp.kubectl("-n", ns, "label", "pod", dead, "lease-role=leader",
+                   "lease-sidecar/group=elsewhere")
+        first.signal(signal.SIGTERM)
+        second = wait_until(lambda: leaders([p for p in contenders if p is not first]),
+                            timeout=8)[0]
+        began = time.monotonic()
+        settled(cp, ns, second.identity,
+                [p.identity for p in contenders if p is not second] + [dead], timeout=5)
+        assert time.monotonic() - began < 5
+        assert "demoted stale leader label" in second.logs()
+
+        second.signal(signal.SIGKILL)
+        last = wait_until(lambda: leaders([p for p in contenders
+                                           if p not in (first, second)]), timeout=8)[0]
+        began = time.monotonic()
+        roles = settled(cp, ns, last.identity,
+                        [p.identity for p in contenders if p is not last] + [dead],
+                        timeout=5)
+        assert time.monotonic() - began < 5
+        assert roles[second.identity] == "standby"
+    poller.assert_never_two_longer_than(5)

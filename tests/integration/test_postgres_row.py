@@ -15,9 +15,9 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from sidecar.clock import SystemClock
+from sidecar.base.clock import SystemClock
+from sidecar.base.errors import BackendError, NotFound
 from sidecar.config import load
-from sidecar.errors import BackendError, NotFound
 from sidecar.lease import postgres_row
 from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sql.asyncpg_driver import AsyncpgDriver

@@ -22,9 +22,9 @@ from urllib.parse import urlsplit
 import pyodbc
 import pytest
 
-from sidecar.clock import SystemClock
+from sidecar.base.clock import SystemClock
+from sidecar.base.errors import BackendError, NotFound
 from sidecar.config import load
-from sidecar.errors import BackendError, NotFound
 from sidecar.lease import sqlserver
 from sidecar.lease.rowlease import ReplicaCheck, RowLease
 from sidecar.lease.sql.dialect import PostgresDialect, Statement

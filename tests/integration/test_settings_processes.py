@@ -202,7 +202,7 @@ async def test_accepted_urls_connect_and_refused_ones_never_could(pg) -> None:
 
     import asyncpg
 
-    from sidecar.dsn import _PG_UNSUPPORTED, DsnError, check_postgres_url
+    from sidecar.base.dsn import _PG_UNSUPPORTED, DsnError, check_postgres_url
 
     pw = urllib.parse.quote(pg.password, safe="")
     base = f"postgresql://lease:{pw}@127.0.0.1:{pg.port}/lease"

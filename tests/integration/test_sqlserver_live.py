@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.base.errors import BackendError
 from sidecar.config import load
-from sidecar.errors import BackendError
 from sidecar.lease import sqlserver
 from sidecar.lease.rowlease import ReplicaCheck, RowLease
 from sidecar.lease.sql.dialect import Statement, TsqlDialect

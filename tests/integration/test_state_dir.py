@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.errors import ConfigError
+from sidecar.base.errors import ConfigError
 from sidecar.runtime import resolve_state_dir
 from sidecar.settings import Settings
 from sidecar.statedir import private_dir

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 from sidecar.lease import Grant, Holder
 
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from sidecar.clock import Clock
+from sidecar.base.clock import Clock
 from sidecar.lease import BackendEntry, Grant, Holder
 from sidecar.settings import Settings, Timing
 

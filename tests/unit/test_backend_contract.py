@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.clock import SystemClock
+from sidecar.base.clock import SystemClock
 from sidecar.elector import Elector
 from sidecar.lease import Backend, BackendEntry, backend_entry
 from sidecar.settings import Settings, StoreSettings, Timing

@@ -13,8 +13,8 @@ from datetime import UTC, datetime
 import pytest
 
 from sidecar import config
+from sidecar.base.clock import rfc3339
 from sidecar.cli import status as cli_status
-from sidecar.clock import rfc3339
 from sidecar.lease import LeaseInfo
 
 EXPIRES = datetime(2025, 5, 1, 12, 0, 3, 250999, tzinfo=UTC)

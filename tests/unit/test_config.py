@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from sidecar import config
+from sidecar.base.dsn import DsnError, check_odbc, check_postgres_url, check_sqlite, parse_odbc
+from sidecar.base.redact import forget_secrets
 from sidecar.config import ConfigError, format_duration, parse_duration
-from sidecar.dsn import DsnError, check_odbc, check_postgres_url, check_sqlite, parse_odbc
 from sidecar.lease import backend_entry
-from sidecar.redact import forget_secrets
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from sidecar.errors import BackendError, NotFound
+from sidecar.base.errors import BackendError, NotFound
 from sidecar.lease.sql.dialect import Statement, TsqlDialect
 from sidecar.lease.sql.store import SqlRowStore
 

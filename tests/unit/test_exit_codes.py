@@ -1,11 +1,11 @@
-"""Every exit code has one home (sidecar.errors) and one table telling users about it."""
+"""Every exit code has one home (sidecar.base.errors) and one table telling users about it."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from sidecar import errors
+from sidecar.base import errors
 from sidecar.cli import exec_guard
 
 REPO = Path(__file__).resolve().parents[2]

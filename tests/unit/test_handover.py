@@ -5,12 +5,13 @@ and the real timing are tested with real processes in tests/integration/test_han
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import pytest
 
+from sidecar.base.errors import BackendError
 from sidecar.elector import Elector
-from sidecar.errors import BackendError
 from sidecar.lease import Grant, successor_of
 from sidecar.publish.events import EventPublisher
 from sidecar.settings import Settings, Timing
@@ -68,6 +69,33 @@ async def test_the_leader_names_its_successor_then_steps_down_the_safe_way():
     assert not state.facts.holding and state.facts.reason == "handed over to web-1"
     assert state.handovers == {"request": 1}
     assert state.transitions[-1]["event"] == "released"
+
+
+async def test_the_hint_is_written_while_the_last_claim_runs_out():
+    """Not before the step-down: the hint's round trips (a new session and the queue of
+    the advisory lock) came on top of the two claim horizons. Now the leader stops
+    claiming first and names the successor meanwhile; the release still waits for it."""
+    lease = HintLease(FakeClock())
+    elector, state = contender(lease)
+    await elector._acquire_once()
+    written = asyncio.Event()
+    seen: list[bool] = []
+    original = lease.hand_to
+
+    async def slow_hint(identity: str, bound: float) -> None:
+        seen.append(state.claim().leader)
+        await written.wait()
+        await original(identity, bound)
+
+    lease.hand_to = slow_hint  # type: ignore[method-assign]  # a scripted slow hint
+    elector.request_handover("web-1")
+    stepping_down = asyncio.ensure_future(elector._renew_once())
+    for _ in range(5):
+        await asyncio.sleep(0.01)  # the claims' wait (fake time) is over, the hint is not
+    assert seen == [False] and "release" not in names(lease)
+    written.set()
+    await stepping_down
+    assert names(lease)[-2:] == [f"hand_to web-1 {TIMING.lease_duration}", "release"]
 
 
 async def test_a_hint_that_cannot_be_written_costs_the_preference_not_the_release():

@@ -17,8 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "sidecar"
 # Lowest first. A module belongs to the layer of its longest matching prefix.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # Facts and helpers with no knowledge of leases.
-    ("sidecar", "sidecar.errors", "sidecar.names", "sidecar.redact", "sidecar.durations",
-     "sidecar.clock", "sidecar.stats", "sidecar.aio", "sidecar.dsn", "sidecar.jsonlog"),
+    ("sidecar", "sidecar.base"),
     # What a sidecar is told, as data.
     ("sidecar.settings",),
     # The Kubernetes API client, and what a contender may claim.

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from kopf._cogs.clients import api, auth
 
-from sidecar import jsonlog
+from sidecar.base import jsonlog
 from testkit.support import free_port
 
 

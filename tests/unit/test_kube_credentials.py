@@ -18,7 +18,7 @@ from typing import Any
 
 PROBE = """
 import json
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 from sidecar.injector.tls import api_client
 from sidecar.kubeapi import KubeClient, KubeError
 

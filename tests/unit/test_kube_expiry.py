@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from sidecar.errors import ConfigError
+from sidecar.base.errors import ConfigError
 from sidecar.lease.kubernetes import validate
 from sidecar.lease.kubernetes.expiry import Observer
 from sidecar.lease.kubernetes.record import Record, micro_time

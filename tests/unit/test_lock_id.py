@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.lease import pg_timeouts
+from sidecar.lease import pg_session
 from sidecar.lease.postgres_advisory.session import application_name, session_settings
 from sidecar.lease.postgres_advisory.sql import key_from_halves, lock_halves, lock_id, wait_lock_sql
 from sidecar.settings import StoreSettings, Timing
@@ -114,5 +114,5 @@ def test_sessions_turn_off_the_roles_timeouts_and_keep_their_own() -> None:
     assert values["idle_in_transaction_session_timeout"] == "0"
     assert values["idle_session_timeout"].endswith("ms")
     assert int(values["idle_session_timeout"].removesuffix("ms")) > 0
-    assert "idle_session_timeout" not in pg_timeouts.overrides(130000)
+    assert "idle_session_timeout" not in pg_session.overrides(130000)
     assert "set_config('lock_timeout', $6, true)" in wait_lock_sql(150000)

@@ -1,4 +1,4 @@
-"""The one Kubernetes object-name rule (sidecar.names), as the apiserver applies it."""
+"""The one Kubernetes object-name rule (sidecar.base.names), as the apiserver applies it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.names import MAX_OBJECT_NAME, is_object_name, object_name_problem, prefixed
+from sidecar.base.names import MAX_OBJECT_NAME, is_object_name, object_name_problem, prefixed
 
 
 @pytest.mark.parametrize("name", [
@@ -41,7 +41,7 @@ def test_prefix_and_problem_line() -> None:
 
 def test_names_is_a_bottom_layer_module() -> None:
     """It must import nothing from sidecar, so config, backends and injector can share it."""
-    source = (Path(__file__).resolve().parents[2] / "sidecar" / "names.py").read_text()
+    source = (Path(__file__).resolve().parents[2] / "sidecar" / "base" / "names.py").read_text()
     imported = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):

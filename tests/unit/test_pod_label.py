@@ -1,14 +1,17 @@
 """The pod label's claim rule: the state's own (``Facts.leads_at``), on a fake clock.
 
-The label's PATCHes and kopf handlers run against a real apiserver in
+The label's PATCHes and demotions run against a real apiserver in
 tests/integration/test_pod_labels.py; here only the decision "do we lead right now", which
-the kopf handlers ask before they demote another pod, and which must never disagree with
-``GET /leader``. Building the publisher connects to nothing (that happens in ``start``).
+the publisher asks before it demotes another pod, and which must never disagree with
+``GET /leader``, and how it reads another pod's annotation. Building the publisher
+connects to nothing (that happens in ``start``).
 """
+
+import json
 
 import pytest
 
-from sidecar.publish.pod_label import PodLabelPublisher
+from sidecar.publish.pod_label import ANNOTATION, PodLabelPublisher, note_of
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock
@@ -32,7 +35,7 @@ def test_the_label_demotes_others_exactly_while_get_leader_says_leader():
         clock.advance(step)
         issued = state.issued_until
         leads = label._leads()
-        assert state.issued_until == issued  # asking hands out no claim (kopf's thread)
+        assert state.issued_until == issued  # asking hands out no claim
         assert leads == state.claim().leader
         seen.append(leads)
     assert seen == [False, True, True, False]
@@ -52,3 +55,18 @@ def test_both_pod_publishers_refuse_to_start_outside_a_pod():
         PodLabelPublisher(outside, [state])
     with pytest.raises(ValueError, match=r"^pod events need POD_NAME and POD_NAMESPACE$"):
         EventPublisher(outside, [state])
+
+
+@pytest.mark.parametrize(("annotation", "note"), [
+    ({"role": "leader", "object": "lease-sidecar.jobs"},
+     {"role": "leader", "object": "lease-sidecar.jobs"}),
+    (None, {}),  # no annotation (not a sidecar's pod, or not written yet)
+    ("not json", {}),
+    ([1, 2], {}),
+])
+def test_the_demotion_reads_another_pods_annotation_or_nothing(annotation, note):
+    meta = {"name": "web-1"}
+    if annotation is not None:
+        text = annotation if isinstance(annotation, str) else json.dumps(annotation)
+        meta["annotations"] = {ANNOTATION: text}
+    assert note_of(meta) == note

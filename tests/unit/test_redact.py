@@ -6,8 +6,9 @@ import logging
 
 import pytest
 
-from sidecar import config, jsonlog
-from sidecar.redact import forget_secrets, redact, redact_tree, remember_secrets, secrets_in
+from sidecar import config
+from sidecar.base import jsonlog
+from sidecar.base.redact import forget_secrets, redact, redact_tree, remember_secrets, secrets_in
 
 
 @pytest.fixture(autouse=True)

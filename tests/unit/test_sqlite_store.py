@@ -5,7 +5,7 @@ import sqlite3
 
 import pytest
 
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 from sidecar.lease.rowlease import RowLease
 from sidecar.lease.sqlite import schema_sql, sqlite_path
 from sidecar.lease.sqlite.store import SqliteStore
@@ -76,7 +76,7 @@ async def test_release_wakes_a_waiting_standby(tmp_path):
     try:
         a, b = lease(a_store, "a"), lease(b_store, "b")
         await a.try_acquire()
-        await b.wait_for_change(0.05)  # primes the watcher
+        assert not (await b.try_acquire()).held  # a standby waits after a refused acquire
         loop = asyncio.get_running_loop()
         started = loop.time()
         waiter = asyncio.ensure_future(b.wait_for_change(5.0))
@@ -85,6 +85,53 @@ async def test_release_wakes_a_waiting_standby(tmp_path):
         await asyncio.wait_for(waiter, 2.0)
         assert loop.time() - started < 1.0
         assert (await b.try_acquire()).held
+    finally:
+        await a_store.close()
+        await b_store.close()
+
+
+async def test_a_release_before_the_wait_begins_is_not_missed(tmp_path):
+    """The release lands between the standby's refused acquire and its wait (a busy
+    host: the hand-over's hint woke it just before). Before, the standby took the files
+    as they were after its acquire's reply as \"seen\", the release with them, and slept
+    out its retry delay (the sqlite p99 of the hand-over benchmark)."""
+    a_store = SqliteStore(str(tmp_path / "l.db"), "leases")
+    b_store = SqliteStore(str(tmp_path / "l.db"), "leases")
+    try:
+        a, b = lease(a_store, "a"), lease(b_store, "b")
+        assert (await a.try_acquire()).held
+        assert not (await b.try_acquire()).held
+        await a.release()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await b.wait_for_change(3.0)
+        assert loop.time() - started < 1.0
+        assert (await b.try_acquire()).held
+        # Nothing new since b's acquire: its wait runs to the end.
+        started = loop.time()
+        assert not (await a.try_acquire()).held
+        await a.wait_for_change(0.3)
+        assert loop.time() - started >= 0.29
+    finally:
+        await a_store.close()
+        await b_store.close()
+
+
+async def test_an_acquire_that_finds_the_lease_held_writes_nothing(tmp_path):
+    """Standbys acquire on every commit they see; each one wrote (and synced) the
+    version counter, slowing the holder's renews on a busy disk."""
+    path = tmp_path / "l.db"
+    a_store, b_store = SqliteStore(str(path), "leases"), SqliteStore(str(path), "leases")
+    try:
+        a, b = lease(a_store, "a"), lease(b_store, "b")
+        assert (await a.try_acquire()).held
+        assert not (await b.try_acquire()).held  # b's first connect sets the file up
+        watcher = sqlite3.connect(path)
+        before = watcher.execute("PRAGMA data_version").fetchone()
+        for _ in range(3):
+            assert not (await b.try_acquire()).held
+        assert watcher.execute("PRAGMA data_version").fetchone() == before
+        watcher.close()
     finally:
         await a_store.close()
         await b_store.close()

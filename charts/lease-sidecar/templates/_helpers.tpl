@@ -302,7 +302,7 @@ any name works (rbac.anyLease), the chart makes no Role, or another backend. */}
 
 {{/* lease-sidecar.leaseObjects: the Lease objects of this release, as a JSON list:
 "{keyPrefix}.{name}" for every name of lease.name and rbac.leaseNames (the key the
-kubernetes backend uses, sidecar/names.py). */}}
+kubernetes backend uses, sidecar/base/names.py). */}}
 {{- define "lease-sidecar.leaseObjects" -}}
 {{- $objects := list }}
 {{- $names := concat (splitList "," .Values.lease.name) (.Values.rbac.leaseNames | default list) }}

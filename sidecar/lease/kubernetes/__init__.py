@@ -2,7 +2,7 @@
 uses one — no database at all.
 
 The Lease object is named ``StoreSettings.key(name)``, ``{key_prefix}.{name}`` (it must be a DNS
-subdomain, :mod:`sidecar.names`), and lives in ``POD_NAMESPACE`` (else the kubeconfig's
+subdomain, :mod:`sidecar.base.names`), and lives in ``POD_NAMESPACE`` (else the kubeconfig's
 namespace, else ``default``). The parts, one job each:
 
 - :mod:`.record`: the five spec fields we own and how a write keeps everyone else's;
@@ -18,13 +18,13 @@ import asyncio
 from datetime import UTC, datetime
 from fractions import Fraction
 
-from sidecar.clock import Clock, SystemClock
-from sidecar.errors import ConfigError
+from sidecar.base.clock import Clock, SystemClock
+from sidecar.base.errors import ConfigError
+from sidecar.base.names import object_name_problem
 from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.kubernetes.lease import KubeLease
 from sidecar.lease.kubernetes.record import Record
 from sidecar.lease.kubernetes.transport import Connection
-from sidecar.names import object_name_problem
 from sidecar.settings import Settings, StoreSettings
 
 

@@ -26,8 +26,8 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from sidecar.clock import Clock
-from sidecar.errors import Forbidden
+from sidecar.base.clock import Clock
+from sidecar.base.errors import Forbidden
 from sidecar.lease import Grant, Holder
 from sidecar.lease.kubernetes.expiry import Observer, newer
 from sidecar.lease.kubernetes.record import (

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
-from sidecar.errors import BackendError, Forbidden
+from sidecar.base.errors import BackendError, Forbidden
 from sidecar.kubeapi import Gone, KubeClient, KubeError
 from sidecar.lease.kubernetes.record import Record
 from sidecar.settings import Settings

@@ -42,14 +42,14 @@ from typing import Any
 
 import asyncpg
 
-from sidecar.clock import Clock
-from sidecar.dsn import check_postgres_url
+from sidecar.base.clock import Clock
+from sidecar.base.dsn import check_postgres_url
+from sidecar.base.redact import redact
 from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.pg_timeline import Timelines
 from sidecar.lease.postgres_advisory.lease import AdvisoryLease
 from sidecar.lease.postgres_advisory.session import DB_ERRORS, Connector, close
 from sidecar.lease.postgres_advisory.sql import ALL_LOCKS, key_from_halves, lock_id
-from sidecar.redact import redact
 from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar.lease.postgres")

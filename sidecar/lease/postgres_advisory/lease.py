@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import asyncpg
 
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 from sidecar.lease import Grant, Holder
-from sidecar.lease.pg_errors import version_num
+from sidecar.lease.pg_session import version_num
 from sidecar.lease.pg_timeline import (
     CHECKPOINT,
     OUT_OF_RANGE,
@@ -75,7 +75,9 @@ class AdvisoryLease:
         # Once a transaction pooler was seen: the refusal, for good (it never heals).
         self.pooler: str | None = None
         self._on_pooler = on_pooler
-        self._hint = Hint(connector, lock_id, self._halves, identity, timing)
+        self._hint = Hint(connector, lock_id, self._halves, identity)
+        # Sets our session's own name back when a hint we wrote runs out.
+        self._hint_expiry: asyncio.Task[None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -157,19 +159,23 @@ class AdvisoryLease:
     async def release(self) -> None:
         await self._settle_waiter()
         async with self._busy:
-            levels = self._link.forget()
-            session = self._link.session
-            if not levels or session is None or session.conn.is_closed():
-                return
-            try:
-                ours, _ = await session.conn.fetchrow(UNLOCK, self.lock_id, session.marker,
-                                                      levels)
-            except DB_ERRORS as exc:
-                self._link.drop()  # closing the session frees the lock as well
-                raise self._db.error("release", exc) from None
-            if not ours:
-                self.pooler_seen("the release ran on a server session without this "
-                                 "connection's marker")
+            await self._unlock()
+
+    async def _unlock(self) -> None:
+        """Give the lock back (the caller holds ``_busy``)."""
+        levels = self._link.forget()
+        session = self._link.session
+        if not levels or session is None or session.conn.is_closed():
+            return
+        try:
+            ours, _ = await session.conn.fetchrow(UNLOCK, self.lock_id, session.marker,
+                                                  levels)
+        except DB_ERRORS as exc:
+            self._link.drop()  # closing the session frees the lock as well
+            raise self._db.error("release", exc) from None
+        if not ours:
+            self.pooler_seen("the release ran on a server session without this "
+                             "connection's marker")
 
     async def describe(self) -> Holder:
         session = await self._db.open()
@@ -195,20 +201,35 @@ class AdvisoryLease:
 
     # -- the Successor capability (sidecar.lease.Successor) ----------------------------
     async def hand_to(self, identity: str, bound: float) -> None:
-        await self._hint.name(identity, bound)
+        await self._end_hint()
+        async with self._busy:
+            session = self._link.session
+            if not self._link.levels or session is None:
+                return  # nothing held: nothing to hand over
+            await self._hint.name(session, identity)
+        self._hint_expiry = asyncio.create_task(self._unname_after(bound, session),
+                                                name=f"pg-advisory-hint-{self.name}")
 
     async def handing_to_other(self) -> str | None:
-        # Also asked right after a grant (an in-server wait granted at a hand-over's
-        # release): the elector then gives the lock back to the named standby.
         await self._settle_waiter()
         async with self._busy:
             if self.pooler:
                 return None
             session = await self._link.connect()
-            return await self._hint.named_other(session)
+            other = await self._hint.named_other(session)
+            if other is not None and self._link.levels:
+                # An in-server wait queued before the hint was written was granted at
+                # the hand-over's release. The elector asks before an acquire, so it
+                # does not know it holds the lock: give it back now, and the named
+                # standby, queued behind, has it at once (kept, it stayed with this
+                # idle session until idle_session_timeout ended it: 2 s in the
+                # benchmark). Asked right after a grant, the elector's release that
+                # follows finds nothing left to do.
+                await self._unlock()
+            return other
 
     async def close(self) -> None:
-        await self._hint.close()
+        await self._end_hint()
         if self._probe is not None:
             self._probe.cancel()
             with contextlib.suppress(BaseException):
@@ -240,6 +261,27 @@ class AdvisoryLease:
         return self._refused()
 
     # -- internals -------------------------------------------------------------------
+    async def _unname_after(self, bound: float, session: Session) -> None:
+        """The hint's bound is over: our session carries our own name again. Where that
+        fails on a session that holds nothing, the session is dropped: a hint that
+        outlived its bound would keep every other standby out."""
+        await asyncio.sleep(bound)
+        async with self._busy:
+            if self._link.session is not session or session.conn.is_closed():
+                return  # the tag went with the session
+            try:
+                await self._hint.unname(session)
+            except DB_ERRORS:
+                if not self._link.levels:
+                    self._link.drop()
+
+    async def _end_hint(self) -> None:
+        expiry, self._hint_expiry = self._hint_expiry, None
+        if expiry is not None and not expiry.done():
+            expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expiry
+
     async def _probe_pooler(self, session: Session) -> None:
         """Behind a pooler, right after a grant: does a fresh connection get a server
         session of its own, as session pooling promises? Runs beside the term, not before

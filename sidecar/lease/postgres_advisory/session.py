@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from sidecar.errors import BackendError
-from sidecar.lease import pg_timeouts
-from sidecar.lease.pg_errors import PREPARED_STATEMENT_ERRORS, error_line, version_num
+from sidecar.base.errors import BackendError
+from sidecar.base.redact import redact
+from sidecar.lease import pg_session
+from sidecar.lease.pg_session import PREPARED_STATEMENT_ERRORS, error_line, version_num
 from sidecar.lease.postgres_advisory.sql import APPLY, PROBE
-from sidecar.redact import redact
 from sidecar.settings import Timing
 
 log = logging.getLogger("sidecar.lease.postgres")
@@ -71,8 +71,8 @@ def session_settings(timing: Timing, server_version: int) -> dict[str, str]:
     values = {
         # A role's statement_timeout, lock_timeout or idle_in_transaction_session_timeout
         # would cancel the in-server wait (whose lock_timeout is set per statement) or end
-        # the session: a reconnect each time (:mod:`sidecar.lease.pg_timeouts`).
-        **pg_timeouts.overrides(server_version),
+        # the session: a reconnect each time (:mod:`sidecar.lease.pg_session`).
+        **pg_session.overrides(server_version),
         # Keepalive probes start after this much silence; the session dies after
         # idle + interval * count seconds without an answer.
         "tcp_keepalives_idle": str(max(1, silent - 3)),
@@ -123,7 +123,7 @@ class Connector:
         self._reported = False
 
     def error(self, what: str, exc: BaseException) -> BackendError:
-        detail = pg_timeouts.describe(exc) or " ".join((str(exc) or type(exc).__name__).split())
+        detail = pg_session.describe(exc) or " ".join((str(exc) or type(exc).__name__).split())
         return BackendError(f"postgres {self.where}: {what}: {detail}")
 
     async def open(self) -> Session:
@@ -138,7 +138,7 @@ class Connector:
         marker = uuid.uuid4().hex
         if not self._reported:
             self._reported = True
-            await pg_timeouts.report(conn, backend="postgres", overridden=True)
+            await pg_session.report(conn, backend="postgres", overridden=True)
         try:
             values = session_settings(self._timing, version_num(conn))
             pid, _, _ = await conn.fetchrow(APPLY, list(values), list(values.values()), marker)

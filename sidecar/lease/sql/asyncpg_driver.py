@@ -37,16 +37,16 @@ from typing import Any
 
 import asyncpg
 
-from sidecar.errors import BackendError, NotFound
-from sidecar.lease import pg_timeouts
-from sidecar.lease.pg_errors import (
+from sidecar.base.errors import BackendError, NotFound
+from sidecar.base.redact import redact
+from sidecar.lease import pg_session
+from sidecar.lease.pg_session import (
     PREPARED_STATEMENT_ERRORS,
     error_line,
     first_line,
     version_num,
 )
 from sidecar.lease.sql.dialect import Statement
-from sidecar.redact import redact
 
 log = logging.getLogger("sidecar.lease.sql")
 
@@ -122,7 +122,7 @@ class AsyncpgDriver:
         try:
             pid = await conn.fetchval("SELECT pg_backend_pid()")
             self.pooled = pid != conn.get_server_pid()
-            await pg_timeouts.report(conn, backend=self._label, overridden=not self.pooled)
+            await pg_session.report(conn, backend=self._label, overridden=not self.pooled)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.close(), 2.0)
@@ -130,10 +130,10 @@ class AsyncpgDriver:
             self._log_pooled("its process id differs from the server session's")
 
     async def _init_session(self, conn: asyncpg.Connection) -> None:
-        """Every new connection: turn off the role's timeouts (:mod:`..pg_timeouts`) on its
+        """Every new connection: turn off the role's timeouts (:mod:`..pg_session`) on its
         own session; not behind a pooler, whose server sessions other clients share."""
         if not self.pooled:
-            await pg_timeouts.apply(conn, pg_timeouts.overrides(version_num(conn)))
+            await pg_session.apply(conn, pg_session.overrides(version_num(conn)))
 
     async def _switch_to_unnamed(self, pool: asyncpg.Pool, exc: BaseException) -> None:
         async with self._pool_lock:
@@ -245,7 +245,7 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 def describe_error(exc: BaseException) -> str:
     """One line: login failed, network unreachable, missing table, a timeout setting that
     ended the statement, or the server's words."""
-    if (line := pg_timeouts.describe(exc)) is not None:
+    if (line := pg_session.describe(exc)) is not None:
         return line
     if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
         return f"login failed ({exc.__class__.__name__}: {first_line(str(exc))})"

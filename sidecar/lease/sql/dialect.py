@@ -16,9 +16,9 @@ from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any
 
+from sidecar.base.names import validate_identifier
 from sidecar.lease import pg_timeline
 from sidecar.lease.rowlease import Row
-from sidecar.names import validate_identifier
 from sidecar.settings import MAX_IDENTITY
 
 # ``:name`` but not the ``::`` of a PostgreSQL cast.

@@ -11,8 +11,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.clock import Clock
-from sidecar.errors import ConfigError
+from sidecar.base.clock import Clock
+from sidecar.base.errors import ConfigError
 from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.rowlease import RowBackend, is_hint
 from sidecar.lease.sql.dialect import MAX_ROW_NAME, Dialect

@@ -27,9 +27,9 @@ from typing import Any
 
 import pyodbc
 
-from sidecar.errors import BackendError, NotFound
+from sidecar.base.errors import BackendError, NotFound
+from sidecar.base.redact import redact
 from sidecar.lease.sql.dialect import Statement
-from sidecar.redact import redact
 
 DEFAULT_DRIVER = "FreeTDS"
 # SQL_SS_TIMESTAMPOFFSET: pyodbc has no built-in conversion for DATETIMEOFFSET.

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
-from sidecar.errors import BackendError, NotFound
+from sidecar.base.errors import BackendError, NotFound
 from sidecar.lease.pg_timeline import Timelines, checkpoint_age, claim_delay
 from sidecar.lease.rowlease import Row
 from sidecar.lease.sql.dialect import Dialect, Statement

@@ -22,9 +22,9 @@ import urllib.parse
 from datetime import UTC, datetime
 from typing import Any
 
-from sidecar.clock import Clock
-from sidecar.dsn import check_sqlite
-from sidecar.errors import BackendError, ConfigError, NotFound
+from sidecar.base.clock import Clock
+from sidecar.base.dsn import check_sqlite
+from sidecar.base.errors import BackendError, ConfigError, NotFound
 from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.rowlease import RowBackend, is_hint
 from sidecar.lease.sqlite.store import NOW, SCHEMA, SqliteStore

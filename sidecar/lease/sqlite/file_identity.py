@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 from sidecar.lease.rowlease import Refused
 
 log = logging.getLogger("sidecar.lease.sqlite")

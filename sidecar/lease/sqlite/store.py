@@ -15,12 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from sidecar.errors import BackendError
+from sidecar.base.errors import BackendError
 from sidecar.lease.rowlease import Row
 from sidecar.lease.sqlite.file_identity import FileGuard, Replaced
 from sidecar.lease.sqlite.watch import CommitWatch
 
 T = TypeVar("T")
+
+# How long a statement waits for another process's lock on the file.
+BUSY_TIMEOUT = 2.0
+# How long a standby's look for another's commit waits for a writer to finish: one that
+# is mid-commit deletes its journal when done, and the watch looks again then.
+COMMIT_WAIT = 0.05
 
 # Seconds since the epoch by SQLite's clock, to the millisecond.
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
@@ -41,13 +47,15 @@ CREATE TABLE IF NOT EXISTS {table}_version (id INTEGER PRIMARY KEY CHECK (id = 1
 INSERT OR IGNORE INTO {table}_version (id, value) VALUES (1, 0);
 """
 
-# The acquire transaction: sweep, draw a version, insert. A live row survived the sweep
-# and stays untouched — ours too: an acquire comes only from a contender that does not
-# hold the lease, so a live row under our identity belongs to another process (or to
-# our previous term) and must run out first. The row is ours iff it carries the version
-# drawn by this transaction. (``metadata`` is left NULL.)
-_ACQUIRE = (
-    "DELETE FROM {table} WHERE expires_at <= {now}",
+# The acquire transaction: sweep, look, and only if no live row is left draw a version
+# and insert. A live row survived the sweep and stays untouched — ours too: an acquire
+# comes only from a contender that does not hold the lease, so a live row under our
+# identity belongs to another process (or to our previous term) and must run out first.
+# An acquire that finds the lease held writes nothing, so it commits without touching
+# the disk: standbys look on every commit they see, and a sync per look slowed every
+# holder's renew on a busy disk. (``metadata`` is left NULL.)
+_SWEEP = "DELETE FROM {table} WHERE expires_at <= {now}"
+_INSERT = (
     "UPDATE {table}_version SET value = value + 1 WHERE id = 1",
     """INSERT INTO {table} (name, owner, acquired_at, renewed_at, expires_at, version)
        SELECT :name, :owner, {now}, {now}, {now} + :duration, value
@@ -60,6 +68,7 @@ _RENEW = """UPDATE {table} SET renewed_at = {now}, expires_at = {now} + :duratio
             WHERE name = :name AND owner = :owner AND expires_at > {now}
             RETURNING owner, version, expires_at"""
 _RELEASE = "DELETE FROM {table} WHERE name = :name AND owner = :owner"
+_RELEASE_ANY = "DELETE FROM {table} WHERE name = :name"
 _READ = "SELECT owner, version, expires_at FROM {table} WHERE name = :name AND expires_at > {now}"
 
 
@@ -84,6 +93,9 @@ class SqliteStore:
         # a busy file must never block the event loop.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-lease")
         self._conn: sqlite3.Connection | None = None
+        # SQLite's data_version as our last acquire saw the file (only another
+        # connection's commit changes it); None: no acquire on this connection yet.
+        self._acquired_at_version: int | None = None
 
     def _sql(self, text: str) -> str:
         return text.format(table=self._table, now=NOW)
@@ -102,7 +114,8 @@ class SqliteStore:
         if directory:
             os.makedirs(directory, exist_ok=True)
         with self._guard.opening() as opening:
-            conn = sqlite3.connect(self._path, timeout=2.0, isolation_level=None)
+            self._acquired_at_version = None  # data_version counts per connection
+            conn = sqlite3.connect(self._path, timeout=BUSY_TIMEOUT, isolation_level=None)
             try:
                 self._leave_wal(conn)
                 conn.executescript(self._sql(SCHEMA))
@@ -144,9 +157,7 @@ class SqliteStore:
                     self._conn = None
                 raise BackendError(f"sqlite {self._path}: {exc}") from None
 
-        result = await asyncio.get_running_loop().run_in_executor(self._pool, call)
-        self._watch.seen()  # our own commits are not news to our standbys
-        return result
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
     async def acquire(self, name: str, owner: str, duration: float) -> Row | None:
         params = {"name": name, "owner": owner, "duration": duration}
@@ -157,15 +168,22 @@ class SqliteStore:
             # one consistent state; it is the "one round trip" of a server backend.
             conn.execute("BEGIN IMMEDIATE")
             try:
-                for statement in _ACQUIRE:
-                    conn.execute(self._sql(statement), params)
-                (drawn,) = conn.execute(self._sql(_DRAWN)).fetchone()
+                conn.execute(self._sql(_SWEEP))
                 found = conn.execute(self._sql(_READ), params).fetchone()
+                inserted = found is None
+                if inserted:
+                    for statement in _INSERT:
+                        conn.execute(self._sql(statement), params)
+                    found = conn.execute(self._sql(_READ), params).fetchone()
+                (drawn,) = conn.execute(self._sql(_DRAWN)).fetchone()
+                (self._acquired_at_version,) = conn.execute("PRAGMA data_version").fetchone()
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
-            row = _row(found, won=found is not None and int(found[1]) == drawn)
+            # Ours iff this transaction inserted it: it carries the version drawn here
+            # (a row that expired between the sweep and the look stays, untaken).
+            row = _row(found, won=inserted and found is not None and int(found[1]) == drawn)
             self._guard.saw(drawn)
             if row is not None and row.won:
                 self._guard.record_token(row.version)
@@ -185,13 +203,59 @@ class SqliteStore:
         await self._run(lambda conn: conn.execute(self._sql(_RELEASE),
                                                   {"name": name, "owner": owner}))
 
+    async def release_to(self, name: str, owner: str, hint: str, successor: str,
+                         bound: float) -> None:
+        """Release our row and write the hand-over hint row ``hint`` (owned by
+        ``successor``, live for ``bound`` seconds) in one commit: standbys see the free
+        lease and the hint at once, and the hand-over waits for one commit (a few disk
+        syncs) instead of two. An earlier hint is replaced."""
+        def work(conn: sqlite3.Connection) -> None:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.execute(self._sql(_SWEEP))
+                conn.execute(self._sql(_RELEASE_ANY), {"name": hint})
+                for statement in _INSERT:
+                    conn.execute(self._sql(statement),
+                                 {"name": hint, "owner": successor, "duration": bound})
+                conn.execute(self._sql(_RELEASE), {"name": name, "owner": owner})
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+        await self._run(work)
+
     async def read(self, name: str) -> Row | None:
         return await self._run(
             lambda conn: _row(conn.execute(self._sql(_READ), {"name": name}).fetchone()))
 
     async def wait_for_release(self, timeout: float) -> None:
-        """Sleep until another process commits (a release, an expiry sweep), or timeout."""
-        await self._watch.wait(timeout)
+        """Sleep until another process has committed (a release, an expiry sweep) since
+        our last acquire looked, or timeout."""
+        await self._watch.wait(timeout, self._committed_since_acquire)
+
+    async def _committed_since_acquire(self) -> bool:
+        """Another connection committed since our last acquire read the file (or we
+        cannot tell: no acquire on this connection yet). Without a connection (a failed
+        call closed it) the elector's backoff decides when to try again. Never waits long
+        for a writer: one that is mid-commit shows again when its commit ends."""
+        def look() -> bool:
+            conn, seen = self._conn, self._acquired_at_version
+            if conn is None:
+                return False
+            if seen is None:
+                return True
+            try:
+                conn.execute(f"PRAGMA busy_timeout = {round(COMMIT_WAIT * 1000)}")
+                try:
+                    (now,) = conn.execute("PRAGMA data_version").fetchone()
+                finally:
+                    conn.execute(f"PRAGMA busy_timeout = {round(BUSY_TIMEOUT * 1000)}")
+            except sqlite3.Error:
+                return True  # the next acquire says what is wrong
+            return bool(now != seen)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, look)
 
     async def close(self) -> None:
         self._watch.close()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from asyncinotify import Inotify
+    from asyncinotify import Event, Inotify
 
 # How often a standby looks for a commit by another process when inotify is missing.
 WATCH_INTERVAL = 0.1
@@ -17,53 +17,85 @@ Signature = tuple[tuple[int, int, int] | None, ...]
 
 
 class CommitWatch:
-    """Any commit changes the database file (or its ``-wal`` file, while a sidecar of an
-    older version still runs it in WAL mode). inotify tells us at once and for free;
-    where it is unavailable we ``stat`` the files every ``WATCH_INTERVAL``."""
+    """Sleeps until another process has committed to the database since our last look.
+
+    Whether one did, ``committed`` answers (the store asks SQLite's ``data_version``,
+    which only another connection's commit changes: exact, where comparing the files'
+    size and mtime missed a commit in the same clock tick as ours, or one that landed
+    between our own commit and the look). It is asked as the wait begins, then whenever
+    inotify shows a commit end: the rollback journal deleted (or, while a sidecar of an
+    older version still runs the file in WAL mode, the ``-wal`` file written), or the
+    file itself created, moved or deleted. The watch lives for one wait: events while
+    nobody waits (a holder's own commits) are not kept for the next. Where inotify is
+    unavailable we ``stat`` the files every ``WATCH_INTERVAL`` and ask when they changed.
+    """
 
     def __init__(self, path: str) -> None:
         self._path = path
         self._basename = os.path.basename(path)
-        self._seen: Signature | None = None
-        # None: not tried yet; False: unavailable or closed.
-        self._inotify: Inotify | Literal[False] | None = None
+        self._polled: Signature | None = None
+        # False once inotify proved unavailable, or the watch was closed for good.
+        self._inotify_usable = True
+        self._inotify: Inotify | None = None
 
-    def seen(self) -> None:
-        """The files as they are now are not news (our own commits change them too)."""
-        self._seen = self._signature()
-
-    async def wait(self, timeout: float) -> None:
-        """Sleep until the files change from what was :meth:`seen`, or ``timeout``. A
-        missed change only delays the takeover to the next retry."""
+    async def wait(self, timeout: float, committed: Callable[[], Awaitable[bool]]) -> None:
+        """Return when ``committed()`` says yes, or after ``timeout``. A missed commit
+        only delays the takeover to the next retry."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        watch = self._watch()
-        while (left := deadline - loop.time()) > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left if watch else min(left, WATCH_INTERVAL)):
-                    if watch:
-                        while not str((await watch.get()).name).startswith(self._basename):
-                            pass
-                    else:
-                        await asyncio.sleep(left)
-            signature = self._signature()
-            if signature != self._seen:
-                self._seen = signature
+        watch = self._open()
+        try:
+            if await committed():
                 return
+            while (left := deadline - loop.time()) > 0:
+                if watch is not None:
+                    try:
+                        async with asyncio.timeout(left):
+                            while not self._ends_a_commit(await watch.get()):
+                                pass
+                    except TimeoutError:
+                        return
+                else:
+                    await asyncio.sleep(min(left, WATCH_INTERVAL))
+                    if self._polled == (signature := self._signature()):
+                        continue
+                    self._polled = signature
+                if await committed():
+                    return
+        finally:
+            if watch is not None and self._inotify is watch:
+                watch.close()
+                self._inotify = None
 
-    def _watch(self) -> Inotify | None:
+    def _ends_a_commit(self, event: Event) -> bool:
+        from asyncinotify import Mask
+
+        name = str(event.name)
+        if name == self._basename:
+            return not event.mask & Mask.MODIFY  # created, replaced or deleted
+        if name == self._basename + "-journal":
+            return bool(event.mask & Mask.DELETE)
+        return name == self._basename + "-wal"
+
+    def _open(self) -> Inotify | None:
         """An inotify watch on the database's directory, or None (then we poll)."""
-        if self._inotify is None:
-            try:
-                from asyncinotify import Inotify, Mask
+        if not self._inotify_usable:
+            return None
+        try:
+            from asyncinotify import Inotify, Mask
 
-                inotify = Inotify()
+            inotify = Inotify()
+            try:
                 inotify.add_watch(os.path.dirname(os.path.abspath(self._path)),
                                   Mask.MODIFY | Mask.CREATE | Mask.MOVED_TO | Mask.DELETE)
-                self._inotify = inotify
-            except (ImportError, OSError):
-                self._inotify = False
-        return self._inotify or None
+            except BaseException:
+                inotify.close()
+                raise
+        except (ImportError, OSError):
+            self._inotify_usable = False
+            return None
+        self._inotify = inotify
+        return inotify
 
     def _signature(self) -> Signature:
         def one(path: str) -> tuple[int, int, int] | None:
@@ -76,6 +108,7 @@ class CommitWatch:
         return one(self._path), one(self._path + "-wal")
 
     def close(self) -> None:
-        if self._inotify:
+        self._inotify_usable = False
+        if self._inotify is not None:
             self._inotify.close()
-        self._inotify = False
+            self._inotify = None

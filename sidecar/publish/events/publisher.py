@@ -21,6 +21,7 @@ import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from sidecar.base.redact import redact
 from sidecar.kubeapi import KubeClient, KubeError, one_line
 from sidecar.publish.events.record import (
     Aggregator,
@@ -30,7 +31,6 @@ from sidecar.publish.events.record import (
     token_note,
 )
 from sidecar.publish.own_pod import OwnPod
-from sidecar.redact import redact
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sidecar.redact import redact
+from sidecar.base.redact import redact
 
 WINDOW = 600.0  # seconds: a repeat this close to the previous occurrence joins its series
 MIN_WRITE_INTERVAL = 30.0  # seconds between two writes of one series

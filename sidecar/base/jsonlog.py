@@ -1,7 +1,7 @@
 """One JSON object per log line, with the ``extra`` fields of each call.
 
 Every string in the line (message, extra fields, exception text) passes through
-:func:`sidecar.redact.redact`: a driver error that echoes a DSN never logs a password.
+:func:`sidecar.base.redact.redact`: a driver error that echoes a DSN never logs a password.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 import time
 import warnings
 
-from sidecar.clock import rfc3339
-from sidecar.redact import redact, redact_tree
+from sidecar.base.clock import rfc3339
+from sidecar.base.redact import redact, redact_tree
 
 # Attributes every LogRecord has; anything else came in through ``extra``.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
