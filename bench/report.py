@@ -348,6 +348,14 @@ def pods_idle(r: Row) -> list[str]:
              m["cache_mib"]["n"]],
             ["pod start → sidecar container ready", p50_p99(r["pod_start_to_sidecar_ready"]),
              n(r["pod_start_to_sidecar_ready"])]]
+    steps = r.get("startup_steps") or {}
+    labels = {"ip": "pod IP", "container_running": "container running",
+              "process_started": "process started", "logged_started": "logged `started`",
+              "ready": "ready"}
+    if steps:
+        rows.append(["start-up steps (ms after the first watch event, p50): "
+                     + ", ".join(f"{labels[k]} {ms(x.get('p50_ms'))}" for k, x in steps.items()),
+                     "", steps["ready"]["n"]])
     return table([f"`{r['backend']}` backend, real pods", "p50 / max (ready: p50 / p99)",
                   "n"], rows)
 
