@@ -93,6 +93,26 @@ def core_costs(r: Row) -> list[str]:
     return table(["figure", "value"], rows, right=2)
 
 
+def core_idle(r: Row) -> list[str]:
+    """bench_core --only idle: a leader and a standby per backend, default timing."""
+    rows = []
+    for key, backend in (("idle", "sqlite"), ("idle_postgres", "postgres"),
+                         ("idle_postgres_row", "postgres-row"),
+                         ("idle_kubernetes", "kubernetes")):
+        idle = r.get(key)
+        if not idle:
+            continue
+        lead, stand = idle["idle-leader"], idle["idle-standby"]
+        rows.append([backend, f"{lead['cpu_percent_of_core']:.2f} % / "
+                              f"{stand['cpu_percent_of_core']:.2f} %",
+                     f"{lead['rss_mb']} / {stand['rss_mb']} MB"])
+    where = next((r[k].get("state_dir_filesystem", "disk") for k in ("idle",) if k in r),
+                 "tmpfs")
+    seconds = next((r[k]["seconds"] for k in r if k.startswith("idle")), 0)
+    return table([f"backend (over {seconds:g} s, state directory on {where})",
+                  "idle CPU of a core, leader / standby", "RSS, leader / standby"], rows)
+
+
 def http_limits(r: Row) -> list[str]:
     w, fat, slow = r["waiters"], r.get("fat_heads"), r["slowloris"]
     rows = [
@@ -331,6 +351,14 @@ def pods_idle(r: Row) -> list[str]:
              m["cache_mib"]["n"]],
             ["pod start → sidecar container ready", p50_p99(r["pod_start_to_sidecar_ready"]),
              n(r["pod_start_to_sidecar_ready"])]]
+    steps = r.get("startup_steps") or {}
+    labels = {"ip": "pod IP", "container_running": "container running",
+              "process_started": "process started", "logged_started": "logged `started`",
+              "ready": "ready"}
+    if steps:
+        rows.append(["start-up steps (ms after the first watch event, p50): "
+                     + ", ".join(f"{labels[k]} {ms(x.get('p50_ms'))}" for k, x in steps.items()),
+                     "", steps["ready"]["n"]])
     return table([f"`{r['backend']}` backend, real pods", "p50 / max (ready: p50 / p99)",
                   "n"], rows)
 
@@ -369,6 +397,20 @@ def rollout(r: Row) -> list[str]:
     return table(["`shutdownHandover`", "strategy", "exactly one hand-over",
                   "hand-overs per rollout", "hand-overs to an old pod",
                   "gap per hand-over, p50 / p99", "overlapping claims"], rows, right=2)
+
+
+def rollout_service(r: Row) -> list[str]:
+    rows = []
+    for mode, by in r["results"].items():
+        for strategy, x in by.items():
+            rows.append([f"`{mode}`", strategy, p50_p99(x.get("service_claim_to_label")),
+                         p50_p99(x.get("service_claim_to_endpoints")),
+                         p50_p99(x.get("service_label_to_endpoints")),
+                         x.get("service_endpoints_not_leader_after_settle", "—")])
+    return table(["`shutdownHandover`", "strategy", "first claim → pod label `leader`",
+                  "first claim → EndpointSlice lists only its pod",
+                  "label → EndpointSlice", "endpoints not the leader afterwards"], rows,
+                 right=2)
 
 
 def lean_lone(r: Row) -> list[str]:
@@ -417,6 +459,7 @@ class Table:
 TABLES: dict[str, Table] = {
     "core": Table("core.json", core, "core"),
     "core-costs": Table("core.json", core_costs, "core"),
+    "core-idle": Table("core-idle.json", core_idle, "core_idle"),
     "http-limits": Table("http-limits.json", http_limits, "http_limits"),
     "exec": Table("exec.json", exec_, "exec"),
     "sqlite-commit": Table("sqlite-commit.json", sqlite_commit, "sqlite_commit"),
@@ -439,6 +482,7 @@ TABLES: dict[str, Table] = {
     "pods-idle-postgres-row": Table("pods-postgres-row.json", pods_idle, "pods_postgres_row"),
     "image": Table("image.json", image_sizes, "image"),
     "rollout": Table("rollout.json", rollout, "rollout"),
+    "rollout-service": Table("rollout.json", rollout_service, "rollout"),
     "lean-lone": Table("lean.json", lean_lone, "lean"),
     "lean-apiserver": Table("lean.json", lean_apiserver, "lean"),
     **{f"chaos-{b}": Table(f"chaos-{b}.json", chaos, f"chaos-{b}")
@@ -463,11 +507,33 @@ def provenance(name: str, t: Table, r: Row) -> str:
         when = f"commit `{kept['commit'][:7]}`" if kept.get("commit") else "unrecorded commit"
         earlier = (f" ({', '.join(f'`{x}`' for x in kept['sections'])} from an earlier run, "
                    f"{when})")
-    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {r['trials']} trials, "
+    trials = f"{r['trials']} trial{'' if r['trials'] == 1 else 's'}"
+    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {trials}, "
             f"{r['cores']} cores, {load}{earlier}; {rerun}.*")
 
 
+def overview(results: Path) -> str:
+    """The ``files`` block: every results file a table uses, and what it describes."""
+    rows = []
+    for source in sorted({t.source for t in TABLES.values()}):
+        path = results / source
+        r = json.loads(path.read_text()) if path.exists() else None
+        if r is None:
+            rows.append([f"`{source}`", "missing", "", "", ""])
+        elif "commit" not in r:
+            rows.append([f"`{source}`", "**stale** (no commit recorded)", "", "", ""])
+        else:
+            commit = r["commit"]
+            rows.append([f"`{source}`", f"`{commit[:7]}`" + ("+dirty" if commit.endswith(
+                "+dirty") else ""), r["date"][:10], r["trials"],
+                f"{r['loadavg_at_start'][0]:g} → {r['loadavg_at_end'][0]:g}"])
+    return "\n".join(table(["results file", "commit", "date", "trials", "load average"],
+                           rows, right=3)) + "\n"
+
+
 def render(name: str, results: Path) -> str:
+    if name == "files":
+        return overview(results)
     t = TABLES[name]
     path = results / t.source
     if not path.exists():
@@ -488,7 +554,7 @@ def regenerate(text: str, results: Path, where: str) -> tuple[str, list[str]]:
 
     def one(m: re.Match[str]) -> str:
         name = m.group(2)
-        if name not in TABLES:
+        if name not in TABLES and name != "files":
             raise SystemExit(f"{where}: unknown bench block {name!r} "
                              f"(known: {', '.join(TABLES)})")
         body = render(name, results)

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from testkit.support import REPO
 
@@ -67,3 +68,13 @@ def test_every_benchmark_module_imports():
     done = subprocess.run([sys.executable, "-c", code, *sorted(set(modules))], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_every_benchmark_writes_its_results_through_the_shared_record():
+    # bench/record.py puts the commit, date, cores, load and trials in every file.
+    listing = bench("list").stdout
+    modules = set(re.findall(r"^\S+\s+python -m (\S+)", listing, re.M))
+    sources = {m: (REPO / Path(*m.split("."))).with_suffix(".py") for m in modules}
+    sources["bench.chaos"] = REPO / "bench" / "chaos" / "__main__.py"
+    lacking = [m for m, path in sources.items() if "record.write(" not in path.read_text()]
+    assert not lacking, lacking

@@ -173,3 +173,63 @@ async def test_rewrites_replace_the_file_whole_and_leave_no_temp_file(tmp_path):
         assert not list(tmp_path.glob(".*.tmp"))
     finally:
         await publisher.stop()
+
+
+async def test_the_second_name_is_a_link_that_never_follows_what_was_planted(
+        tmp_path, monkeypatch):
+    """The first lease's two files (``leader`` and its own name) are one write and a hard
+    link (issue 20); a name planted where the link would go is skipped, never followed,
+    as the temp file's is."""
+    from sidecar.publish import file as file_module
+
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    planted = state_dir / ".a.planted.tmp"
+    planted.symlink_to(target)
+    real = file_module.temp_name
+    names = iter([None, planted])  # leader's temp name: real; a's: the planted symlink
+    monkeypatch.setattr(file_module, "temp_name",
+                        lambda path: next(names, None) or real(path))
+    (state,) = states_for("a")
+    publisher = FilePublisher([state], state_dir)
+    await publisher.start()
+    try:
+        lead(state)
+        await publisher.changed(state)
+        leader, own = state_dir / "leader", state_dir / "a"
+        assert leader.read_bytes() == own.read_bytes()
+        assert json.loads(own.read_text())["fencing_token"] == 9
+        assert not own.is_symlink() and not leader.is_symlink()
+        assert leader.stat().st_ino == own.stat().st_ino  # one file, two names
+    finally:
+        await publisher.stop()
+    assert target.read_text() == "precious\n" and planted.is_symlink()
+
+
+async def test_a_name_written_before_a_failed_write_is_still_removed(tmp_path):
+    """One write replaces both names in turn; when the second fails (here ``leader`` has
+    become a directory), the first is on disk and must go when the term ends, even though
+    the other name cannot be removed."""
+    import pytest
+
+    (state,) = states_for("a")
+    publisher = FilePublisher([state], tmp_path)
+    await publisher.start()
+    try:
+        (tmp_path / "leader").mkdir()
+        (tmp_path / "leader" / "x").write_text("in the way\n")
+        lead(state)
+        with pytest.raises(OSError):
+            await publisher.changed(state)
+        assert json.loads((tmp_path / "a").read_text())["leader"] is True
+        state.update(released=True)
+        with pytest.raises(IsADirectoryError):  # leader: still in the way, and said so
+            await publisher.changed(state)
+        assert not (tmp_path / "a").exists()  # removed all the same
+        assert not list(tmp_path.glob(".*.tmp"))
+    finally:
+        (tmp_path / "leader" / "x").unlink()
+        (tmp_path / "leader").rmdir()
+        await publisher.stop()

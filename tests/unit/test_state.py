@@ -105,6 +105,22 @@ def test_valid_until_ms_is_the_same_instant_rounded_down():
     assert standby["valid_until"] is None and standby["valid_until_ms"] is None
 
 
+def test_rfc3339_is_the_floored_millisecond_in_utc_across_seconds():
+    """The second's text is cached (issue 20: most of a claim's cost); every
+    millisecond must still read as datetime spells it, rounded down."""
+    from datetime import UTC
+
+    from sidecar.base.clock import epoch_ms, rfc3339
+
+    for wall in (0.0, -0.0005, 59.9999, 60.0, 1764613948.7931, 1764613949.0004,
+                 1764613948.9999, 4102444799.9995):
+        ms = epoch_ms(wall)
+        assert ms is not None
+        expected = datetime.fromtimestamp(ms // 1000, tz=UTC).strftime(
+            "%Y-%m-%dT%H:%M:%S") + f".{ms % 1000:03d}Z"
+        assert rfc3339(wall) == expected, wall
+
+
 def test_encoded_is_the_body_as_json_for_every_claim():
     """The bytes of /leader and the leader file are kept as a template around the
     expiry (issue 20): they must stay exactly the JSON of :meth:`body`."""
