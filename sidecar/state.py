@@ -17,6 +17,8 @@ reader gets changes — leader or not, holder, fencing token, role — including
 a claim becomes valid or lapses with no update at all (the first claim one horizon after
 the acquire, a renew that hangs until validity runs out). The long-poll and its ETag
 follow the latter, so an idle leader's waiters sleep through renews.
+
+Why these rules keep two contenders' claims apart: ``docs/design.md`` (the safety model).
 """
 
 from __future__ import annotations

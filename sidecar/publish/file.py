@@ -141,6 +141,7 @@ class FilePublisher:
         self._timer: asyncio.TimerHandle | None = None
         self._due = math.inf  # loop time the timer fires at
         self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def paths(self, state: LeaseState) -> list[Path]:
         paths = [self._dir / state.lease]
@@ -160,6 +161,7 @@ class FilePublisher:
                 # something else that happens to be started next.
                 raise ConfigError(f"LEASE_STATE_DIR / --state-dir: "
                                   f"{exc.filename or self._dir}: {exc.strerror or exc}") from None
+        self._loop = asyncio.get_running_loop()
         self._running = True
         self._schedule()
 
@@ -231,7 +233,8 @@ class FilePublisher:
     def _arm(self, delay: float) -> None:
         if not self._running:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # running: set by start()
         due = loop.time() + delay
         if due < self._due:
             if self._timer is not None:
