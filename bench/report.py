@@ -290,13 +290,16 @@ def clientgo_interop(r: Row) -> list[str]:
 def handover(r: Row) -> list[str]:
     horizons = r["claim_horizon_ms"]
     rows = []
-    for backend in ("sqlite", "postgres", "postgres-row", "kubernetes"):
+    labels = {"kubernetes-clientgo-target": "`kubernetes`, a client-go elector named"}
+    for backend in ("sqlite", "postgres", "postgres-row", "kubernetes",
+                    "kubernetes-clientgo-target"):
         x = r.get(backend)
         if not x:
             continue
-        horizon = horizons.get(backend, horizons.get("others"))
-        rows.append([f"`{backend}`", f"{horizon:g} ms", p50_p99(x), p50_p99(x["leaderless_gap"]),
-                     x["overlapping_claims"], f"{x['named_standby_led']} of {x['n']}"])
+        horizon = horizons.get(backend.split("-clientgo")[0], horizons.get("others"))
+        rows.append([labels.get(backend, f"`{backend}`"), f"{horizon:g} ms", p50_p99(x),
+                     p50_p99(x["leaderless_gap"]), x["overlapping_claims"],
+                     f"{x['named_standby_led']} of {x['n']}"])
     return table(["backend", "claim horizon", "request → named standby leads, p50 / p99",
                   "leaderless gap, p50 / p99", "overlapping claims", "named standby led"],
                  rows, right=2)
