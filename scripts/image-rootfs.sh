@@ -1,6 +1,6 @@
 #!/bin/bash
-# The root filesystem of a sidecar image, and nothing else (the Dockerfile's final stage
-# is `FROM scratch` plus this directory):
+# The root filesystem of a sidecar or operator image, and nothing else (the Dockerfile's
+# final stages are `FROM scratch` plus this directory):
 #
 #   image-rootfs.sh DEST
 #
@@ -8,7 +8,7 @@
 # of the standard library a server can import, the ODBC driver manager and driver if this
 # build stage has them, the image user, and every shared library those load (found with
 # ldd). No shell, package manager or other tool of the build stage goes in:
-# the sidecar runs on a read-only root and never installs anything.
+# both run on a read-only root and never install anything.
 set -euo pipefail
 
 dest=${1:?usage: image-rootfs.sh DEST}

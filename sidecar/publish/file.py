@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar.base.errors import ConfigError
+from sidecar.publish import ClaimEncoder
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.file")
@@ -132,6 +133,7 @@ class FilePublisher:
         self._paths = {id(state): self.paths(state) for state in states}
         self._files = {id(state): [AtomicFile(path) for path in self._paths[id(state)]]
                        for state in states}
+        self._encoders = {id(state): ClaimEncoder(state) for state in states}
         self._written: set[Path] = set()
         # Half a horizon: the file always has at least half a horizon left, at two
         # writes per horizon.
@@ -139,6 +141,7 @@ class FilePublisher:
         self._timer: asyncio.TimerHandle | None = None
         self._due = math.inf  # loop time the timer fires at
         self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def paths(self, state: LeaseState) -> list[Path]:
         paths = [self._dir / state.lease]
@@ -158,6 +161,7 @@ class FilePublisher:
                 # something else that happens to be started next.
                 raise ConfigError(f"LEASE_STATE_DIR / --state-dir: "
                                   f"{exc.filename or self._dir}: {exc.strerror or exc}") from None
+        self._loop = asyncio.get_running_loop()
         self._running = True
         self._schedule()
 
@@ -173,26 +177,33 @@ class FilePublisher:
             self._timer.cancel()
             self._timer, self._due = None, math.inf
         for state in self._states:
-            for file in self._files[id(state)]:
-                if file.path in self._written:
-                    self._remove(file)
+            self._remove_all(self._files[id(state)])
 
     def _publish(self, state: LeaseState) -> bool:
         """Write or remove ``state``'s files; True while it leads (they need rewriting)."""
         claim = state.claim()
         if claim.leader:
-            first, *others = self._files[id(state)]
-            first.write(state.encoded(claim), also=others)
+            # Before the write: a write that fails half-way may have replaced a name.
             self._written.update(self._paths[id(state)])
+            first, *others = self._files[id(state)]
+            first.write(self._encoders[id(state)](claim), also=others)
             return True
-        for file in self._files[id(state)]:
-            if file.path in self._written:  # a standby has nothing to remove
-                self._remove(file)
+        self._remove_all(self._files[id(state)])
         return False
 
-    def _remove(self, file: AtomicFile) -> None:
-        file.remove()
-        self._written.discard(file.path)
+    def _remove_all(self, files: list[AtomicFile]) -> None:
+        """Remove each of ``files`` we may have written (a standby has none), all of them
+        even when one cannot be removed; then raise the first error."""
+        failed: OSError | None = None
+        for file in files:
+            if file.path in self._written:
+                try:
+                    file.remove()
+                    self._written.discard(file.path)
+                except OSError as exc:
+                    failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _tick(self) -> None:
         self._timer, self._due = None, math.inf
@@ -222,7 +233,8 @@ class FilePublisher:
     def _arm(self, delay: float) -> None:
         if not self._running:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # running: set by start()
         due = loop.time() + delay
         if due < self._due:
             if self._timer is not None:

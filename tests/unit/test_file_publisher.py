@@ -206,3 +206,30 @@ async def test_the_second_name_is_a_link_that_never_follows_what_was_planted(
     finally:
         await publisher.stop()
     assert target.read_text() == "precious\n" and planted.is_symlink()
+
+
+async def test_a_name_written_before_a_failed_write_is_still_removed(tmp_path):
+    """One write replaces both names in turn; when the second fails (here ``leader`` has
+    become a directory), the first is on disk and must go when the term ends, even though
+    the other name cannot be removed."""
+    import pytest
+
+    (state,) = states_for("a")
+    publisher = FilePublisher([state], tmp_path)
+    await publisher.start()
+    try:
+        (tmp_path / "leader").mkdir()
+        (tmp_path / "leader" / "x").write_text("in the way\n")
+        lead(state)
+        with pytest.raises(OSError):
+            await publisher.changed(state)
+        assert json.loads((tmp_path / "a").read_text())["leader"] is True
+        state.update(released=True)
+        with pytest.raises(IsADirectoryError):  # leader: still in the way, and said so
+            await publisher.changed(state)
+        assert not (tmp_path / "a").exists()  # removed all the same
+        assert not list(tmp_path.glob(".*.tmp"))
+    finally:
+        (tmp_path / "leader" / "x").unlink()
+        (tmp_path / "leader").rmdir()
+        await publisher.stop()
