@@ -403,14 +403,19 @@ def rollout_service(r: Row) -> list[str]:
     rows = []
     for mode, by in r["results"].items():
         for strategy, x in by.items():
+            through = x.get("service_claim_to_client_only_leader")
             rows.append([f"`{mode}`", strategy, p50_p99(x.get("service_claim_to_label")),
                          p50_p99(x.get("service_claim_to_endpoints")),
-                         p50_p99(x.get("service_label_to_endpoints")),
-                         x.get("service_endpoints_not_leader_after_settle", "—")])
+                         p50_p99(x.get("service_slices_to_proxy_sync")),
+                         p50_p99(through),
+                         "—" if through is None else
+                         f"{x['service_client_not_leader_after_proxy_sync']} "
+                         f"({x.get('service_client_timeouts_after_proxy_sync', 0)} timed out)"])
     return table(["`shutdownHandover`", "strategy", "first claim → pod label `leader`",
                   "first claim → EndpointSlice lists only its pod",
-                  "label → EndpointSlice", "endpoints not the leader afterwards"], rows,
-                 right=2)
+                  "EndpointSlice → kube-proxy's rules synced",
+                  "first claim → a client pod reaches only the leader through the ClusterIP",
+                  "requests not answered by the leader after the sync"], rows, right=2)
 
 
 def lean_lone(r: Row) -> list[str]:
