@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -263,11 +263,14 @@ class Recorder:
 
 
 def sidecars_in_pods(cp: ControlPlane, namespace: str, workdir: Path, kubeconfig: Path,
-                     pods: tuple[str, ...]) -> Iterator[list[SidecarProcess]]:
-    """One sidecar per pod (the Pod objects made first), all up and one of them leading;
-    stopped when the generator closes. For fixtures: ``yield from sidecars_in_pods(...)``."""
+                     pods: tuple[str, ...], extra: Mapping[str, Sequence[str]] | None = None,
+                     ) -> Iterator[list[SidecarProcess]]:
+    """One sidecar per pod (the Pod objects made first; ``extra`` maps a pod to more
+    arguments for its sidecar), all up and one of them leading; stopped when the
+    generator closes. For fixtures: ``yield from sidecars_in_pods(...)``."""
     create_pods(cp, namespace, *pods)
-    procs = [sidecar(workdir, pod, namespace, kubeconfig) for pod in pods]
+    extra = extra or {}
+    procs = [sidecar(workdir, pod, namespace, kubeconfig, *extra.get(pod, ())) for pod in pods]
     try:
         for proc in procs:
             proc.start()

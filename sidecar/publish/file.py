@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar.base.errors import ConfigError
+from sidecar.publish import ClaimEncoder
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.file")
@@ -132,6 +133,7 @@ class FilePublisher:
         self._paths = {id(state): self.paths(state) for state in states}
         self._files = {id(state): [AtomicFile(path) for path in self._paths[id(state)]]
                        for state in states}
+        self._encoders = {id(state): ClaimEncoder(state) for state in states}
         self._written: set[Path] = set()
         # Half a horizon: the file always has at least half a horizon left, at two
         # writes per horizon.
@@ -184,7 +186,7 @@ class FilePublisher:
             # Before the write: a write that fails half-way may have replaced a name.
             self._written.update(self._paths[id(state)])
             first, *others = self._files[id(state)]
-            first.write(state.encoded(claim), also=others)
+            first.write(self._encoders[id(state)](claim), also=others)
             return True
         self._remove_all(self._files[id(state)])
         return False
