@@ -290,13 +290,16 @@ def clientgo_interop(r: Row) -> list[str]:
 def handover(r: Row) -> list[str]:
     horizons = r["claim_horizon_ms"]
     rows = []
-    for backend in ("sqlite", "postgres", "postgres-row", "kubernetes"):
+    labels = {"kubernetes-clientgo-target": "`kubernetes`, a client-go elector named"}
+    for backend in ("sqlite", "postgres", "postgres-row", "kubernetes",
+                    "kubernetes-clientgo-target"):
         x = r.get(backend)
         if not x:
             continue
-        horizon = horizons.get(backend, horizons.get("others"))
-        rows.append([f"`{backend}`", f"{horizon:g} ms", p50_p99(x), p50_p99(x["leaderless_gap"]),
-                     x["overlapping_claims"], f"{x['named_standby_led']} of {x['n']}"])
+        horizon = horizons.get(backend.split("-clientgo")[0], horizons.get("others"))
+        rows.append([labels.get(backend, f"`{backend}`"), f"{horizon:g} ms", p50_p99(x),
+                     p50_p99(x["leaderless_gap"]), x["overlapping_claims"],
+                     f"{x['named_standby_led']} of {x['n']}"])
     return table(["backend", "claim horizon", "request → named standby leads, p50 / p99",
                   "leaderless gap, p50 / p99", "overlapping claims", "named standby led"],
                  rows, right=2)
@@ -400,14 +403,19 @@ def rollout_service(r: Row) -> list[str]:
     rows = []
     for mode, by in r["results"].items():
         for strategy, x in by.items():
+            through = x.get("service_claim_to_client_only_leader")
             rows.append([f"`{mode}`", strategy, p50_p99(x.get("service_claim_to_label")),
                          p50_p99(x.get("service_claim_to_endpoints")),
-                         p50_p99(x.get("service_label_to_endpoints")),
-                         x.get("service_endpoints_not_leader_after_settle", "—")])
+                         p50_p99(x.get("service_slices_to_proxy_sync")),
+                         p50_p99(through),
+                         "—" if through is None else
+                         f"{x['service_client_not_leader_after_proxy_sync']} "
+                         f"({x.get('service_client_timeouts_after_proxy_sync', 0)} timed out)"])
     return table(["`shutdownHandover`", "strategy", "first claim → pod label `leader`",
                   "first claim → EndpointSlice lists only its pod",
-                  "label → EndpointSlice", "endpoints not the leader afterwards"], rows,
-                 right=2)
+                  "EndpointSlice → kube-proxy's rules synced",
+                  "first claim → a client pod reaches only the leader through the ClusterIP",
+                  "requests not answered by the leader after the sync"], rows, right=2)
 
 
 def lean_lone(r: Row) -> list[str]:

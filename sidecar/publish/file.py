@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar.base.errors import ConfigError
+from sidecar.publish import ClaimEncoder
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.file")
@@ -132,6 +133,7 @@ class FilePublisher:
         self._paths = {id(state): self.paths(state) for state in states}
         self._files = {id(state): [AtomicFile(path) for path in self._paths[id(state)]]
                        for state in states}
+        self._encoders = {id(state): ClaimEncoder(state) for state in states}
         self._written: set[Path] = set()
         # Half a horizon: the file always has at least half a horizon left, at two
         # writes per horizon.
@@ -139,6 +141,7 @@ class FilePublisher:
         self._timer: asyncio.TimerHandle | None = None
         self._due = math.inf  # loop time the timer fires at
         self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def paths(self, state: LeaseState) -> list[Path]:
         paths = [self._dir / state.lease]
@@ -158,6 +161,7 @@ class FilePublisher:
                 # something else that happens to be started next.
                 raise ConfigError(f"LEASE_STATE_DIR / --state-dir: "
                                   f"{exc.filename or self._dir}: {exc.strerror or exc}") from None
+        self._loop = asyncio.get_running_loop()
         self._running = True
         self._schedule()
 
@@ -182,7 +186,7 @@ class FilePublisher:
             # Before the write: a write that fails half-way may have replaced a name.
             self._written.update(self._paths[id(state)])
             first, *others = self._files[id(state)]
-            first.write(state.encoded(claim), also=others)
+            first.write(self._encoders[id(state)](claim), also=others)
             return True
         self._remove_all(self._files[id(state)])
         return False
@@ -229,7 +233,8 @@ class FilePublisher:
     def _arm(self, delay: float) -> None:
         if not self._running:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None  # running: set by start()
         due = loop.time() + delay
         if due < self._due:
             if self._timer is not None:
