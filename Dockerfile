@@ -13,7 +13,8 @@
 # - sidecar-sqlserver: the same plus pyodbc, unixODBC and an ODBC driver; the Helm chart
 #   picks it when lease.backend is sqlserver.
 # - operator: `lease-sidecar operator` (the admission webhook and the lease-role label
-#   reconciler; kopf, the kubernetes client, cryptography), no database drivers.
+#   reconciler; kopf, the kubernetes client, cryptography), no database drivers, gathered
+#   onto an empty root the same way.
 #
 # SQL Server's ODBC driver is FreeTDS from Debian by default. For Microsoft's
 # ODBC Driver 18 (by building it you accept Microsoft's licence terms), name Microsoft's
@@ -55,16 +56,21 @@ COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
 RUN /opt/lease-sidecar/bin/pip install ".[injector]"
 
-# ---- operator: lease-sidecar operator (no ODBC, no database driver)
-FROM ${PYTHON_IMAGE} AS operator
-ENV PATH=/opt/lease-sidecar/bin:$PATH \
+# ---- rootfs-operator: what the operator image holds, gathered like the sidecar's
+FROM ${PYTHON_IMAGE} AS rootfs-operator
+COPY --from=build-operator /opt/lease-sidecar /opt/lease-sidecar
+COPY scripts/image-rootfs.sh /usr/local/bin/
+RUN image-rootfs.sh /rootfs
+
+# ---- operator: lease-sidecar operator (no ODBC, no database driver), on an empty root
+# like the sidecar images (see runtime below)
+FROM scratch AS operator
+ENV PATH=/opt/lease-sidecar/bin:/usr/local/bin:/usr/bin:/bin \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp
-RUN groupadd --system --gid 10001 lease \
- && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home \
-      --shell /usr/sbin/nologin lease
-COPY --from=build-operator /opt/lease-sidecar /opt/lease-sidecar
+COPY --from=rootfs-operator /rootfs /
+COPY --from=rootfs-operator /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/
 USER 10001:10001
 EXPOSE 8443 8080
 ENTRYPOINT ["lease-sidecar"]

@@ -7,12 +7,14 @@
 2. SIGKILL takeover: SIGKILL to the leader → a standby answers 200.
 3. ``GET /leader`` under wrk, next to a bare aiohttp JSON handler measured in the same
    run (the anchor).
-4. Idle RSS and CPU of a running leader and a running standby.
+4. Idle RSS and CPU of a running leader and a running standby, default timing
+   (``--idle-backends sqlite,postgres,postgres-row,kubernetes``: each on a real store).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench import record
@@ -99,42 +102,99 @@ def http_load(seconds: int, workdir: Path) -> dict[str, object]:
     return best
 
 
-def idle_usage(seconds: float, workdir: Path) -> dict[str, object]:
+IDLE_BACKENDS = ("sqlite", "postgres", "postgres-row", "kubernetes")
+
+
+def idle_usage(seconds: float, workdir: Path, backend: str = "sqlite") -> dict[str, object]:
+    """Idle CPU and RSS of a leader and a standby with the default timing (15 s lease)."""
     # The chart mounts /run/lease as a memory-backed emptyDir; measure on tmpfs too
     # (/dev/shm) where there is one, since a disk write costs ~7x more here.
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         workdir = Path(tempfile.mkdtemp(prefix="lease-idle-", dir=shm))
-    args = ["--dsn", str(workdir / "idle.db")]
-    leader = SidecarProcess(workdir, "idle-leader", args=args).start()
-    leader.wait_http()
-    wait_until(lambda: leader.leader() == 200, timeout=20)
-    standby = SidecarProcess(workdir, "idle-standby", args=args).start()
-    standby.wait_http()
-    time.sleep(2)
-    ticks = os.sysconf("SC_CLK_TCK")
     try:
-        before = {p.identity: _cpu_seconds(p.proc.pid, ticks) for p in (leader, standby)}
-        time.sleep(seconds)
-        result = {}
-        for p in (leader, standby):
-            used = _cpu_seconds(p.proc.pid, ticks) - before[p.identity]
-            result[p.identity] = {"cpu_percent_of_core": round(100 * used / seconds, 3),
-                                  "rss_mb": round(_rss_kb(p.proc.pid) / 1024, 1)}
+        with idle_store(backend, workdir) as (args, env):
+            result = _idle_pair(seconds, workdir, args, env)
         result["seconds"] = seconds
         result["state_dir_filesystem"] = "tmpfs" if str(workdir).startswith("/dev/shm") \
             else "disk"
         return result
     finally:
-        leader.stop()
-        standby.stop()
         if str(workdir).startswith("/dev/shm"):
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def idle_store(backend: str, workdir: Path) -> Iterator[tuple[list[str], dict[str, str]]]:
+    """The flags and environment of a sidecar on ``backend``, with the store running:
+    a file, a real PostgreSQL, or a real kube-apiserver (the label off: idle, it would
+    only be written on the one transition)."""
+    if backend == "sqlite":
+        yield ["--dsn", str(workdir / "idle.db")], {}
+    elif backend in ("postgres", "postgres-row"):
+        from testkit.testbed.postgres import PgServer
+
+        server = PgServer().init()
+        try:
+            args = ["--backend", backend, "--dsn", server.dsn]
+            if backend == "postgres-row":
+                subprocess.run([sys.executable, "-m", "sidecar", "schema", "--apply", *args],
+                               check=True, capture_output=True)
+            yield args, {}
+        finally:
+            server.destroy()
+    elif backend == "kubernetes":
+        from testkit.kube_support import install_rbac
+        from testkit.testbed.kube import ControlPlane
+
+        cp = ControlPlane()
+        cp.start()
+        try:
+            ns = cp.create_namespace("idle")
+            kubeconfig = install_rbac(cp, ns, ("lease-sidecar.default",))
+            yield (["--backend", "kubernetes", "--pod-label", "off"],
+                   {"KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": ns})
+        finally:
+            cp.stop()
+    else:
+        raise ValueError(f"no idle measurement for backend {backend!r}")
+
+
+def _idle_pair(seconds: float, workdir: Path, args: list[str],
+               env: dict[str, str]) -> dict[str, object]:
+    leader = SidecarProcess(workdir, "idle-leader", args=args, env=env).start()
+    standby = SidecarProcess(workdir, "idle-standby", args=args, env=env)
+    try:
+        leader.wait_http()
+        wait_until(lambda: leader.leader() == 200, timeout=30)
+        standby.start()
+        standby.wait_http()
+        time.sleep(2)
+        ticks = os.sysconf("SC_CLK_TCK")
+        before = {p.identity: _cpu_seconds(p.proc.pid, ticks) for p in (leader, standby)}
+        time.sleep(seconds)
+        result: dict[str, object] = {}
+        for p in (leader, standby):
+            used = _cpu_seconds(p.proc.pid, ticks) - before[p.identity]
+            result[p.identity] = {"cpu_percent_of_core": round(100 * used / seconds, 3),
+                                  "rss_mb": round(_rss_kb(p.proc.pid) / 1024, 1)}
+        assert leader.leader() == 200, "the leader lost the lease while idle"
+        return result
+    finally:
+        leader.stop()
+        standby.stop()
+
+
 def _cpu_seconds(pid: int, ticks: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / ticks
+    """CPU time of every thread of ``pid`` so far, to the nanosecond where the kernel keeps
+    schedstat (an idle sidecar uses a few clock ticks a second: /proc/<pid>/stat's
+    ``utime + stime`` would quantise a 30 s window to 0.033 % of a core)."""
+    try:
+        return sum(int(Path(task, "schedstat").read_text().split()[0])
+                   for task in Path(f"/proc/{pid}/task").iterdir()) / 1e9
+    except (OSError, ValueError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks
 
 
 def _rss_kb(pid: int) -> int:
@@ -152,6 +212,9 @@ def main() -> None:
     parser.add_argument("--wrk-seconds", type=int, default=10)
     parser.add_argument("--idle-seconds", type=float, default=30)
     parser.add_argument("--only", choices=["failover", "http", "idle"], default=None)
+    parser.add_argument("--idle-backends", default="sqlite",
+                        help=f"comma-separated, of {', '.join(IDLE_BACKENDS)}; sqlite is "
+                             "'idle', the others 'idle_<backend>' in the results")
     args = parser.parse_args()
     lease, horizon = parse_duration(args.lease_duration), parse_duration(args.claim_horizon)
     workdir = Path(tempfile.mkdtemp(prefix="lease-bench-"))
@@ -168,8 +231,10 @@ def main() -> None:
         results["http"] = http_load(args.wrk_seconds, workdir)
         print("GET /leader", json.dumps(results["http"]), flush=True)
     if args.only in (None, "idle"):
-        results["idle"] = idle_usage(args.idle_seconds, workdir)
-        print("idle", json.dumps(results["idle"]), flush=True)
+        for backend in args.idle_backends.split(","):
+            key = "idle" if backend == "sqlite" else f"idle_{backend.replace('-', '_')}"
+            results[key] = idle_usage(args.idle_seconds, workdir, backend)
+            print(key, json.dumps(results[key]), flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
     name = "core.json" if args.only is None else f"core-{args.only}.json"
     record.write(name, run, results)

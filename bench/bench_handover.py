@@ -13,8 +13,9 @@ of them picked at random, and the time from the request to the named standby's f
 ``200`` on ``GET /leader`` is taken (:mod:`testkit.handover`). A poller on every sidecar
 (~10 ms) counts overlapping claims (must be 0) and gives the leaderless gap: from the
 end of the old leader's last claim to the named standby's first. Target: the named
-standby leads within two claim horizons + one round trip. Prints a table and writes
-``bench/results/handover.json``.
+standby leads within two claim horizons + one round trip. On the same apiserver the
+kubernetes variant runs again with a client-go elector as the named target
+(:func:`clientgo_trials`). Prints a table and writes ``bench/results/handover.json``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import argparse
 import json
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -32,10 +36,14 @@ from bench import record  # noqa: E402
 from bench.failover import summary  # noqa: E402
 from testkit.handover import BACKENDS, CLAIM_HORIZON, Run, run_trials  # noqa: E402
 
+if TYPE_CHECKING:
+    from testkit.testbed.kube import ControlPlane
 
-def kubernetes_trials(workdir: Path, trials: int) -> Run:
+
+def kubernetes_trials(workdir: Path, trials: int) -> tuple[Run, ClientGoRun]:
     """Three sidecars in Pod objects on a real apiserver whose CoordinatedLeaderElection
-    gate is on (without it the apiserver drops ``spec.preferredHolder``)."""
+    gate is on (without it the apiserver drops ``spec.preferredHolder``); then, on the
+    same apiserver, a client-go elector as the named target (:func:`clientgo_trials`)."""
     from testkit.kube_support import FAST, create_pods, install_rbac, sidecar
     from testkit.testbed.kube import ControlPlane
 
@@ -50,10 +58,83 @@ def kubernetes_trials(workdir: Path, trials: int) -> Run:
         create_pods(cp, namespace, *pods)
         procs = [sidecar(workdir, pod, namespace, kubeconfig) for pod in pods]
         duration = float(FAST[FAST.index("--lease-duration") + 1].rstrip("s"))
-        return run_trials("kubernetes", "", workdir, trials, cli_every=0, procs=procs,
-                          lease="jobs", lease_duration=duration)
+        run = run_trials("kubernetes", "", workdir, trials, cli_every=0, procs=procs,
+                         lease="jobs", lease_duration=duration)
+        go_dir = workdir / "clientgo"
+        go_dir.mkdir()
+        return run, clientgo_trials(cp, go_dir, trials, duration)
     finally:
         cp.stop()
+
+
+@dataclass
+class ClientGoRun:
+    # Per trial: request sent -> the client-go elector's OnStartedLeading.
+    seconds: list[float] = field(default_factory=list)
+    # Per trial: the sidecar's last claim running out -> OnStartedLeading.
+    gaps: list[float] = field(default_factory=list)
+    overlaps: int = 0
+    claims: int = 0
+
+
+def clientgo_trials(cp: ControlPlane, workdir: Path, trials: int,
+                    lease_duration: float) -> ClientGoRun:
+    """Two sidecars and one client-go elector (``leaderelection`` with ``LeaseLock``,
+    100 ms retry period: it polls, it does not watch) on one Lease. Per trial a sidecar
+    leads, the other sidecar and client-go are both in the race, and the leader hands
+    over to client-go; the time from the request to client-go's ``OnStartedLeading`` is
+    taken. Then client-go is stopped (it releases on cancel), a sidecar takes over, and a
+    fresh client-go elector joins. Overlaps: a sidecar claim (polled every ~10 ms)
+    running past client-go's start, or one seen before its stop."""
+    from testkit.clientgo_support import GoElector
+    from testkit.kube_support import create_pods, install_rbac, sidecar
+    from testkit.support import ClaimRecorder, one_leader, post_json, wait_until
+    from testkit.testbed import gobuild
+
+    binary = gobuild.ensure_binary("clientgo-elector")
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace, ("lease-sidecar.interop",))
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    procs = [sidecar(workdir, pod, namespace, kubeconfig, "--pod-label", "off",
+                     lease="interop") for pod in ("pod-a", "pod-b")]
+    run = ClientGoRun()
+    terms: list[tuple[float, float]] = []  # client-go's [started, stopped]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.wait_http()
+        with ClaimRecorder(procs) as recorder:
+            for _ in range(trials):
+                holder = wait_until(lambda: one_leader(procs, timeout=0.5), timeout=30)
+                go = GoElector(binary, workdir, "go-1", namespace, kubeconfig).start()
+                try:
+                    # client-go is a standby, and the other sidecar campaigns again.
+                    time.sleep(lease_duration + 0.5)
+                    sent = time.time()
+                    status = post_json(f"{holder.url}/handover/interop?to=go-1")[0]
+                    assert status == 202, f"POST /handover answered {status}"
+                    wait_until(go.leading, timeout=30, interval=0.002)
+                    started = go.first("started")
+                    assert started is not None
+                    run.seconds.append(started["at"] - sent)
+                    time.sleep(0.3)
+                finally:
+                    go.stop()
+                claim = go.claim()
+                assert claim is not None
+                terms.append(claim)
+                last = max((until for _, seen, until in recorder.claims
+                            if seen < claim[0]), default=None)
+                if last is not None:
+                    run.gaps.append(max(0.0, claim[0] - last))
+        run.claims = len(recorder.claims)
+        run.overlaps = sum(1 for _, seen, until in recorder.claims
+                           for start, stop in terms if seen < stop and until > start)
+    finally:
+        for proc in procs:
+            proc.stop()
+    return run
 
 
 def main() -> int:
@@ -80,7 +161,17 @@ def main() -> int:
                 here = Path(workdir) / backend
                 here.mkdir()
                 if backend == "kubernetes":
-                    run = kubernetes_trials(here, opts.trials)
+                    run, clientgo = kubernetes_trials(here, opts.trials)
+                    results["kubernetes-clientgo-target"] = {
+                        **summary(clientgo.seconds),
+                        "leaderless_gap": summary(clientgo.gaps) if clientgo.gaps else None,
+                        "overlapping_claims": clientgo.overlaps,
+                        "claims_seen": clientgo.claims,
+                        "named_standby_led": len(clientgo.seconds)}
+                    print(f"{'clientgo-target':13} request->named leads p50 "
+                          f"{summary(clientgo.seconds)['p50_ms']:6.1f} p99 "
+                          f"{summary(clientgo.seconds)['p99_ms']:6.1f} ms; "
+                          f"overlaps {clientgo.overlaps}", flush=True)
                 else:
                     where = str(here / "leases.db") if backend == "sqlite" else dsn
                     assert where is not None

@@ -21,6 +21,13 @@ sidecars' own log timestamps.
 - **sidecar RSS / CPU**: the kubelet's ``/stats/summary`` for the ``lease-sidecar``
   container (RSS, working set, usageNanoCores), and the container's own cgroup
   (``cpuacct.usage`` over a quiet minute), leader and standbys apart.
+- **where start-up goes**: for the pods each rolling restart made, the moments after
+  the pod's first watch event when the watch first showed its IP (scheduled, sandbox and
+  network up) and its sidecar container running; when the sidecar process started (its
+  ``/proc`` start time, found through the container's cgroup); when it logged
+  ``started`` (its HTTP server up, its elector running); and when the watch showed the
+  container ready (the kubelet's startup probe passed, every second, and the status
+  reached the apiserver).
 - **idle sidecar memory per trial**: after each rolling restart, once the new pods have
   idled IDLE_AFTER_RESTART, every sidecar container's own memory cgroup
   (``memory.stat``): ``total_rss`` (anonymous memory: the Python heap, thread stacks; the
@@ -33,6 +40,8 @@ sidecars' own log timestamps.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
 import os
 import statistics
 import sys
@@ -143,6 +152,58 @@ def idle_memory(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _proc_start(pid: int) -> float:
+    """A process's start as epoch seconds (10 ms resolution), from /proc."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _started_logged(cluster: Cluster, ns: str, pod: str) -> float | None:
+    """When the sidecar logged ``started``, by its own clock (the node's)."""
+    proc = cluster.kubectl("-n", ns, "logs", pod, "-c", ps.SIDECAR, check=False, timeout=30)
+    for line in proc.stdout.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("msg") == "started" and entry.get("ts"):
+            return dt.datetime.fromisoformat(entry["ts"].replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def startup_timeline(cluster: Cluster, ns: str, obs: ps.PodObserver,
+                     since: float) -> list[dict[str, Any]]:
+    """For each pod created after ``since``: seconds from its first watch event to each
+    start-up step (see the module doc); None where a step was not seen."""
+    rows = []
+    created = {n: t for n, t in obs.created_since_start().items() if t >= since}
+    for pod in ps.app_pods(cluster, ns):
+        name = pod["metadata"]["name"]
+        if name not in created:
+            continue
+        t0 = created[name]
+        procs = _cgroup_file(pod, ps.SIDECAR, "memory", "cgroup.procs")
+        started = None
+        try:
+            pids = [int(p) for p in procs.read_text().split()] if procs else []
+            started = min(_proc_start(pid) for pid in pids) if pids else None
+        except (OSError, ValueError):
+            pass
+        logged = _started_logged(cluster, ns, name)
+
+        def since_t0(t: float | None, t0: float = t0) -> float | None:
+            return None if t is None else round(t - t0, 3)
+
+        rows.append({"pod": name, "ip": since_t0(obs.ip_seen.get(name)),
+                     "container_running": since_t0(obs.sidecar_running.get(name)),
+                     "process_started": since_t0(started),
+                     "logged_started": since_t0(logged),
+                     "ready": since_t0(obs.sidecar_ready.get(name))})
+    return rows
+
+
 def _mib_summary(values: list[float]) -> dict[str, float | int]:
     return {"n": len(values), "p50_mib": round(statistics.median(values), 1),
             "max_mib": round(max(values), 1)} if values else {"n": 0}
@@ -213,8 +274,11 @@ def run(trials: int, backend: str) -> dict[str, Any]:
                 deletions.append(deletion_trial(cluster, ns, obs))
                 print(f"deletion {i + 1}/{trials}: {deletions[-1]}", file=sys.stderr, flush=True)
             memory: list[list[dict[str, Any]]] = []
+            timeline: list[dict[str, Any]] = []
             for i in range(trials):
+                began = time.time()
                 restarts.append(restart_trial(cluster, ns, obs))
+                timeline += startup_timeline(cluster, ns, obs, began)
                 time.sleep(IDLE_AFTER_RESTART)
                 memory.append(idle_memory(cluster, ns))
                 print(f"restart {i + 1}/{trials}: {restarts[-1]}; idle sidecar memory "
@@ -244,10 +308,16 @@ def run(trials: int, backend: str) -> dict[str, Any]:
             "http_poll_period_ms_p50": round(statistics.median(http_periods) * 1000, 1),
             "anomalies": anomalies[:20],
             "sidecar_usage": usage,
+            "startup_steps": {
+                step: summary(seen) if (seen := [row[step] for row in timeline
+                                                 if row[step] is not None]) else {"n": 0}
+                for step in ("ip", "container_running", "process_started", "logged_started",
+                             "ready")},
             "idle_sidecar_memory": {
                 key: _mib_summary([row[key] for trial in memory for row in trial])
                 for key in ("rss_mib", "working_set_mib", "mapped_file_mib", "cache_mib")},
-            "raw": {"deletions": deletions, "restarts": restarts, "idle_memory": memory},
+            "raw": {"deletions": deletions, "restarts": restarts, "idle_memory": memory,
+                    "startup_timeline": timeline},
         }
     finally:
         cluster.stop()
@@ -275,6 +345,8 @@ def table(r: dict[str, Any]) -> str:
         "(MiB): " + ", ".join(
             f"{key.removesuffix('_mib')} p50 {m.get('p50_mib')} max {m.get('max_mib')} "
             f"(n {m['n']})" for key, m in r["idle_sidecar_memory"].items()),
+        "start-up steps after the pod's first watch event, p50 ms: " + ", ".join(
+            f"{step} {x.get('p50_ms')}" for step, x in r["startup_steps"].items()),
         "",
         "| sidecar container, idle | RSS | working set | CPU (kubelet) | CPU (cgroup, "
         f"{QUIET:.0f} s) |",

@@ -133,6 +133,8 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "service_handovers_measured_by_client": len(client),
         "service_client_not_leader_after_proxy_sync": sum(
             _present(rows, "not_leader_after_proxy")),
+        "service_client_timeouts_after_proxy_sync": sum(
+            t.get("timeouts_after_proxy", 0) for r in rows for t in r["through_service"]),
     }
 
 
@@ -178,7 +180,8 @@ def table(r: dict[str, Any]) -> str:
                          f"{ms(f['service_claim_to_endpoints'])} | "
                          f"{ms(f['service_slices_to_proxy_sync'])} | "
                          f"{ms(f['service_claim_to_client_only_leader'])} | "
-                         f"{f['service_client_not_leader_after_proxy_sync']} |")
+                         f"{f['service_client_not_leader_after_proxy_sync']} "
+                         f"({f['service_client_timeouts_after_proxy_sync']} timed out) |")
     return "\n".join(lines)
 
 

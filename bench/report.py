@@ -93,6 +93,26 @@ def core_costs(r: Row) -> list[str]:
     return table(["figure", "value"], rows, right=2)
 
 
+def core_idle(r: Row) -> list[str]:
+    """bench_core --only idle: a leader and a standby per backend, default timing."""
+    rows = []
+    for key, backend in (("idle", "sqlite"), ("idle_postgres", "postgres"),
+                         ("idle_postgres_row", "postgres-row"),
+                         ("idle_kubernetes", "kubernetes")):
+        idle = r.get(key)
+        if not idle:
+            continue
+        lead, stand = idle["idle-leader"], idle["idle-standby"]
+        rows.append([backend, f"{lead['cpu_percent_of_core']:.2f} % / "
+                              f"{stand['cpu_percent_of_core']:.2f} %",
+                     f"{lead['rss_mb']} / {stand['rss_mb']} MB"])
+    where = next((r[k].get("state_dir_filesystem", "disk") for k in ("idle",) if k in r),
+                 "tmpfs")
+    seconds = next((r[k]["seconds"] for k in r if k.startswith("idle")), 0)
+    return table([f"backend (over {seconds:g} s, state directory on {where})",
+                  "idle CPU of a core, leader / standby", "RSS, leader / standby"], rows)
+
+
 def http_limits(r: Row) -> list[str]:
     w, fat, slow = r["waiters"], r.get("fat_heads"), r["slowloris"]
     rows = [
@@ -270,13 +290,16 @@ def clientgo_interop(r: Row) -> list[str]:
 def handover(r: Row) -> list[str]:
     horizons = r["claim_horizon_ms"]
     rows = []
-    for backend in ("sqlite", "postgres", "postgres-row", "kubernetes"):
+    labels = {"kubernetes-clientgo-target": "`kubernetes`, a client-go elector named"}
+    for backend in ("sqlite", "postgres", "postgres-row", "kubernetes",
+                    "kubernetes-clientgo-target"):
         x = r.get(backend)
         if not x:
             continue
-        horizon = horizons.get(backend, horizons.get("others"))
-        rows.append([f"`{backend}`", f"{horizon:g} ms", p50_p99(x), p50_p99(x["leaderless_gap"]),
-                     x["overlapping_claims"], f"{x['named_standby_led']} of {x['n']}"])
+        horizon = horizons.get(backend.split("-clientgo")[0], horizons.get("others"))
+        rows.append([labels.get(backend, f"`{backend}`"), f"{horizon:g} ms", p50_p99(x),
+                     p50_p99(x["leaderless_gap"]), x["overlapping_claims"],
+                     f"{x['named_standby_led']} of {x['n']}"])
     return table(["backend", "claim horizon", "request → named standby leads, p50 / p99",
                   "leaderless gap, p50 / p99", "overlapping claims", "named standby led"],
                  rows, right=2)
@@ -328,6 +351,14 @@ def pods_idle(r: Row) -> list[str]:
              m["cache_mib"]["n"]],
             ["pod start → sidecar container ready", p50_p99(r["pod_start_to_sidecar_ready"]),
              n(r["pod_start_to_sidecar_ready"])]]
+    steps = r.get("startup_steps") or {}
+    labels = {"ip": "pod IP", "container_running": "container running",
+              "process_started": "process started", "logged_started": "logged `started`",
+              "ready": "ready"}
+    if steps:
+        rows.append(["start-up steps (ms after the first watch event, p50): "
+                     + ", ".join(f"{labels[k]} {ms(x.get('p50_ms'))}" for k, x in steps.items()),
+                     "", steps["ready"]["n"]])
     return table([f"`{r['backend']}` backend, real pods", "p50 / max (ready: p50 / p99)",
                   "n"], rows)
 
@@ -372,14 +403,19 @@ def rollout_service(r: Row) -> list[str]:
     rows = []
     for mode, by in r["results"].items():
         for strategy, x in by.items():
+            through = x.get("service_claim_to_client_only_leader")
             rows.append([f"`{mode}`", strategy, p50_p99(x.get("service_claim_to_label")),
                          p50_p99(x.get("service_claim_to_endpoints")),
-                         p50_p99(x.get("service_label_to_endpoints")),
-                         x.get("service_endpoints_not_leader_after_settle", "—")])
+                         p50_p99(x.get("service_slices_to_proxy_sync")),
+                         p50_p99(through),
+                         "—" if through is None else
+                         f"{x['service_client_not_leader_after_proxy_sync']} "
+                         f"({x.get('service_client_timeouts_after_proxy_sync', 0)} timed out)"])
     return table(["`shutdownHandover`", "strategy", "first claim → pod label `leader`",
                   "first claim → EndpointSlice lists only its pod",
-                  "label → EndpointSlice", "endpoints not the leader afterwards"], rows,
-                 right=2)
+                  "EndpointSlice → kube-proxy's rules synced",
+                  "first claim → a client pod reaches only the leader through the ClusterIP",
+                  "requests not answered by the leader after the sync"], rows, right=2)
 
 
 def lean_lone(r: Row) -> list[str]:
@@ -428,6 +464,7 @@ class Table:
 TABLES: dict[str, Table] = {
     "core": Table("core.json", core, "core"),
     "core-costs": Table("core.json", core_costs, "core"),
+    "core-idle": Table("core-idle.json", core_idle, "core_idle"),
     "http-limits": Table("http-limits.json", http_limits, "http_limits"),
     "exec": Table("exec.json", exec_, "exec"),
     "sqlite-commit": Table("sqlite-commit.json", sqlite_commit, "sqlite_commit"),

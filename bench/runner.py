@@ -51,6 +51,11 @@ BENCHES: tuple[Bench, ...] = (
     Bench("core", "bench.bench_core", ("--trials", "20"),
           ("--trials", "2", "--wrk-seconds", "1", "--idle-seconds", "2"), (), ("core.json",),
           partly=("wrk",)),
+    # Idle CPU and RSS of a leader and a standby on each backend, default timing.
+    Bench("core_idle", "bench.bench_core",
+          ("--only", "idle", "--idle-backends", "sqlite,postgres,postgres-row,kubernetes"),
+          ("--only", "idle", "--idle-seconds", "2"), ("postgres", "apiserver"),
+          ("core-idle.json",)),
     Bench("sqlite_commit", "bench.bench_sqlite_commit", ("--commits", "300"),
           ("--commits", "10"), (), ("sqlite-commit.json",)),
     Bench("metrics", "bench.bench_metrics", ("--scrapes", "200"), ("--scrapes", "10"), (),

@@ -1,6 +1,6 @@
 #!/bin/bash
-# The root filesystem of a sidecar image, and nothing else (the Dockerfile's final stage
-# is `FROM scratch` plus this directory):
+# The root filesystem of a sidecar or operator image, and nothing else (the Dockerfile's
+# final stages are `FROM scratch` plus this directory):
 #
 #   image-rootfs.sh DEST
 #
@@ -8,12 +8,12 @@
 # of the standard library a server can import, the ODBC driver manager and driver if this
 # build stage has them, the image user, and every shared library those load (found with
 # ldd). No shell, package manager or other tool of the build stage goes in:
-# the sidecar runs on a read-only root and never installs anything.
+# both run on a read-only root and never install anything.
 set -euo pipefail
 
 dest=${1:?usage: image-rootfs.sh DEST}
 venv=/opt/lease-sidecar
-# Parts of the standard library the sidecar never imports at run time: installers,
+# Parts of the standard library neither image imports at run time: installers,
 # IDEs, GUI toolkits, the test suite, the 2to3 converter and pydoc's topic index.
 unused_stdlib=(ensurepip idlelib tkinter turtledemo test lib2to3 pydoc_data distutils)
 # C modules for NIS, Berkeley DB, the interactive prompt and terminals: each alone pulls

@@ -247,7 +247,7 @@ OPTIONS: tuple[Option, ...] = (
            "while leading (unset: no work watchdog)", (0.1, 24 * HOUR),
            "a shorter period leaves no room for the application's heartbeats",
            details="Counted from the term's first claim at the earliest; the step-down is "
-           "`POST /release`'s ([heartbeat](http-api.md#other-endpoints))."),
+           "`POST /release`'s ([heartbeat](http-api.md#post-heartbeat-the-work-watchdog))."),
     Option("app_ready_url", "LEASE_APP_READY_URL", "--app-ready-url", parse_ready_url, None,
            "campaign only while this http:// URL of the application answers 2xx (unset: "
            "always campaign)",

@@ -1,43 +1,18 @@
 """The election loop for one lease: acquire, renew, step down.
 
-What it guarantees
-- Fail closed: this contender claims leadership only while
-  ``monotonic now < send time of the last successful acquire/renew + grant.valid_for``
-  (and, after a fresh acquisition, not before one claim horizon has passed). The claim
-  is evaluated by :class:`~sidecar.state.LeaseState` at the moment it is asked for, so a
-  frozen process never publishes a stale "leader" when it resumes.
-- Unpublish, wait out our claims, then release. On a voluntary step-down (SIGTERM,
-  ``POST /release``) the state stops handing out claims, every publisher is told (file
-  removed, label changed), and the lease is given back only once the last claim already
-  handed out has expired: at most one claim horizon after unpublishing, never later
-  than the lease's own validity. A next holder may therefore start leading the moment
-  it sees the release — as client-go's ``leaderelection`` does — without overlapping us.
-- Acquire, wait one claim horizon, then publish. The first claim of a new term waits
-  ``max(claim_horizon, grant.claim_delay)`` counted from the acquire's *reply* (an
-  acquire can wait inside the server for the release). The releasing side's wait above
-  does not make this one redundant (and a long ``claim_delay`` is slept in renew
-  intervals with renews between, so the term never outlasts its validity waiting); it
-  still protects against previous holders that
-  could not or did not wait out their claims:
-  * an advisory-lock holder that crashed: the server ends its session and frees the
-    lock at once, while claims it handed out just before may run one more horizon;
-  * after a server restart, an advisory-lock holder that has not heard of it yet
-    (``claim_delay`` stretches the wait to its renew deadline);
-  * a peer that releases before its own leadership has ended: client-go runs
-    ``OnStoppedLeading`` only after its release write has returned, and sidecars of
-    earlier versions released right after unpublishing (a rolling upgrade mixes both).
-  Where none of these can apply — a TTL lease taken over after it ran out, when the
-  previous holder stopped claiming a safety margin before — the wait costs one horizon
-  on a takeover that already took a lease duration, and is kept for one simple rule.
+This loop carries out the safety model, whose one home is ``docs/design.md`` (the rules,
+why each exists, and what the sidecar does not promise). Here, concretely:
 
-What it does not guarantee
-- That the application stops its work when a claim expires: applications must honour
-  ``valid_until`` (or use the fencing token downstream).
-- No overlap when a step-down is not voluntary: a holder that loses the lease (a refused
-  renew, a dropped advisory-lock session) stops claiming at once but cannot recall the
-  claims it already handed out; that window is bounded by the backend's own rules (see
-  the README's backend table), not by this loop.
-- Liveness while the backend is unreachable: then nobody leads, by design.
+- validity is counted from the *send* time of each successful acquire or renew
+  (``grant.valid_for`` after it), and the state computes every claim from those facts
+  when asked;
+- a voluntary step-down unpublishes, waits until the last claim handed out has expired
+  (``state.issued_until``, never past the validity), then releases;
+- a new term's first claim waits ``max(claim_horizon, grant.claim_delay)`` from the
+  acquire's *reply*; a long ``claim_delay`` is slept in renew intervals with renews
+  between, so the term never outlasts its validity while it waits;
+- a lease lost without a step-down (a refused renew, a dropped session) stops the claims
+  at once; the claims already handed out are bounded by the backend's own rules.
 
 A backend that cannot be reached is retried with jittered exponential backoff (from the
 renew interval up to the lease duration); one log line per change of reachability, not

@@ -24,7 +24,7 @@ from sidecar.base.errors import ConfigError
 from sidecar.base.redact import redact_tree
 from sidecar.elector import Elector
 from sidecar.lease import Backend, create_backend
-from sidecar.publish import Publisher
+from sidecar.publish import Publisher, claim_body
 from sidecar.publish.file import FilePublisher
 from sidecar.publish.http import HeartbeatAnswer, HttpServer, ReleaseOutcome, build_app
 from sidecar.settings import Settings
@@ -259,7 +259,7 @@ class Sidecar:
             claim = state.claim()
             facts = state.facts
             leases.append({
-                **state.body(claim),
+                **claim_body(state, claim),
                 "holding": facts.holding,
                 "backend_ok": facts.backend_ok,
                 "reason": facts.reason,

@@ -49,18 +49,17 @@ class TimingError(ConfigError):
 
 @dataclass(frozen=True)
 class Timing:
-    """The five durations of one election, in seconds, checked on construction."""
+    """The five durations of one election, in seconds, checked on construction.
+
+    Fields named like a setting mean what its entry in :data:`sidecar.config.OPTIONS`
+    says (the one place that is written; ``docs/configuration.md`` is generated from it).
+    """
 
     lease_duration: float = 15.0
-    """TTL of a granted row or Lease object."""
     renew_interval: float = 2.0
-    """Period of renewals, retries and heartbeats (plus up to 10 % jitter)."""
     renew_deadline: float = 10.0
-    """``session`` backends: step down when no heartbeat succeeded for this long."""
     safety_margin: float = 1.0
-    """``ttl`` backends: stop claiming this long before the lease could expire."""
     claim_horizon: float = 0.25
-    """How far ahead a published claim is valid; also a new holder's wait to publish."""
     holds_by: HoldsBy = "ttl"
     """How the backend bounds a holder's validity (see :data:`HoldsBy`)."""
 
@@ -116,27 +115,21 @@ class Timing:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """Where the leases live and how their keys are spelled."""
+    """Where the leases live and how their keys are spelled.
+
+    Fields named like a setting mean what its entry in :data:`sidecar.config.OPTIONS`
+    says (the one place that is written; ``docs/configuration.md`` is generated from it).
+    """
 
     backend: str = "sqlite"
-    """``sqlite``, ``postgres``, ``postgres-row``, ``sqlserver`` or ``kubernetes``."""
     dsn: str | None = None
-    """SQLite file path, ``postgresql://`` URL or ODBC connection string."""
     replica_dsn: str | None = None
-    """Read replica that must confirm an acquisition (row backends on a server)."""
     replica_timeout: float = 5.0
-    """How long to wait for the replica to confirm."""
     key_prefix: str = "lease-sidecar"
-    """Namespace of lock ids, row names and Lease objects, so services sharing a store
-    never collide."""
     schema: str = "lease"
-    """Row-lease schema (server row backends)."""
     table: str = "leases"
-    """Row-lease table (config loading fills in the backend's default)."""
     odbc_driver: str | None = None
-    """ODBC driver name when the DSN names none."""
     ensure_schema: bool = False
-    """Row backends on a server: create the lease table at start if it is missing."""
 
     def key(self, name: str) -> str:
         """The one key of lease ``name`` in the store: lock id input, row name, object name."""
@@ -145,42 +138,33 @@ class StoreSettings:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything one sidecar was told; built and checked by :func:`sidecar.config.load`."""
+    """Everything one sidecar was told; built and checked by :func:`sidecar.config.load`.
+
+    Fields named like a setting mean what its entry in :data:`sidecar.config.OPTIONS`
+    says (the one place that is written; ``docs/configuration.md`` is generated from it).
+    """
 
     store: StoreSettings = field(default_factory=StoreSettings)
     """Where the leases live."""
     timing: Timing = field(default_factory=Timing)
     """The durations of the election."""
     names: tuple[str, ...] = ("default",)
-    """The leases to hold; the first is the primary (``/leader``, the ``leader`` file)."""
     identity: str = ""
-    """This contender's unique id (``POD_NAME``, else ``host:pid``)."""
     role: str = "all"
-    """``all`` or ``worker`` contend; ``api`` never does."""
     http_addr: tuple[str, int] = ("127.0.0.1", 8099)
-    """Where ``/leader``, ``/status`` and ``/metrics`` are served."""
     state_dir: str = "/run/lease"
-    """Directory of the leader file."""
     pod_label: str = "auto"
-    """Keep the ``lease-role`` label: ``on``, ``off``, or ``auto`` (inside a pod)."""
     pod_name: str | None = None
     """This pod, from the downward API (``POD_NAME``)."""
     pod_namespace: str | None = None
     """This pod's namespace (``POD_NAMESPACE``)."""
     exec_grace: float = 10.0
-    """``exec``: time between SIGTERM and SIGKILL of the command on lease loss."""
     work_stall_after: float | None = None
-    """Step down when the application has not POSTed ``/heartbeat`` for this long."""
     app_ready_url: str | None = None
-    """Campaign only while this URL answers 2xx (None: always)."""
     app_ready_containers: tuple[str, ...] | None = None
-    """Campaign only while these containers of the own pod are Ready (None: always)."""
     shutdown_handover: str = "off"
-    """On SIGTERM in a pod: ``off`` or ``youngest-ready`` (:mod:`sidecar.rollout`)."""
     app_unready_after: float = 10.0
-    """A leader whose application has not been ready this long hands over."""
     log_level: str = "info"
-    """``debug``, ``info``, ``warning`` or ``error``."""
     explicit: frozenset[str] = frozenset()
     """Which settings the user gave (so defaults may fall back quietly, and errors say
     which values were defaults)."""

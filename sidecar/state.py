@@ -17,19 +17,19 @@ reader gets changes — leader or not, holder, fencing token, role — including
 a claim becomes valid or lapses with no update at all (the first claim one horizon after
 the acquire, a renew that hangs until validity runs out). The long-poll and its ETag
 follow the latter, so an idle leader's waiters sleep through renews.
+
+Why these rules keep two contenders' claims apart: ``docs/design.md`` (the safety model).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sidecar.base.clock import Clock, SystemClock, epoch_ms, rfc3339
+from sidecar.base.clock import Clock, SystemClock, rfc3339
 from sidecar.base.stats import CallStats
 
 
@@ -69,9 +69,8 @@ class Facts:
         return min(later) if later else None
 
 
-# The body's expiry fields for a wall time of 0, as ``json.dumps`` spells them: where
-# :meth:`LeaseState.encoded` puts each claim's own.
-_UNTIL_ZERO = '"valid_until": "1970-01-01T00:00:00.000Z", "valid_until_ms": 0'
+# What a reader's answer says, renews aside: leader, holder, fencing token, role.
+Leadership = tuple[bool, str | None, int | None, str]
 
 
 @dataclass(frozen=True)
@@ -117,14 +116,6 @@ class LeaseState:
     # Acquire attempts that found a live holder with this contender's identity.
     duplicate_identity: int = 0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
-    _encoded_key: tuple[int, bool, int | None] | None = None
-    _encoded: bytes = b""
-    _template_key: tuple[int, bool] | None = None
-    _template: tuple[str, str] = ("", "")
-    _tag_key: tuple[Any, ...] | None = None
-    _tag_facts: Facts | None = None
-    _tag_leader: bool | None = None
-    _tag: str = ""
 
     def __post_init__(self) -> None:
         self.facts = replace(self.facts, since=self.clock.wall())
@@ -173,48 +164,6 @@ class LeaseState:
             return None
         return self.clock.wall() + (monotonic - self.clock.monotonic())
 
-    def encoded(self, claim: Claim) -> bytes:
-        """:meth:`body` as JSON bytes, shared by all claims of the same millisecond.
-
-        ``/leader`` under load asks many times per millisecond; the body only changes
-        with the state version and the (floored) millisecond of ``valid_until``, and
-        later claims in that millisecond are valid at least as long as the first.
-        """
-        until = self.to_wall(claim.valid_until)
-        ms = epoch_ms(until)
-        key = (claim.facts.version, claim.leader, ms)
-        if key != self._encoded_key:
-            # Only the expiry moves between claims of one version: the rest of the JSON
-            # is kept as text around it (the leader file asks eight times a second).
-            if key[:2] != self._template_key:
-                head, found, tail = json.dumps(self.body(claim, 0.0)).partition(_UNTIL_ZERO)
-                assert found, "body() must keep valid_until and valid_until_ms together"
-                self._template, self._template_key = (head, tail), key[:2]
-            head, tail = self._template
-            until_text = "null" if until is None else f'"{rfc3339(until)}"'
-            self._encoded = (f'{head}"valid_until": {until_text}, "valid_until_ms": '
-                             f'{"null" if ms is None else ms}{tail}').encode()
-            self._encoded_key = key
-        return self._encoded
-
-    def body(self, claim: Claim, until_wall: float | None = None) -> dict[str, Any]:
-        """The JSON of ``GET /leader`` and of the leader file."""
-        facts = claim.facts
-        if until_wall is None:
-            until_wall = self.to_wall(claim.valid_until)
-        return {
-            "leader": claim.leader,
-            "lease": self.lease,
-            "identity": self.identity,
-            "holder": self.identity if claim.leader else facts.holder,
-            "fencing_token": facts.fencing_token if claim.leader else None,
-            "since": rfc3339(facts.since),
-            "valid_until": rfc3339(until_wall),
-            # The same instant as Unix milliseconds: easy to compare in a shell.
-            "valid_until_ms": epoch_ms(until_wall),
-            "role": self.role,
-        }
-
     async def wait_for_change(self, version: int, timeout: float) -> None:
         """Block while the state still has ``version``, at most ``timeout`` seconds.
 
@@ -233,7 +182,7 @@ class LeaseState:
                 await event.wait()
 
     # -- leadership: what a reader's answer depends on, renews aside -----------------
-    def leadership(self, claim: Claim) -> tuple[bool, str | None, int | None, str]:
+    def leadership(self, claim: Claim) -> Leadership:
         """The parts of the answer that only a change of leadership changes (the body's
         ``valid_until`` moves with every claim; ``since`` moves with ``holding``, which
         changes ``holder`` or ``leader`` too)."""
@@ -241,24 +190,8 @@ class LeaseState:
         return (claim.leader, self.identity if claim.leader else facts.holder,
                 facts.fencing_token if claim.leader else None, self.role)
 
-    def leadership_tag(self, claim: Claim) -> str:
-        """A weak ETag of :meth:`leadership`: the body's bytes change with every claim
-        (``valid_until``), what it says does not. Derived from the content, not from a
-        counter, so it means the same answer across restarts of the sidecar."""
-        # The hot path of GET /leader: facts are replaced whole, so the same facts
-        # object and leader flag give the same tag without building the key.
-        if claim.facts is self._tag_facts and claim.leader is self._tag_leader:
-            return self._tag
-        key = self.leadership(claim)
-        if key != self._tag_key:
-            digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()
-            self._tag = f'W/"{self.lease}-{digest}"'
-            self._tag_key = key
-        self._tag_facts, self._tag_leader = claim.facts, claim.leader
-        return self._tag
-
-    async def wait_for_leadership_change(self, tag: str, timeout: float) -> None:
-        """Block while :meth:`leadership_tag` is still ``tag``, at most ``timeout`` s.
+    async def wait_for_leadership_change(self, seen: Leadership, timeout: float) -> None:
+        """Block while :meth:`leadership` is still ``seen``, at most ``timeout`` s.
 
         Updates that leave the answer alone (renews, a standby's retries) wake this
         loop, not its caller. Between updates it sleeps at most until the claim rule's
@@ -266,7 +199,7 @@ class LeaseState:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.leadership_tag(self.claim()) == tag:
+        while self.leadership(self.claim()) == seen:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return

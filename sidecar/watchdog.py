@@ -82,19 +82,19 @@ class WorkWatchdog:
         state = self.state
         while True:
             claim = state.claim()
-            tag = state.leadership_tag(claim)
+            seen = state.leadership(claim)
             if not claim.leader:
-                await state.wait_for_leadership_change(tag, IDLE)
+                await state.wait_for_leadership_change(seen, IDLE)
                 continue
             term = claim.facts.claim_from
             if term == self._stalled_term:  # asked already; the step-down is under way
-                await state.wait_for_leadership_change(tag, RECHECK)
+                await state.wait_for_leadership_change(seen, RECHECK)
                 continue
             now = state.clock.monotonic()
             deadline = self.deadline()
             if now < deadline:
                 # A beat meanwhile only moves the deadline later: look again then.
-                await state.wait_for_leadership_change(tag, deadline - now)
+                await state.wait_for_leadership_change(seen, deadline - now)
                 continue
             self._stalled_term = term
             self._stall(now - (deadline - self.stall_after))

@@ -1,7 +1,7 @@
 """lease-sidecar and client-go's own leader election contending for one Lease.
 
 Used by ``tests/integration/test_clientgo_interop.py`` (a short run in CI) and
-``bench/bench_clientgo_interop.py`` (more rounds, figures for the README).
+``bench/bench_clientgo_interop.py`` (more rounds, figures for docs/benchmarks.md).
 
 One sidecar (``--backend kubernetes``) and one client-go elector
 (``testkit/interop/clientgo-elector``: ``k8s.io/client-go/tools/leaderelection`` with

@@ -347,7 +347,10 @@ class PodObserver:
     labels: list[LabelEvent] = field(default_factory=list)
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # last seen object
     first_seen: dict[str, float] = field(default_factory=dict)
-    # When the watch first showed the pod's sidecar container ready / the whole pod Ready.
+    # When the watch first showed the pod with an IP (sandbox and network up), its
+    # sidecar container running, the sidecar container ready / the whole pod Ready.
+    ip_seen: dict[str, float] = field(default_factory=dict)
+    sidecar_running: dict[str, float] = field(default_factory=dict)
     sidecar_ready: dict[str, float] = field(default_factory=dict)
     pod_ready: dict[str, float] = field(default_factory=dict)
     # (when, pod, ready): every change of the app container's ``ready`` the watch showed.
@@ -426,6 +429,11 @@ class PodObserver:
             self.pods[name] = pod
             self.first_seen.setdefault(name, now)
             statuses = pod["status"].get("initContainerStatuses", [])
+            if pod["status"].get("podIP"):
+                self.ip_seen.setdefault(name, now)
+            if any(x["name"] == SIDECAR and "running" in (x.get("state") or {})
+                   for x in statuses):
+                self.sidecar_running.setdefault(name, now)
             if any(x["name"] == SIDECAR and x.get("ready") for x in statuses):
                 self.sidecar_ready.setdefault(name, now)
             conditions = pod["status"].get("conditions", [])

@@ -211,7 +211,7 @@ last, beat, count = None, 0.0, 0
 while True:
     sent = time.time()
     try:  # a new connection each time: kube-proxy's current rules pick its endpoint
-        with urllib.request.urlopen(URL, timeout=0.5) as answer:
+        with urllib.request.urlopen(URL, timeout=2.0) as answer:
             status, body = answer.status, json.load(answer)
     except urllib.error.HTTPError as err:
         status, body = err.code, json.load(err)
@@ -235,10 +235,17 @@ class Answer:
     status: int  # 0: no HTTP answer (refused: no endpoints; timed out)
     identity: str | None  # the answering sidecar's identity (its pod name)
     count: int  # requests made so far, this one included
+    error: str | None = None  # why there was no HTTP answer
 
     @property
     def key(self) -> tuple[int, str | None]:
         return (self.status, self.identity)
+
+    @property
+    def timed_out(self) -> bool:
+        """No answer within the client's timeout: where the request went is unknown (a
+        loaded node answers slowly), so it neither breaks nor makes a settled run."""
+        return self.status == 0 and "timed out" in (self.error or "")
 
 
 class ServiceClient:
@@ -294,7 +301,8 @@ class ServiceClient:
             except ValueError:
                 continue
             with self._lock:
-                self.answers.append(Answer(x["sent"], x["status"], x["identity"], x["count"]))
+                self.answers.append(Answer(x["sent"], x["status"], x["identity"], x["count"],
+                                           x.get("error")))
 
     def history(self) -> list[Answer]:
         with self._lock:
@@ -349,7 +357,8 @@ def through_service(client: ServiceClient, syncs: ProxySyncs, watch: SliceWatch,
       of kube-proxy's first rule sync after that;
     - ``not_leader_after_proxy``: requests sent after that sync whose answer was not 200
       from the new leader (the claim "a client reaches only the leader once the
-      endpoints have settled"; None when the sync was not seen).
+      endpoints have settled"; None when the sync was not seen), and ``not_leader`` what
+      they were; ``timeouts_after_proxy``: requests after it that got no answer in time.
 
     The client logs each change of answer and every answer that is not a 200, so a
     logged answer stands for the requests up to the next one.
@@ -368,6 +377,8 @@ def through_service(client: ServiceClient, syncs: ProxySyncs, watch: SliceWatch,
         window = window[:led[-1] + 1] if led else []
         settled = None
         for a, _ in reversed(window):
+            if a.timed_out:
+                continue
             if a.key != (200, new):
                 break
             settled = a.sent
@@ -375,12 +386,17 @@ def through_service(client: ServiceClient, syncs: ProxySyncs, watch: SliceWatch,
         sliced = watch.only_after(ip, at) if ip else None
         # kube-proxy may have synced a moment before our own slice watch reported it.
         synced = syncs.first_after(sliced - 0.1) if sliced is not None else None
+        after = [(a, n) for a, n in window if synced is not None and a.sent >= synced]
+        wrong = [(a, n) for a, n in after if a.key != (200, new) and not a.timed_out]
         out.append({
             "claim_to_client": None if settled is None else max(0.0, settled - at),
             "slices_to_proxy": None if synced is None or sliced is None
             else max(0.0, synced - sliced),
             "not_leader_after_proxy": None if synced is None or not led else sum(
-                n for a, n in window if a.key != (200, new) and a.sent >= synced),
+                n for _, n in wrong),
+            "not_leader": [f"{a.status} {a.identity} {a.error} at sync+"
+                           f"{a.sent - synced:.3f}s" for a, _ in wrong if synced is not None],
+            "timeouts_after_proxy": sum(n for a, n in after if a.timed_out),
         })
     return out
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import re
 import time
@@ -48,8 +49,15 @@ def rfc3339(wall: float | None) -> str | None:
     ms = epoch_ms(wall)
     if ms is None:
         return None
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(
-        timespec="milliseconds").replace("+00:00", "Z")
+    second, milli = divmod(ms, 1000)
+    return f"{_utc_second(second)}.{milli:03d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _utc_second(second: int) -> str:
+    """``YYYY-MM-DDTHH:MM:SS`` of a Unix second: the leader file and ``/leader`` ask for
+    the same second many times, and formatting a datetime is most of a claim's cost."""
+    return datetime.fromtimestamp(second, tz=UTC).isoformat(timespec="seconds")[:-len("+00:00")]
 
 
 # -- durations ----------------------------------------------------------------------
@@ -112,6 +120,13 @@ async def first_of(*waitables: Awaitable[object], timeout: float | None = None) 
     Coroutines are wrapped in tasks that are cancelled and awaited before returning;
     futures and tasks passed in are shared with the caller and left running.
     """
+    if len(waitables) == 1 and asyncio.iscoroutine(waitables[0]):
+        # One coroutine (a holder's sleep between renews): run it in this task, without
+        # a task of its own to create, cancel and await each time.
+        with contextlib.suppress(Exception):  # TimeoutError, or what the waitable raised
+            async with asyncio.timeout(timeout):
+                await waitables[0]
+        return
     ours = [asyncio.ensure_future(w) for w in waitables if not asyncio.isfuture(w)]
     shared = [w for w in waitables if asyncio.isfuture(w)]
     try:

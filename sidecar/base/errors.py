@@ -5,7 +5,7 @@ Each message is one line a user can act on, and never contains a password.
 
 from __future__ import annotations
 
-# The exit codes of every lease-sidecar command, in one place (the README's exit code
+# The exit codes of every lease-sidecar command, in one place (docs/cli.md's exit code
 # table tells users the same). 0 is a clean stop; ``exec`` otherwise exits with its
 # command's own code (128 + N when signal N ended it).
 EXIT_FAILED = 1  # the backend failed; ``handover``: not handed over, or nobody answered

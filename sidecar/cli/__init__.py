@@ -1,6 +1,6 @@
 """``lease-sidecar run | exec | schema | status | handover | operator``.
 
-Exit codes: ``sidecar.base.errors`` (``EXIT_*``), told to users in the README's table.
+Exit codes: ``sidecar.base.errors`` (``EXIT_*``), told to users in docs/cli.md's table.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import signal
 from sidecar.base.clock import first_of
 from sidecar.base.errors import EXIT_BAD_SETTINGS, EXIT_NOT_ACQUIRED
 from sidecar.cli import exec_supervise
+from sidecar.publish import claim_body
 from sidecar.runtime import Sidecar
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
@@ -55,7 +56,7 @@ def _job_env(sidecar: Sidecar, state: LeaseState) -> dict[str, str]:
     keeps its token). The expiry does not: a command that must honour the live
     ``valid_until`` reads ``LEASE_LEADER_FILE`` or ``LEASE_LEADER_URL``.
     """
-    body = state.body(state.claim())
+    body = claim_body(state, state.claim())
     host, _ = sidecar.settings.http_addr
     port = sidecar.http.bound_port
     url_host = f"[{host}]" if ":" in host else host

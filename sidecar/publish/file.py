@@ -29,9 +29,11 @@ import logging
 import math
 import os
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar.base.errors import ConfigError
+from sidecar.publish import ClaimEncoder
 from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.publish.file")
@@ -54,7 +56,24 @@ class AtomicFile:
         self._target = os.fspath(path)
         self._temp = os.fspath(temp_name(path))
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes, also: Sequence[AtomicFile] = ()) -> None:
+        """Replace the file with ``data``, and each of ``also`` with the same file: one
+        more name for the temp file (a hard link) each, where the filesystem has them."""
+        tmp = self._create(data)
+        try:
+            for other in also:
+                other._take(tmp, data)
+            os.replace(tmp, self._target)
+        except BaseException:
+            _unlink(tmp)
+            raise
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._target)
+
+    def _create(self, data: bytes) -> str:
+        """A new temp file holding ``data``; its name."""
         for _ in range(_ATTEMPTS):
             tmp = self._temp
             try:
@@ -72,6 +91,22 @@ class AtomicFile:
                 _unlink(tmp)
                 raise
             os.close(fd)
+            return tmp
+        raise FileExistsError(f"{self.path.parent}: no free temporary name in {_ATTEMPTS} "
+                              "attempts")
+
+    def _take(self, source: str, data: bytes) -> None:
+        """Become the temp file ``source`` of another published file (same content)."""
+        for _ in range(_ATTEMPTS):
+            tmp = self._temp
+            try:
+                # Never replaces whatever has that name, never follows a symlink.
+                os.link(source, tmp, follow_symlinks=False)
+            except FileExistsError:
+                self._temp = os.fspath(temp_name(self.path))
+                continue
+            except OSError:  # a filesystem without hard links: a copy of our own
+                tmp = self._create(data)
             try:
                 os.replace(tmp, self._target)
             except BaseException:
@@ -80,10 +115,6 @@ class AtomicFile:
             return
         raise FileExistsError(f"{self.path.parent}: no free temporary name in {_ATTEMPTS} "
                               "attempts")
-
-    def remove(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._target)
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -99,8 +130,10 @@ class FilePublisher:
     def __init__(self, states: list[LeaseState], directory: Path) -> None:
         self._states = states
         self._dir = directory
-        self._files = {id(state): [AtomicFile(path) for path in self.paths(state)]
+        self._paths = {id(state): self.paths(state) for state in states}
+        self._files = {id(state): [AtomicFile(path) for path in self._paths[id(state)]]
                        for state in states}
+        self._encoders = {id(state): ClaimEncoder(state) for state in states}
         self._written: set[Path] = set()
         # Half a horizon: the file always has at least half a horizon left, at two
         # writes per horizon.
@@ -108,6 +141,7 @@ class FilePublisher:
         self._timer: asyncio.TimerHandle | None = None
         self._due = math.inf  # loop time the timer fires at
         self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def paths(self, state: LeaseState) -> list[Path]:
         paths = [self._dir / state.lease]
@@ -127,6 +161,7 @@ class FilePublisher:
                 # something else that happens to be started next.
                 raise ConfigError(f"LEASE_STATE_DIR / --state-dir: "
                                   f"{exc.filename or self._dir}: {exc.strerror or exc}") from None
+        self._loop = asyncio.get_running_loop()
         self._running = True
         self._schedule()
 
@@ -142,35 +177,48 @@ class FilePublisher:
             self._timer.cancel()
             self._timer, self._due = None, math.inf
         for state in self._states:
-            for file in self._files[id(state)]:
-                if file.path in self._written:
-                    self._remove(file)
+            self._remove_all(self._files[id(state)])
 
-    def _publish(self, state: LeaseState) -> None:
+    def _publish(self, state: LeaseState) -> bool:
+        """Write or remove ``state``'s files; True while it leads (they need rewriting)."""
         claim = state.claim()
         if claim.leader:
-            data = state.encoded(claim)
-            for file in self._files[id(state)]:
-                file.write(data)
-                self._written.add(file.path)
-        else:
-            for file in self._files[id(state)]:
-                if file.path in self._written:  # a standby has nothing to remove
-                    self._remove(file)
+            # Before the write: a write that fails half-way may have replaced a name.
+            self._written.update(self._paths[id(state)])
+            first, *others = self._files[id(state)]
+            first.write(self._encoders[id(state)](claim), also=others)
+            return True
+        self._remove_all(self._files[id(state)])
+        return False
 
-    def _remove(self, file: AtomicFile) -> None:
-        file.remove()
-        self._written.discard(file.path)
+    def _remove_all(self, files: list[AtomicFile]) -> None:
+        """Remove each of ``files`` we may have written (a standby has none), all of them
+        even when one cannot be removed; then raise the first error."""
+        failed: OSError | None = None
+        for file in files:
+            if file.path in self._written:
+                try:
+                    file.remove()
+                    self._written.discard(file.path)
+                except OSError as exc:
+                    failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _tick(self) -> None:
         self._timer, self._due = None, math.inf
+        rewrite = False
         for state in self._states:
             try:
-                self._publish(state)
+                rewrite = self._publish(state) or rewrite
             except OSError as exc:
+                rewrite = True  # leading: try again at the next rewrite
                 log.warning("cannot write leader file", extra={
                     "lease": state.lease, "error": str(exc)})
-        self._schedule()
+        if rewrite:  # the usual case, eight times a second: no need to ask every state
+            self._arm(self._period)
+        else:
+            self._schedule()
 
     def _schedule(self) -> None:
         """Arm the timer for the earliest state whose files need a look, unless it is
@@ -180,8 +228,14 @@ class FilePublisher:
         waits = [w for w in map(self._next_look, self._states) if w is not None]
         if not waits:
             return  # an armed timer just finds nothing to do, and is not re-armed
-        loop = asyncio.get_running_loop()
-        due = loop.time() + min(waits)
+        self._arm(min(waits))
+
+    def _arm(self, delay: float) -> None:
+        if not self._running:
+            return
+        loop = self._loop
+        assert loop is not None  # running: set by start()
+        due = loop.time() + delay
         if due < self._due:
             if self._timer is not None:
                 self._timer.cancel()

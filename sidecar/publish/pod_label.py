@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.kubeapi import KubeClient, KubeError
+from sidecar.publish import claim_body
 from sidecar.publish.own_pod import OwnPod
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
@@ -158,7 +159,7 @@ class PodLabelPublisher:
             fields.update(role="api", fencing_token=None)
         else:
             claim = state.claim()
-            body = state.body(claim)
+            body = claim_body(state, claim)
             fields.update(role="leader" if claim.leader else "standby",
                           fencing_token=body["fencing_token"])
             if claim.leader:

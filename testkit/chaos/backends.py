@@ -280,7 +280,7 @@ class PostgresEnv(BackendEnv):
         return bound
 
     def overlap_bound(self, fault: Fault) -> float:
-        """The advisory lock's documented window (README, backend matrix): when the
+        """The advisory lock's documented window (docs/backends.md): when the
         server or the network ends the holder's session, the lock passes at once while
         the holder stops claiming only when the termination reaches it."""
         if self.name == "postgres" and fault.kind in ("cut", "backend-restart"):

@@ -27,12 +27,11 @@ import pytest
 from testkit.kube_support import (
     LeaderLabels,
     Recorder,
-    create_pods,
     install_rbac,
     leaders,
     lease_spec,
     role_column,
-    sidecar,
+    sidecars_in_pods,
 )
 from testkit.procs import free_port
 from testkit.support import REPO, SidecarProcess, get_json, wait_until
@@ -71,18 +70,7 @@ def operator(control_plane: ControlPlane, kube_namespace: str,
 def group(control_plane: ControlPlane, kube_namespace: str, tmp_path: Path,
           operator: subprocess.Popen[bytes]) -> Iterator[list[SidecarProcess]]:
     kubeconfig = install_rbac(control_plane, kube_namespace)
-    create_pods(control_plane, kube_namespace, *PODS)
-    procs = [sidecar(tmp_path, pod, kube_namespace, kubeconfig) for pod in PODS]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait_http()
-        wait_until(lambda: leaders(procs), timeout=15)
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+    yield from sidecars_in_pods(control_plane, kube_namespace, tmp_path, kubeconfig, PODS)
 
 
 def picture(leader: str) -> dict[str, str]:
@@ -220,4 +208,8 @@ def test_labels_are_right_within_5s_after_a_90s_apiserver_outage(
         assert time.monotonic() - back < 5
     poller.assert_never_two_longer_than(5)
     assert operator.poll() is None
-    assert any("pod label written again" in p.logs() for p in group)
+    # The old holder's keeper retried its refused step-down write all along; it says so
+    # on its first try that works, at most one backoff (2 s) after the apiserver is back
+    # (a new term's own write may have put its labels right before that).
+    wait_until(lambda: any("pod label written again" in p.logs() for p in group),
+               timeout=3, interval=0.1)

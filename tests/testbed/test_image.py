@@ -263,9 +263,14 @@ def test_the_operator_image_runs_the_operator_and_the_sidecar_image_has_no_kopf(
                      "lease-image-operator")
     assert proc.returncode == 0, proc.stderr
     assert "lease-sidecar operator" in proc.stdout
-    proc = _run_once(operator_bundle, ["python", "-c", "import kopf, kubernetes, cryptography"],
-                     "lease-image-operator-extras")
+    # Everything the operator loads (the reconciler, the webhook's TLS), on its empty root.
+    proc = _run_once(operator_bundle, [
+        "python", "-c", "import kopf, kubernetes, cryptography, ssl, sidecar.operator.__main__, "
+        "sidecar.operator.reconciler, sidecar.injector.webhook; "
+        "assert ssl.create_default_context().cert_store_stats()['x509_ca'] > 100"],
+        "lease-image-operator-extras")
     assert proc.returncode == 0, proc.stderr
+    assert not os.path.lexists(operator_bundle / "rootfs/bin/sh")
     proc = _run_once(bundle, ["python", "-c", "import kopf"], "lease-image-no-kopf")
     assert proc.returncode != 0 and "No module named 'kopf'" in proc.stderr
     assert operator_artifact.ref.startswith("localhost/lease-sidecar-operator:")

@@ -102,3 +102,14 @@ def test_every_docs_page_is_on_the_readme_map_and_in_the_site_nav():
     nav = {f"docs/{page}" for page in walk(config["nav"])}
     assert nav == pages
     assert "docs/benchmarks.md" in readme
+
+
+def test_source_paths_named_in_the_docs_exist():
+    """Modules move; a page naming `sidecar/x.py` must follow (code spans count too)."""
+    missing = []
+    for document in documents():
+        for path in re.findall(r"\b((?:sidecar|testkit|bench|scripts|tests)/[\w/.-]*\.(?:py|sh))\b",
+                               document.read_text()):
+            if not (REPO / path).exists():
+                missing.append(f"{document.relative_to(REPO)}: {path}")
+    assert not missing, missing

@@ -1,9 +1,10 @@
 """The pod label's claim rule: the state's own (``Facts.leads_at``), on a fake clock.
 
-The label's PATCHes and kopf handlers run against a real apiserver in
+The label's PATCHes and demotions run against a real apiserver in
 tests/integration/test_pod_labels.py; here only the decision "do we lead right now", which
-the kopf handlers ask before they demote another pod, and which must never disagree with
-``GET /leader``. Building the publisher connects to nothing (that happens in ``start``).
+the publisher asks before it demotes another pod, and which must never disagree with
+``GET /leader``, and how it reads another pod's annotation. Building the publisher
+connects to nothing (that happens in ``start``).
 """
 
 import json
@@ -34,7 +35,7 @@ def test_the_label_demotes_others_exactly_while_get_leader_says_leader():
         clock.advance(step)
         issued = state.issued_until
         leads = label._leads()
-        assert state.issued_until == issued  # asking hands out no claim (kopf's thread)
+        assert state.issued_until == issued  # asking hands out no claim
         assert leads == state.claim().leader
         seen.append(leads)
     assert seen == [False, True, True, False]

@@ -4,7 +4,9 @@ import asyncio
 import math
 from datetime import datetime
 
-from sidecar.state import Facts, LeaseState
+from sidecar.publish import ClaimEncoder, claim_body
+from sidecar.publish.http.longpoll import ServedLease
+from sidecar.state import Facts, Leadership, LeaseState
 from tests.unit.fakes import FakeClock
 
 
@@ -17,8 +19,8 @@ def test_standby_claims_nothing():
     state = make_state(FakeClock())
     claim = state.claim()
     assert not claim.leader
-    assert state.body(claim)["leader"] is False
-    assert state.body(claim)["valid_until"] is None
+    assert claim_body(state, claim)["leader"] is False
+    assert claim_body(state, claim)["valid_until"] is None
 
 
 def test_claim_is_capped_by_the_horizon_and_the_lease():
@@ -76,7 +78,7 @@ def test_body_times_are_rfc3339_utc():
     state = make_state(clock)
     state.update(holding=True, claim_from=clock.now, valid_until=clock.now + 10,
                  fencing_token=5)
-    body = state.body(state.claim())
+    body = claim_body(state, state.claim())
     assert body["valid_until"].endswith("Z")
     assert body["since"].endswith("Z")
     assert body["fencing_token"] == 5
@@ -93,7 +95,7 @@ def test_valid_until_ms_is_the_same_instant_rounded_down():
     claim = state.claim()
     exact = state.to_wall(claim.valid_until)
     assert exact is not None
-    body = state.body(claim)
+    body = claim_body(state, claim)
     assert isinstance(body["valid_until_ms"], int)
     assert body["valid_until_ms"] == math.floor(exact * 1000)
     assert body["valid_until_ms"] / 1000 < exact  # never later than the claim's end
@@ -101,17 +103,34 @@ def test_valid_until_ms_is_the_same_instant_rounded_down():
     assert round(parsed * 1000) == body["valid_until_ms"]
     # Not leading: both are null, never a stale time.
     state.update(holding=False)
-    standby = state.body(state.claim())
+    standby = claim_body(state, state.claim())
     assert standby["valid_until"] is None and standby["valid_until_ms"] is None
+
+
+def test_rfc3339_is_the_floored_millisecond_in_utc_across_seconds():
+    """The second's text is cached (issue 20: most of a claim's cost); every
+    millisecond must still read as datetime spells it, rounded down."""
+    from datetime import UTC
+
+    from sidecar.base.clock import epoch_ms, rfc3339
+
+    for wall in (0.0, -0.0005, 59.9999, 60.0, 1764613948.7931, 1764613949.0004,
+                 1764613948.9999, 4102444799.9995):
+        ms = epoch_ms(wall)
+        assert ms is not None
+        expected = datetime.fromtimestamp(ms // 1000, tz=UTC).strftime(
+            "%Y-%m-%dT%H:%M:%S") + f".{ms % 1000:03d}Z"
+        assert rfc3339(wall) == expected, wall
 
 
 def test_encoded_is_the_body_as_json_for_every_claim():
     """The bytes of /leader and the leader file are kept as a template around the
-    expiry (issue 20): they must stay exactly the JSON of :meth:`body`."""
+    expiry (issue 20): they must stay exactly the JSON of :func:`claim_body`."""
     import json
 
     clock = FakeClock()
     state = make_state(clock)
+    encode = ClaimEncoder(state)
     seen = []
     for step in range(4):
         if step == 2:
@@ -119,13 +138,13 @@ def test_encoded_is_the_body_as_json_for_every_claim():
         state.update(holding=True, claim_from=clock.now, valid_until=clock.now + 10)
         clock.advance(0.0013)
         claim = state.claim()
-        seen.append(state.encoded(claim))
-        assert json.loads(state.encoded(claim)) == state.body(claim)
+        seen.append(encode(claim))
+        assert json.loads(encode(claim)) == claim_body(state, claim)
     assert len(set(seen)) == 4  # each millisecond its own expiry
     state.update(holding=False, holder="other")
     claim = state.claim()
-    assert json.loads(state.encoded(claim)) == state.body(claim)
-    assert b'"valid_until": null, "valid_until_ms": null' in state.encoded(claim)
+    assert json.loads(encode(claim)) == claim_body(state, claim)
+    assert b'"valid_until": null, "valid_until_ms": null' in encode(claim)
 
 
 # -- Facts.leads_at: the claim rule itself, asked directly at chosen instants ------------
@@ -192,37 +211,37 @@ def test_next_flip_names_the_first_claim_then_the_end_of_validity():
         assert facts.leads_at(flip - 1e-9) != facts.leads_at(flip)
 
 
-# -- the leadership tag and its wait (the long-poll follows these) -------------------------
+# -- the leadership, its ETag and its wait (the long-poll follows these) -------------------------
 
-def test_leadership_tag_ignores_renews_and_follows_leadership():
+def test_the_etag_ignores_renews_and_follows_leadership():
     clock = FakeClock()
     state = make_state(clock)
-    standby = state.leadership_tag(state.claim())
+    standby = ServedLease(state).etag(state.claim())
     state.update(holder="other")  # another holder: a different answer
-    other = state.leadership_tag(state.claim())
+    other = ServedLease(state).etag(state.claim())
     assert other != standby
     state.update(reason="held by other", backend_ok=True)  # a standby's retry
-    assert state.leadership_tag(state.claim()) == other
+    assert ServedLease(state).etag(state.claim()) == other
     state.update(holding=True, holder="me", claim_from=clock.now + 0.25,
                  valid_until=clock.now + 10, fencing_token=7)
-    waiting = state.leadership_tag(state.claim())  # holds, cannot claim yet
+    waiting = ServedLease(state).etag(state.claim())  # holds, cannot claim yet
     assert waiting not in (standby, other)
     clock.advance(0.25)
-    leading = state.leadership_tag(state.claim())
+    leading = ServedLease(state).etag(state.claim())
     assert leading != waiting
     tags = set()
     for _ in range(5):  # renews: new validity, new version, same answer
         clock.advance(1)
         state.update(valid_until=clock.now + 10, fencing_token=7)
-        tags.add(state.leadership_tag(state.claim()))
+        tags.add(ServedLease(state).etag(state.claim()))
     assert tags == {leading}
     state.update(fencing_token=8)  # a new term's token is a new answer
-    assert state.leadership_tag(state.claim()) != leading
+    assert ServedLease(state).etag(state.claim()) != leading
     # A weak tag (the body's bytes change with every claim), lease name inside.
     assert leading.startswith('W/"default-') and leading.endswith('"')
 
 
-def test_leadership_tag_is_the_content_not_a_counter():
+def test_the_etag_is_the_content_not_a_counter():
     """Two states (two runs of the sidecar) giving the same answer have the same tag."""
     clock = FakeClock()
     first, second = make_state(clock), make_state(clock)
@@ -230,23 +249,23 @@ def test_leadership_tag_is_the_content_not_a_counter():
         state.update(holding=True, claim_from=clock.now, valid_until=clock.now + 10,
                      fencing_token=3)
     second.update(valid_until=clock.now + 20)
-    assert first.leadership_tag(first.claim()) == second.leadership_tag(second.claim())
+    assert ServedLease(first).etag(first.claim()) == ServedLease(second).etag(second.claim())
 
 
 def real_state(horizon: float = 0.25) -> LeaseState:
     return LeaseState(lease="default", identity="me", role="all", claim_horizon=horizon)
 
 
-def hold(state: LeaseState, valid_for: float, claim_in: float = 0.0) -> str:
+def hold(state: LeaseState, valid_for: float, claim_in: float = 0.0) -> Leadership:
     """Make ``state`` a holder whose claim starts in ``claim_in`` seconds and is valid for
-    ``valid_for`` seconds from now; return the ETag of its answer now."""
+    ``valid_for`` seconds from now; return its answer's leadership now."""
     now = state.clock.monotonic()
     state.update(holding=True, holder="me", claim_from=now + claim_in,
                  valid_until=now + valid_for, fencing_token=1)
-    return state.leadership_tag(state.claim())
+    return state.leadership(state.claim())
 
 
-async def _timed_wait(state: LeaseState, tag: str, timeout: float) -> float:
+async def _timed_wait(state: LeaseState, tag: Leadership, timeout: float) -> float:
     loop = asyncio.get_running_loop()
     started = loop.time()
     await state.wait_for_leadership_change(tag, timeout)
@@ -299,4 +318,4 @@ async def test_a_step_down_ends_the_wait_at_once():
     assert 0.09 <= waited < 0.3
     # A tag that is already stale returns at once; so does a zero timeout.
     assert await _timed_wait(state, tag, 5) < 0.01
-    assert await _timed_wait(state, state.leadership_tag(state.claim()), 0) < 0.01
+    assert await _timed_wait(state, state.leadership(state.claim()), 0) < 0.01

@@ -3,7 +3,7 @@
 For contenders on one host (a VM, a laptop, tests). The "database clock" is this host's
 wall clock as SQLite reads it; the claim itself runs on the monotonic clock, so a wall
 clock stepped forward by more than the safety margin could let a standby take over while
-the holder still claims — the README lists this limit.
+the holder still claims — docs/sqlite.md states this limit.
 
 Fencing tokens come from a one-row counter that only grows, so a token never repeats
 even though release deletes the row. The file itself can be deleted or replaced under a

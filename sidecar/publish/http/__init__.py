@@ -28,11 +28,11 @@ from sidecar.publish.http.limits import (
     MAX_WAITERS,
     Limits,
 )
-from sidecar.publish.http.longpoll import MAX_WAIT, etag
+from sidecar.publish.http.longpoll import MAX_WAIT
 from sidecar.publish.http.server import HttpServer
 
 __all__ = [
     "HEADER_TIMEOUT", "MAX_CONNECTIONS", "MAX_FIELD", "MAX_HEADERS", "MAX_LINE", "MAX_WAIT",
     "MAX_WAITERS", "HeartbeatAnswer", "HttpServer", "Limits", "ReleaseOutcome", "build_app",
-    "etag", "host_allowed", "is_loopback", "release_hosts",
+    "host_allowed", "is_loopback", "release_hosts",
 ]

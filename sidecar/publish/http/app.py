@@ -80,7 +80,7 @@ def build_app(states: list[LeaseState],
     # error as a bare 500 (the traceback goes to the log, never to the client), and any
     # middleware costs a third of /leader's throughput.
     app = web.Application()
-    app[longpoll.STATES] = {s.lease: s for s in states}
+    app[longpoll.LEASES] = {s.lease: longpoll.ServedLease(s) for s in states}
     app[LIMITS] = limits = limits or Limits()
     registry: CollectorRegistry | None = None
 

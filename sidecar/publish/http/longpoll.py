@@ -2,25 +2,53 @@
 ``If-None-Match`` — as of the next change of leadership, parked until then.
 
 The ETag follows leadership only (leader, holder, fencing token, role), not renews, so
-an idle leader's waiters sleep through renews (:meth:`LeaseState.leadership_tag`).
+an idle leader's waiters sleep through renews (:meth:`LeaseState.leadership`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from aiohttp import web
 
+from sidecar.publish import ClaimEncoder
 from sidecar.publish.http.limits import LIMITS, RETRY_AFTER, Limits
-from sidecar.state import Claim, LeaseState
+from sidecar.state import Claim, Facts, Leadership, LeaseState
 
 MAX_WAIT = 300.0
 
-# The app's lease states by name, first lease first (``/leader`` without a name).
-STATES = web.AppKey("states", dict)
+
+class ServedLease:
+    """One lease as ``GET /leader`` serves it: its state, its body's bytes and its ETag."""
+
+    def __init__(self, state: LeaseState) -> None:
+        self.state = state
+        self.encoded = ClaimEncoder(state)
+        self._key: Leadership | None = None
+        self._facts: Facts | None = None
+        self._leader: bool | None = None
+        self._tag = ""
+
+    def etag(self, claim: Claim) -> str:
+        """A weak ETag of :meth:`LeaseState.leadership`: the body's bytes change with
+        every claim (``valid_until``), what it says does not. Derived from the content,
+        not from a counter, so it means the same answer across restarts of the sidecar."""
+        # The hot path of GET /leader: facts are replaced whole, so the same facts
+        # object and leader flag give the same tag without building the key.
+        if claim.facts is self._facts and claim.leader is self._leader:
+            return self._tag
+        key = self.state.leadership(claim)
+        if key != self._key:
+            digest = hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()
+            self._tag = f'W/"{self.state.lease}-{digest}"'
+            self._key = key
+        self._facts, self._leader = claim.facts, claim.leader
+        return self._tag
 
 
-def etag(state: LeaseState, claim: Claim | None = None) -> str:
-    """Follows leadership only (leader, holder, fencing token, role), not renews."""
-    return state.leadership_tag(claim or state.claim())
+# The app's leases by name, first lease first (``/leader`` without a name).
+LEASES = web.AppKey("leases", dict)
 
 
 def wait_seconds(request: web.Request) -> float:
@@ -42,17 +70,19 @@ def no_such_lease(name: str | None) -> web.HTTPNotFound:
 
 async def leader(request: web.Request) -> web.Response:
     """200 with the claim while leading, else 503 (the same JSON body)."""
-    states: dict[str, LeaseState] = request.app[STATES]
+    leases: dict[str, ServedLease] = request.app[LEASES]
     name = request.match_info.get("name")
-    state = states.get(name) if name else next(iter(states.values()))
-    if state is None:
+    served = leases.get(name) if name else next(iter(leases.values()))
+    if served is None:
         raise no_such_lease(name)
+    state = served.state
     # The hot path: skip query parsing when there is no query string.
     wait = wait_seconds(request) if request.query_string else 0.0
     headers = {"ETag": ""}
     if wait:
         seen = request.headers.get("If-None-Match")
-        current = etag(state)
+        arrival = state.claim()
+        current = served.etag(arrival)
         # Weak comparison (RFC 9110 for If-None-Match): a client that drops the W/ of
         # the tag it echoes still parks.
         if seen is None or seen.removeprefix("W/") == current.removeprefix("W/"):
@@ -66,10 +96,10 @@ async def leader(request: web.Request) -> web.Response:
             else:
                 limits.waiters += 1
                 try:
-                    await state.wait_for_leadership_change(current, wait)
+                    await state.wait_for_leadership_change(state.leadership(arrival), wait)
                 finally:
                     limits.waiters -= 1
     claim = state.claim()
-    headers["ETag"] = etag(state, claim)
-    return web.Response(body=state.encoded(claim), status=200 if claim.leader else 503,
+    headers["ETag"] = served.etag(claim)
+    return web.Response(body=served.encoded(claim), status=200 if claim.leader else 503,
                         headers=headers, content_type="application/json")
