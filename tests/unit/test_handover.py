@@ -71,6 +71,20 @@ async def test_the_leader_names_its_successor_then_steps_down_the_safe_way():
     assert state.transitions[-1]["event"] == "released"
 
 
+async def test_claims_stop_at_the_request_not_when_the_loop_gets_to_it():
+    """A request that comes while a renew is on its way (a commit on a busy disk) was
+    acted on after it: the leader kept handing out claims meanwhile, and the wait for
+    the last one started that much later."""
+    lease = HintLease(FakeClock())
+    elector, state = contender(lease)
+    await elector._acquire_once()
+    lease.clock.advance(TIMING.claim_horizon)
+    assert state.claim().leader
+    assert elector.request_handover("web-1")
+    assert not state.claim().leader and state.facts.holding
+    assert state.facts.reason == "handed over to web-1"
+
+
 async def test_the_hint_is_written_while_the_last_claim_runs_out():
     """Not before the step-down: the hint's round trips (a new session and the queue of
     the advisory lock) came on top of the two claim horizons. Now the leader stops
