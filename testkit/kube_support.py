@@ -23,7 +23,7 @@ import yaml
 from kubernetes import client, config, watch
 
 from sidecar.lease.kubernetes.record import Record
-from testkit.support import REPO, SidecarProcess, wait_until
+from testkit.support import REPO, SidecarProcess, serving, wait_until
 from testkit.testbed.kube import ControlPlane
 
 RBAC = REPO / "deploy" / "rbac.yaml"
@@ -271,13 +271,15 @@ def sidecars_in_pods(cp: ControlPlane, namespace: str, workdir: Path, kubeconfig
     create_pods(cp, namespace, *pods)
     extra = extra or {}
     procs = [sidecar(workdir, pod, namespace, kubeconfig, *extra.get(pod, ())) for pod in pods]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait_http()
+    with serving(procs):
         wait_until(lambda: leaders(procs), timeout=15)
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+
+
+def interop_sidecars(cp: ControlPlane, namespace: str, workdir: Path,
+                     kubeconfig: Path) -> list[SidecarProcess]:
+    """Two sidecars (pods ``pod-a``, ``pod-b``, no pod label) on the ``interop`` lease,
+    the one the client-go elector tests share with them; not started yet."""
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    return [sidecar(workdir, pod, namespace, kubeconfig, "--pod-label", "off",
+                    lease="interop") for pod in ("pod-a", "pod-b")]

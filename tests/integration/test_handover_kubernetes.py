@@ -20,11 +20,10 @@ import pytest
 from sidecar.lease.kubernetes.record import HINT_ANNOTATION
 from testkit.clientgo_support import GoElector
 from testkit.kube_support import (
-    create_pods,
     install_rbac,
+    interop_sidecars,
     leaders,
     lease_spec,
-    sidecar,
     sidecars_in_pods,
 )
 from testkit.support import ClaimRecorder, SidecarProcess, post_json, wait_until
@@ -45,6 +44,15 @@ def only_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
     return found[0] if len(found) == 1 else None
 
 
+def leader_and_a_standby(procs: list[SidecarProcess],
+                         rng: random.Random) -> tuple[SidecarProcess, SidecarProcess]:
+    """The one leader, once a lease duration has passed (both standbys campaign again),
+    and one of its standbys picked at random: the hand-over's target."""
+    leader = wait_until(lambda: only_leader(procs), timeout=15)
+    time.sleep(LEASE_DURATION + 0.5)
+    return leader, rng.choice([p for p in procs if p is not leader])
+
+
 def test_the_named_standby_leads_and_a_later_sigterm_is_not_held_back(
         coordinated_control_plane: ControlPlane, tmp_path: Path) -> None:
     cp = coordinated_control_plane
@@ -56,9 +64,7 @@ def test_the_named_standby_leads_and_a_later_sigterm_is_not_held_back(
     try:
         with ClaimRecorder(procs) as recorder:
             for _ in range(2):
-                leader = wait_until(lambda: only_leader(procs), timeout=15)
-                time.sleep(LEASE_DURATION + 0.5)  # both standbys campaign again
-                target = rng.choice([p for p in procs if p is not leader])
+                leader, target = leader_and_a_standby(procs, rng)
                 sent = time.monotonic()
                 status = post_json(f"{leader.url}/handover?to={target.identity}")[0]
                 assert status == 202
@@ -96,9 +102,7 @@ def test_without_the_feature_gate_the_hint_annotation_names_the_standby(
     try:
         with ClaimRecorder(procs) as recorder:
             for _ in range(4):
-                leader = wait_until(lambda: only_leader(procs), timeout=15)
-                time.sleep(LEASE_DURATION + 0.5)  # both standbys campaign again
-                target = rng.choice([p for p in procs if p is not leader])
+                leader, target = leader_and_a_standby(procs, rng)
                 assert post_json(f"{leader.url}/handover?to={target.identity}")[0] == 202
                 wait_until(lambda t=target: only_leader(procs) is t, timeout=10,
                            interval=0.01)
@@ -120,9 +124,7 @@ def test_a_clientgo_elector_as_the_named_target(
     cp = coordinated_control_plane
     namespace = cp.create_namespace()
     kubeconfig = install_rbac(cp, namespace, ("lease-sidecar.interop",))
-    create_pods(cp, namespace, "pod-a", "pod-b")
-    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
-                     lease="interop") for pod in ("pod-a", "pod-b")]
+    procs = interop_sidecars(cp, namespace, tmp_path, kubeconfig)
     go = GoElector(clientgo_elector, tmp_path, "go-1", namespace, kubeconfig)
     try:
         for proc in procs:

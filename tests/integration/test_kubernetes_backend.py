@@ -23,6 +23,7 @@ from testkit.kube_support import (
     Recorder,
     create_pods,
     install_rbac,
+    interop_sidecars,
     leaders,
     lease_spec,
     lease_token,
@@ -339,9 +340,7 @@ def test_preferred_holder_hands_over_from_a_sidecar_to_clientgo(
     cp = coordinated_control_plane
     namespace = cp.create_namespace()
     kubeconfig = install_rbac(cp, namespace, (INTEROP_OBJECT,))
-    create_pods(cp, namespace, "pod-a", "pod-b")
-    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
-                     lease="interop") for pod in ("pod-a", "pod-b")]
+    procs = interop_sidecars(cp, namespace, tmp_path, kubeconfig)
     go = GoElector(clientgo_elector, tmp_path, "go-1", namespace, kubeconfig)
     try:
         for proc in procs:
@@ -385,9 +384,7 @@ def test_preferred_holder_hands_over_from_coordinated_clientgo_to_a_sidecar(
                  "strategy": "OldestEmulationVersion"}}))
     go = GoElector(clientgo_elector, tmp_path, "go-1", namespace, kubeconfig,
                    extra_args=("-coordinated",)).start()
-    create_pods(cp, namespace, "pod-a", "pod-b")
-    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
-                     lease="interop") for pod in ("pod-a", "pod-b")]
+    procs = interop_sidecars(cp, namespace, tmp_path, kubeconfig)
     try:
         wait_until(go.leading, timeout=10)
         for proc in procs:
