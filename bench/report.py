@@ -577,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="change nothing; exit 1 if a block differs from its results file")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--no-pictures", action="store_true")
+    parser.add_argument("--images", type=Path, default=None,
+                        help="where the pictures go (default: docs/images)")
     parser.add_argument("pages", nargs="*", type=Path,
                         help="default: README.md, DEVELOPMENT.md, docs/**/*.md")
     args = parser.parse_args(argv)
@@ -599,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pictures:
         from bench import plots
 
-        for out in plots.draw_all(args.results):
+        for out in plots.draw_all(args.results, args.images or plots.IMAGES):
             print(f"drew {out}")
     return 0
 

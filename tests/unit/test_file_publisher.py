@@ -166,7 +166,7 @@ async def test_rewrites_replace_the_file_whole_and_leave_no_temp_file(tmp_path):
         await publisher.changed(state)
         inodes = set()
         for _ in range(3):
-            await asyncio.sleep(0.16)  # a rewrite every half horizon (150 ms)
+            await asyncio.sleep(0.21)  # a rewrite every two thirds of a horizon (200 ms)
             inodes.add((tmp_path / "leader").stat().st_ino)
         assert len(inodes) >= 2  # rewritten by rename, a new file each time
         assert not list(tmp_path.glob(".*.tmp"))
