@@ -403,19 +403,14 @@ def rollout_service(r: Row) -> list[str]:
     rows = []
     for mode, by in r["results"].items():
         for strategy, x in by.items():
-            through = x.get("service_claim_to_client_only_leader")
+            through = x.get("service_claim_to_client")
             rows.append([f"`{mode}`", strategy, p50_p99(x.get("service_claim_to_label")),
-                         p50_p99(x.get("service_claim_to_endpoints")),
-                         p50_p99(x.get("service_slices_to_proxy_sync")),
-                         p50_p99(through),
-                         "—" if through is None else
-                         f"{x['service_client_not_leader_after_proxy_sync']} "
-                         f"({x.get('service_client_timeouts_after_proxy_sync', 0)} timed out)"])
+                         p50_p99(x.get("service_claim_to_endpoints")), p50_p99(through),
+                         "—" if through is None else x["service_client_not_leader_after"]])
     return table(["`shutdownHandover`", "strategy", "first claim → pod label `leader`",
                   "first claim → EndpointSlice lists only its pod",
-                  "EndpointSlice → kube-proxy's rules synced",
-                  "first claim → a client pod reaches only the leader through the ClusterIP",
-                  "requests not answered by the leader after the sync"], rows, right=2)
+                  "first claim → a client pod's request through the ClusterIP reaches it",
+                  "later requests that anyone else answered, or none did"], rows, right=2)
 
 
 def lean_lone(r: Row) -> list[str]:
