@@ -31,14 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import record
-from sidecar.publish.http import (
-    HEADER_TIMEOUT,
-    MAX_CONNECTIONS,
-    MAX_FIELD,
-    MAX_HEADERS,
-    MAX_LINE,
-    MAX_WAITERS,
-)
+from sidecar.publish.http import limits
 from testkit.support import SidecarProcess, get_json, wait_until
 
 CHART_MEMORY_LIMIT_MIB = 128
@@ -163,9 +156,9 @@ def _post(url: str) -> int:
 
 
 async def fat_heads_phase(proc: SidecarProcess, count: int) -> dict[str, Any]:
-    line = b"GET /leader?" + b"q" * (MAX_LINE - 40) + b" HTTP/1.1\r\n"
-    field = b"X-Fat-%d: " + b"v" * (MAX_FIELD - 20) + b"\r\n"
-    head = line + b"".join(field % i for i in range(MAX_HEADERS - 1))
+    line = b"GET /leader?" + b"q" * (limits.MAX_LINE - 40) + b" HTTP/1.1\r\n"
+    field = b"X-Fat-%d: " + b"v" * (limits.MAX_FIELD - 20) + b"\r\n"
+    head = line + b"".join(field % i for i in range(limits.MAX_HEADERS - 1))
     conns: list[asyncio.StreamWriter] = []
     assert proc.proc is not None
     with PeakRss(proc.proc.pid) as peak:
@@ -181,7 +174,7 @@ async def fat_heads_phase(proc: SidecarProcess, count: int) -> dict[str, Any]:
         for writer in conns:
             writer.close()
         peak_mib = peak.peak
-    await asyncio.sleep(HEADER_TIMEOUT)
+    await asyncio.sleep(limits.HEADER_TIMEOUT)
     return {"connections": len(conns), "head_bytes_each": len(head),
             "rss_mib_peak": round(peak_mib, 1),
             "rss_mib_after": round(rss_mib(proc.proc.pid), 1)}
@@ -222,7 +215,7 @@ async def slowloris_phase(proc: SidecarProcess, count: int, limit: float) -> dic
         "still_open": count - len(closed),
         "open_seconds_p50": round(statistics.median(closed), 2) if closed else None,
         "open_seconds_max": round(closed[-1], 2) if closed else None,
-        "header_timeout_s": HEADER_TIMEOUT,
+        "header_timeout_s": limits.HEADER_TIMEOUT,
     }
 
 
@@ -236,13 +229,14 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         assert proc.proc is not None
         await asyncio.sleep(1)
         result: dict[str, Any] = {
-            "limits": {"max_connections": MAX_CONNECTIONS, "max_waiters": MAX_WAITERS,
-                       "header_timeout_s": HEADER_TIMEOUT, "max_line": MAX_LINE,
-                       "max_field": MAX_FIELD, "max_headers": MAX_HEADERS},
+            "limits": {"max_connections": limits.MAX_CONNECTIONS,
+                       "max_waiters": limits.MAX_WAITERS,
+                       "header_timeout_s": limits.HEADER_TIMEOUT, "max_line": limits.MAX_LINE,
+                       "max_field": limits.MAX_FIELD, "max_headers": limits.MAX_HEADERS},
             "rss_mib_idle": round(rss_mib(proc.proc.pid), 1),
         }
         result["waiters"] = await waiters_phase(proc, args.waiters, settle=2.0)
-        result["fat_heads"] = await fat_heads_phase(proc, MAX_CONNECTIONS)
+        result["fat_heads"] = await fat_heads_phase(proc, limits.MAX_CONNECTIONS)
         result["slowloris"] = await slowloris_phase(proc, args.slowloris,
                                                     limit=args.slowloris_limit)
         result["alive_after"] = get_json(proc.url + "/healthz")[0] == 200

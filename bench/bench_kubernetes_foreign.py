@@ -31,11 +31,9 @@ from bench import record
 from testkit.kube_edits import EDITS, Trial, patch, run_trial
 from testkit.kube_support import create_pods, install_rbac, leaders, sidecar
 from testkit.support import ClaimRecorder, SidecarProcess, wait_until
-from testkit.testbed.kube import ControlPlane
+from testkit.testbed.kube import COORDINATED_LEADER_ELECTION, ControlPlane
 
 PODS = ("pod-a", "pod-b", "pod-c")
-GATE = ["--feature-gates=CoordinatedLeaderElection=true",
-        "--runtime-config=coordination.k8s.io/v1beta1=true"]
 
 
 def ms(values: list[float]) -> dict[str, float]:
@@ -149,7 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     run = record.start(args.trials)
     with tempfile.TemporaryDirectory(prefix="bench-kube-foreign-") as tmp, \
-            ControlPlane(apiserver_extra_args=GATE) as cp:
+            ControlPlane(apiserver_extra_args=COORDINATED_LEADER_ELECTION) as cp:
         workdir = Path(tmp)
         version = cp.kubectl("version", "-o", "json").stdout
         server = json.loads(version)["serverVersion"]["gitVersion"]

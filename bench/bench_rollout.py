@@ -19,11 +19,10 @@ strategy and mode. Every figure is on this host's one clock:
   ``leader`` at once in the pod watch.
 - **leader Service settle** (both namespaces render the Service): the new leader's first
   claim → its pod label ``leader`` → the Service's EndpointSlices list exactly its pod IP
-  as ready (an EndpointSlice watch) → kube-proxy's next rule sync (its metric) → a client
-  pod asking ``/leader`` through the ClusterIP every 20 ms (a new connection each time)
-  gets only the new leader's answers. Also counted: requests sent after that sync that
-  did not reach the new leader (target 0), and each ready endpoint's own ``/leader``
-  once settled, asked from the host.
+  as ready (an EndpointSlice watch) → a client pod asking ``/leader`` through the
+  ClusterIP every 20 ms (a new connection each time; kube-proxy's rules) first reaches
+  the new leader. Also counted: later requests that anyone else answered, or none did
+  (target 0), and each ready endpoint's own ``/leader`` once settled, asked from the host.
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
     ps.wait_one_leader(cluster, ns)
     out: dict[str, Any] = {}
     watch = rs.SliceWatch(cluster, ns, service)
-    syncs = rs.ProxySyncs(cluster)
     client = rs.ServiceClient(cluster, ns, service, image)
     try:
         with ps.PodObserver(cluster, ns) as obs:
@@ -65,7 +63,7 @@ def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
                 for i in range(trials):
                     row = rs.rollout(cluster, ns, obs)
                     row["through_service"] = rs.settled_through_service(
-                        cluster, client, syncs, watch, obs, row)
+                        cluster, client, row)
                     row["settle"] = rs.settle_times(obs, watch, row["moves"])
                     # Through the Service's endpoints once settled: who answers?
                     ready = watch.ready_now()
@@ -89,7 +87,6 @@ def run_mode(cluster: Cluster, image: str, mode: str, trials: int,
             out["_anomalies"] = list(obs.recorder.anomalies)[:20]
     finally:
         client.stop()
-        syncs.stop()
         watch.stop()
         cluster.helm("uninstall", RELEASE, "-n", ns, check=False)
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
@@ -109,7 +106,6 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     gaps = [g for r in rows for g in r["gaps"]]
     settle = [s for r in rows for s in r.get("settle", [])]
     client = _present(rows, "claim_to_client")
-    proxy = _present(rows, "slices_to_proxy")
     return {
         "rollouts": len(rows),
         "exactly_one_handover": sum(c == 1 for c in counts),
@@ -128,13 +124,9 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if settle else None,
         "service_endpoints_not_leader_after_settle": sum(r["endpoints_not_leader"]
                                                          for r in rows),
-        "service_slices_to_proxy_sync": summary(proxy) if proxy else None,
-        "service_claim_to_client_only_leader": summary(client) if client else None,
+        "service_claim_to_client": summary(client) if client else None,
         "service_handovers_measured_by_client": len(client),
-        "service_client_not_leader_after_proxy_sync": sum(
-            _present(rows, "not_leader_after_proxy")),
-        "service_client_timeouts_after_proxy_sync": sum(
-            t.get("timeouts_after_proxy", 0) for r in rows for t in r["through_service"]),
+        "service_client_not_leader_after": sum(_present(rows, "not_leader_after")),
     }
 
 
@@ -171,17 +163,14 @@ def table(r: dict[str, Any]) -> str:
                          f"{f['handovers_to_an_old_pod']} | {ms(f['gap'])} | "
                          f"{f['overlaps']} |")
     lines += ["", "| leader Service (mode, strategy) | first claim → label | first claim → "
-              "endpoints only the leader | endpoints → kube-proxy sync | first claim → "
-              "client pod reaches only the leader | requests not reaching the leader after "
-              "the sync |", "|---|---|---|---|---|---|"]
+              "endpoints only the leader | first claim → a client pod reaches it through "
+              "the ClusterIP | later requests not answered by it |", "|---|---|---|---|---|"]
     for mode, by_strategy in r["results"].items():
         for strategy, f in by_strategy.items():
             lines.append(f"| `{mode}`, {strategy} | {ms(f['service_claim_to_label'])} | "
                          f"{ms(f['service_claim_to_endpoints'])} | "
-                         f"{ms(f['service_slices_to_proxy_sync'])} | "
-                         f"{ms(f['service_claim_to_client_only_leader'])} | "
-                         f"{f['service_client_not_leader_after_proxy_sync']} "
-                         f"({f['service_client_timeouts_after_proxy_sync']} timed out) |")
+                         f"{ms(f['service_claim_to_client'])} | "
+                         f"{f['service_client_not_leader_after']} |")
     return "\n".join(lines)
 
 

@@ -60,18 +60,30 @@ def handover_timeline(results: Path, out: Path) -> Path:
     if not r or not backends:
         return _missing(out, "bench/results/handover.json has no per-trial timeline;\n"
                              "python -m bench run handover records it")
-    fig, ax = plt.subplots(figsize=(9, 0.9 * len(backends) + 2.4), dpi=110)
+    moments = {b: {key: [t[key] * 1000 for t in r[b]["timeline"] if t.get(key) is not None]
+                   for key, _, _ in MOMENTS} for b in backends}
+    # The axis ends a little past the slowest backend's median first claim; a trial
+    # beyond it is drawn at the edge and counted, so one outlier does not flatten the rest.
+    edge = 1.6 * max(statistics.median(m["new_first_claim"] or [1.0])
+                     for m in moments.values())
+    fig, ax = plt.subplots(figsize=(9, 0.8 * len(backends) + 2.0), dpi=110)
     for row, backend in enumerate(reversed(backends)):
-        trials = r[backend]["timeline"]
         medians = {}
+        beyond = []
         for key, label, color in MOMENTS:
-            seen = [t[key] * 1000 for t in trials if t.get(key) is not None]
+            seen = moments[backend][key]
             if not seen:
                 continue
             medians[key] = statistics.median(seen)
-            ax.scatter(seen, [row + 0.18] * len(seen), s=10, color=color, alpha=0.5)
+            inside = [v for v in seen if v <= edge]
+            beyond += [v for v in seen if v > edge]
+            ax.scatter(inside, [row + 0.2] * len(inside), s=10, color=color, alpha=0.5)
             ax.plot([medians[key]] * 2, [row - 0.25, row + 0.25], color=color, lw=2.5,
                     label=label if row == 0 else None)
+        if beyond:
+            points = f"{len(beyond)} point{'s' if len(beyond) > 1 else ''}"
+            ax.annotate(f"{points} beyond, up to {max(beyond):,.0f} ms →",
+                        (edge, row - 0.2), ha="right", fontsize=7, color="dimgray")
         if "old_last_claim_until" in medians and "new_first_claim" in medians:
             ax.barh(row, medians["new_first_claim"] - medians["old_last_claim_until"],
                     left=medians["old_last_claim_until"], height=0.3, color="tab:red",
@@ -79,10 +91,10 @@ def handover_timeline(results: Path, out: Path) -> Path:
     ax.set_yticks(range(len(backends)), list(reversed(backends)))
     ax.set_xlabel("ms after POST /handover (lines: medians; dots: each trial)")
     ax.set_title("A hand-over, per backend")
-    ax.set_xlim(left=0)
+    ax.set_xlim(0, edge)
     ax.grid(axis="x", alpha=0.3)
     fig.legend(fontsize=7, loc="lower center", ncol=3)
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     return _save(fig, out, layout=False)
 
 

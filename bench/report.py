@@ -403,29 +403,26 @@ def rollout_service(r: Row) -> list[str]:
     rows = []
     for mode, by in r["results"].items():
         for strategy, x in by.items():
-            through = x.get("service_claim_to_client_only_leader")
+            through = x.get("service_claim_to_client")
             rows.append([f"`{mode}`", strategy, p50_p99(x.get("service_claim_to_label")),
-                         p50_p99(x.get("service_claim_to_endpoints")),
-                         p50_p99(x.get("service_slices_to_proxy_sync")),
-                         p50_p99(through),
-                         "—" if through is None else
-                         f"{x['service_client_not_leader_after_proxy_sync']} "
-                         f"({x.get('service_client_timeouts_after_proxy_sync', 0)} timed out)"])
+                         p50_p99(x.get("service_claim_to_endpoints")), p50_p99(through),
+                         "—" if through is None else x["service_client_not_leader_after"]])
     return table(["`shutdownHandover`", "strategy", "first claim → pod label `leader`",
                   "first claim → EndpointSlice lists only its pod",
-                  "EndpointSlice → kube-proxy's rules synced",
-                  "first claim → a client pod reaches only the leader through the ClusterIP",
-                  "requests not answered by the leader after the sync"], rows, right=2)
+                  "first claim → a client pod's request through the ClusterIP reaches it",
+                  "later requests that anyone else answered, or none did"], rows, right=2)
 
 
 def lean_lone(r: Row) -> list[str]:
     rows = []
     for backend, x in r["lone"].items():
-        rss, start = x["idle_rss_mib"], x["start_to_healthz_ms"]
+        rss, start, cpu = x["idle_rss_mib"], x["start_to_healthz_ms"], x.get("start_cpu_ms")
         rows.append([backend, f"{rss['p50']} / {rss['max']} MiB",
-                     f"{ms(start['p50'])} / {ms(start['max'])} ms", x["trials"]])
+                     f"{ms(start['p50'])} / {ms(start['max'])} ms",
+                     f"{ms(cpu['p50'])} / {ms(cpu['max'])} ms" if cpu else "—", x["trials"]])
     return table(["backend", "idle RSS p50 / max (VmRSS, outside pods)",
-                  "process start → `/healthz` 200, p50 / max", "trials"], rows)
+                  "process start → `/healthz` 200, p50 / max",
+                  "its CPU time by then, p50 / max", "trials"], rows)
 
 
 def lean_apiserver(r: Row) -> list[str]:
@@ -577,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="change nothing; exit 1 if a block differs from its results file")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--no-pictures", action="store_true")
+    parser.add_argument("--images", type=Path, default=None,
+                        help="where the pictures go (default: docs/images)")
     parser.add_argument("pages", nargs="*", type=Path,
                         help="default: README.md, DEVELOPMENT.md, docs/**/*.md")
     args = parser.parse_args(argv)
@@ -599,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pictures:
         from bench import plots
 
-        for out in plots.draw_all(args.results):
+        for out in plots.draw_all(args.results, args.images or plots.IMAGES):
             print(f"drew {out}")
     return 0
 

@@ -13,7 +13,7 @@ set -euo pipefail
 
 dest=${1:?usage: image-rootfs.sh DEST}
 venv=/opt/lease-sidecar
-# Parts of the standard library the sidecar never imports at run time: installers,
+# Parts of the standard library neither image imports at run time: installers,
 # IDEs, GUI toolkits, the test suite, the 2to3 converter and pydoc's topic index.
 unused_stdlib=(ensurepip idlelib tkinter turtledemo test lib2to3 pydoc_data distutils)
 # C modules for NIS, Berkeley DB, the interactive prompt and terminals: each alone pulls

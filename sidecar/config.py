@@ -202,7 +202,7 @@ OPTIONS: tuple[Option, ...] = (
            "([next to client-go](kubernetes-backend.md#next-to-client-go-electors))."),
     Option("claim_horizon", "LEASE_CLAIM_HORIZON", "--claim-horizon", parse_duration, "250ms",
            "how far ahead a published claim is valid", (0.01, HOUR),
-           "the leader file is rewritten every half horizon",
+           "the leader file is rewritten every two thirds of a horizon",
            details="Also a new holder's wait before its first claim, and the longest a "
            "stepping-down holder waits before it releases."),
     Option("http_addr", "LEASE_HTTP_ADDR", "--http-addr", parse_addr, "127.0.0.1:8099",

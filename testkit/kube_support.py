@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -23,7 +23,7 @@ import yaml
 from kubernetes import client, config, watch
 
 from sidecar.lease.kubernetes.record import Record
-from testkit.support import REPO, SidecarProcess, wait_until
+from testkit.support import REPO, SidecarProcess, serving, wait_until
 from testkit.testbed.kube import ControlPlane
 
 RBAC = REPO / "deploy" / "rbac.yaml"
@@ -263,18 +263,23 @@ class Recorder:
 
 
 def sidecars_in_pods(cp: ControlPlane, namespace: str, workdir: Path, kubeconfig: Path,
-                     pods: tuple[str, ...]) -> Iterator[list[SidecarProcess]]:
-    """One sidecar per pod (the Pod objects made first), all up and one of them leading;
-    stopped when the generator closes. For fixtures: ``yield from sidecars_in_pods(...)``."""
+                     pods: tuple[str, ...], extra: Mapping[str, Sequence[str]] | None = None,
+                     ) -> Iterator[list[SidecarProcess]]:
+    """One sidecar per pod (the Pod objects made first; ``extra`` maps a pod to more
+    arguments for its sidecar), all up and one of them leading; stopped when the
+    generator closes. For fixtures: ``yield from sidecars_in_pods(...)``."""
     create_pods(cp, namespace, *pods)
-    procs = [sidecar(workdir, pod, namespace, kubeconfig) for pod in pods]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait_http()
+    extra = extra or {}
+    procs = [sidecar(workdir, pod, namespace, kubeconfig, *extra.get(pod, ())) for pod in pods]
+    with serving(procs):
         wait_until(lambda: leaders(procs), timeout=15)
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+
+
+def interop_sidecars(cp: ControlPlane, namespace: str, workdir: Path,
+                     kubeconfig: Path) -> list[SidecarProcess]:
+    """Two sidecars (pods ``pod-a``, ``pod-b``, no pod label) on the ``interop`` lease,
+    the one the client-go elector tests share with them; not started yet."""
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    return [sidecar(workdir, pod, namespace, kubeconfig, "--pod-label", "off",
+                    lease="interop") for pod in ("pod-a", "pod-b")]

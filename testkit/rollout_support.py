@@ -1,7 +1,7 @@
 """What the rollout e2e test and bench/bench_rollout.py share: rolling updates of the
 injected Deployment, hand-overs counted from the claims the pod observer saw, and the
-leader Service followed on the same clock: its EndpointSlices (a watch), kube-proxy's
-rule syncs (its metrics), and a client pod asking ``/leader`` through the ClusterIP.
+leader Service followed on the same clock: its EndpointSlices (a watch) and a client
+pod asking ``/leader`` through the ClusterIP (kube-proxy's rules).
 
 A *hand-over* is one change of the pod that claims leadership: the observer's claims
 (every pod's ``/leader`` polled every 20 ms and its leader file read every 10 ms) in time
@@ -203,28 +203,44 @@ def settle_times(obs: ps.PodObserver, watch: SliceWatch,
 
 
 CLIENT_SCRIPT = r'''
-import json, os, time, urllib.error, urllib.request
+import json, os, threading, time, urllib.error, urllib.request
 
 URL, PERIOD = os.environ["TARGET_URL"], float(os.environ["PERIOD"])
-last, beat, count = None, 0.0, 0
+done, cond = {}, threading.Condition()
 
-while True:
-    sent = time.time()
-    try:  # a new connection each time: kube-proxy's current rules pick its endpoint
+def ask(seq, sent):
+    # A new connection each time: kube-proxy's rules at that moment pick its endpoint.
+    try:
         with urllib.request.urlopen(URL, timeout=2.0) as answer:
             status, body = answer.status, json.load(answer)
     except urllib.error.HTTPError as err:
         status, body = err.code, json.load(err)
     except (OSError, ValueError) as err:
         status, body = 0, {"error": str(err)[:80]}
-    count += 1
-    key = (status, body.get("identity"))
-    # Each change of who answers, every answer that is not a 200 (rare: hand-overs
-    # only), and a heartbeat a second (the client still runs).
-    if key != last or status != 200 or sent - beat >= 1.0:
-        print(json.dumps({"sent": sent, "status": status, "identity": body.get("identity"),
-                          "error": body.get("error"), "count": count}), flush=True)
-        last, beat = key, sent
+    with cond:
+        done[seq] = (sent, status, body.get("identity"), body.get("error"))
+        cond.notify()
+
+def report():
+    # In the order the requests were sent; each change of who answers, every answer that
+    # is not a 200 (hand-overs only), and a heartbeat a second.
+    seq, last, beat = 0, None, 0.0
+    while True:
+        with cond:
+            while seq not in done:
+                cond.wait()
+            sent, status, identity, error = done.pop(seq)
+        if (status, identity) != last or status != 200 or sent - beat >= 1.0:
+            print(json.dumps({"sent": sent, "status": status, "identity": identity,
+                              "error": error, "count": seq + 1}), flush=True)
+            last, beat = (status, identity), sent
+        seq += 1
+
+threading.Thread(target=report, daemon=True).start()
+seq = 0
+while True:  # one request every PERIOD, whether or not earlier ones have been answered
+    threading.Thread(target=ask, args=(seq, time.time()), daemon=True).start()
+    seq += 1
     time.sleep(PERIOD)
 '''
 
@@ -241,17 +257,12 @@ class Answer:
     def key(self) -> tuple[int, str | None]:
         return (self.status, self.identity)
 
-    @property
-    def timed_out(self) -> bool:
-        """No answer within the client's timeout: where the request went is unknown (a
-        loaded node answers slowly), so it neither breaks nor makes a settled run."""
-        return self.status == 0 and "timed out" in (self.error or "")
-
 
 class ServiceClient:
-    """A pod asking ``/leader`` through a Service's ClusterIP every ``period`` seconds
-    (a new connection each time), logging each change of who answers; its log followed
-    with ``kubectl logs -f``."""
+    """A pod asking ``/leader`` through a Service's ClusterIP every ``period`` seconds (a
+    new connection each time, not waiting for earlier answers: a request sent to a pod
+    that is gone hangs until its timeout), logging each change of who answers in the
+    order the requests were sent; its log followed with ``kubectl logs -f``."""
 
     def __init__(self, cluster: Cluster, namespace: str, service: str, image: str,
                  period: float = 0.02, name: str = "service-client") -> None:
@@ -315,53 +326,20 @@ class ServiceClient:
                              check=False)
 
 
-@dataclass
-class ProxySyncs:
-    """kube-proxy's rule syncs, as its ``last sync`` metric changes (polled every 50 ms;
-    its minimum sync period is 1 s, so no sync is missed)."""
-
-    cluster: Cluster
-    syncs: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                last = self.cluster.proxy_last_sync()
-            except (OSError, StopIteration, ValueError):
-                continue
-            if not self.syncs or last != self.syncs[-1]:
-                self.syncs.append(last)
-
-    def first_after(self, t: float) -> float | None:
-        return next((s for s in list(self.syncs) if s >= t), None)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-def through_service(client: ServiceClient, syncs: ProxySyncs, watch: SliceWatch,
-                    obs: ps.PodObserver, moves: list[tuple[str, str, float]],
+def through_service(client: ServiceClient, moves: list[tuple[str, str, float]],
                     end: float) -> list[dict[str, Any]]:
     """Per hand-over, from the client pod's answers through the ClusterIP while the new
     leader led (from its first claim to its last ``200`` the client got, or ``end``):
 
-    - ``claim_to_client``: the new leader's first claim -> the first request after which
-      every answer came from the new leader;
-    - ``slices_to_proxy``: the EndpointSlices listing exactly the new leader -> the end
-      of kube-proxy's first rule sync after that;
-    - ``not_leader_after_proxy``: requests sent after that sync whose answer was not 200
-      from the new leader (the claim "a client reaches only the leader once the
-      endpoints have settled"; None when the sync was not seen), and ``not_leader`` what
-      they were; ``timeouts_after_proxy``: requests after it that got no answer in time.
+    - ``claim_to_client``: the new leader's first claim -> the first request through
+      the Service that the new leader answered 200 (the Service has settled: label,
+      EndpointSlice and kube-proxy's rules all name it);
+    - ``not_leader_after``: requests sent after that one that anyone else answered, or
+      none did (the claim "a client reaches only the leader once the endpoints have
+      settled"), and ``not_leader`` what they were.
 
-    The client logs each change of answer and every answer that is not a 200, so a
-    logged answer stands for the requests up to the next one.
+    The client logs each change of answer and every answer that is not a 200, in the
+    order sent, so a logged answer stands for the requests up to the next one.
     """
     answers = [a for a in client.history() if a.sent < end]
     runs = [(a, b.count - a.count) for a, b in itertools.pairwise(answers)]
@@ -374,51 +352,32 @@ def through_service(client: ServiceClient, syncs: ProxySyncs, watch: SliceWatch,
         window = [(a, n) for k, (a, n) in enumerate(runs) if a.sent < until and (
             k + 1 == len(runs) or runs[k + 1][0].sent > at)]
         led = [k for k, (a, _) in enumerate(window) if a.key == (200, new)]
-        window = window[:led[-1] + 1] if led else []
-        settled = None
-        for a, _ in reversed(window):
-            if a.timed_out:
-                continue
-            if a.key != (200, new):
-                break
-            settled = a.sent
-        ip = pod_ip(obs, new)
-        sliced = watch.only_after(ip, at) if ip else None
-        # kube-proxy may have synced a moment before our own slice watch reported it.
-        synced = syncs.first_after(sliced - 0.1) if sliced is not None else None
-        after = [(a, n) for a, n in window if synced is not None and a.sent >= synced]
-        wrong = [(a, n) for a, n in after if a.key != (200, new) and not a.timed_out]
+        window = window[led[0]:led[-1] + 1] if led else []
+        wrong = [(a, n) for a, n in window if a.key != (200, new)]
         out.append({
-            "claim_to_client": None if settled is None else max(0.0, settled - at),
-            "slices_to_proxy": None if synced is None or sliced is None
-            else max(0.0, synced - sliced),
-            "not_leader_after_proxy": None if synced is None or not led else sum(
-                n for _, n in wrong),
-            "not_leader": [f"{a.status} {a.identity} {a.error} at sync+"
-                           f"{a.sent - synced:.3f}s" for a, _ in wrong if synced is not None],
-            "timeouts_after_proxy": sum(n for a, n in after if a.timed_out),
+            "claim_to_client": max(0.0, window[0][0].sent - at) if window else None,
+            "not_leader_after": sum(n for _, n in wrong) if window else None,
+            "not_leader": [f"{a.status} {a.identity} {a.error} at +{a.sent - at:.3f}s"
+                           for a, _ in wrong],
         })
     return out
 
 
-def settled_through_service(cluster: Cluster, client: ServiceClient, syncs: ProxySyncs,
-                            watch: SliceWatch, obs: ps.PodObserver,
+def settled_through_service(cluster: Cluster, client: ServiceClient,
                             row: dict[str, Any]) -> list[dict[str, Any]]:
     """After :func:`rollout`: wait until the client pod gets the final leader's answers
-    through the Service, kube-proxy has synced the endpoints that list only it, and the
-    client has asked for one more second; then :func:`through_service` for its moves."""
+    through the Service and has asked for one more second; then :func:`through_service`
+    for the rollout's moves."""
     leader = row["final_leader"]
-    ip = pod_ip(obs, leader)
 
     def settled() -> bool:
-        sliced = watch.only_after(ip, row["moves"][-1][2] if row["moves"] else row["begin"])
-        synced = syncs.first_after(sliced - 0.1) if sliced is not None else None
         answers = client.history()
-        return (synced is not None and answers[-1].key == (200, leader)
-                and answers[-1].sent >= synced + 1.0)
+        first = next((a.sent for a in answers if a.key == (200, leader)
+                      and a.sent >= row["begin"]), None)
+        return first is not None and answers[-1].sent >= first + 1.0
 
-    cluster.wait_for(settled, 60, "the Service client to reach only the new leader", 0.1)
-    return through_service(client, syncs, watch, obs, row["moves"], time.time())
+    cluster.wait_for(settled, 60, "the Service client to reach the new leader", 0.1)
+    return through_service(client, row["moves"], time.time())
 
 
 def leader_answers(address: str, timeout: float = 2.0) -> tuple[int, dict[str, Any]]:

@@ -13,6 +13,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 from testkit.procs import free_port
 
 __all__ = ["REPO", "Answer", "ClaimRecorder", "SidecarProcess", "claim_overlaps", "free_port",
-           "get_json", "long_poll", "one_leader", "post_json", "wait_until"]
+           "get_json", "long_poll", "one_leader", "post_json", "serving", "wait_until"]
 
 Claim = tuple[str, float, float]  # (identity, from, until): wall-clock seconds
 
@@ -178,6 +180,20 @@ def one_leader(procs: list[SidecarProcess], timeout: float = 3.0) -> SidecarProc
     found = [p for p in procs
              if p.proc and p.proc.poll() is None and p.leader(timeout=timeout) == 200]
     return found[0] if len(found) == 1 else None
+
+
+@contextmanager
+def serving(procs: list[SidecarProcess]) -> Iterator[list[SidecarProcess]]:
+    """Start ``procs`` and wait until each serves HTTP; stopped on leaving."""
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.wait_http()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.02):

@@ -76,7 +76,7 @@ class ClaimEncoder:
         key = (claim.facts.version, claim.leader, ms)
         if key != self._key:
             # Only the expiry moves between claims of one version: the rest of the JSON
-            # is kept as text around it (the leader file asks eight times a second).
+            # is kept as text around it (the leader file asks six times a second).
             if key[:2] != self._template_key:
                 text = json.dumps(claim_body(self.state, claim, 0.0))
                 head, found, tail = text.partition(_UNTIL_ZERO)

@@ -147,7 +147,6 @@ class Cluster(Service):
         self.bridge = BRIDGE
         self.service_ip = SERVICE_IP
         self.kubelet_port = 0
-        self.proxy_metrics_port = 0
         self.control_plane = ControlPlane(workdir=self.workdir / "control-plane", with_nodes=True)
         self.stale_found: list[str] = []  # what the start swept after an earlier dead run
         self.startup_seconds = 0.0
@@ -544,6 +543,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         self._start_kube_proxy()
 
     def _kube_proxy_config(self, kubeconfig: Path, healthz_port: int) -> dict[str, Any]:
+        # Every port on loopback and free: the host runs other things.
         return {
             "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
             "kind": "KubeProxyConfiguration",
@@ -552,7 +552,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "mode": "iptables",
             "clusterCIDR": self.pod_cidr,
             "healthzBindAddress": f"127.0.0.1:{healthz_port}",
-            "metricsBindAddress": f"127.0.0.1:{self.proxy_metrics_port}",
+            "metricsBindAddress": f"127.0.0.1:{free_port()}",
             # The default min-sync-period (1 s) and sync period stay: the lag a Service's
             # clients see after its endpoints change is what a real node shows.
             "iptables": {
@@ -573,7 +573,6 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
     def _start_kube_proxy(self) -> None:
         kubeconfig = self._component_kubeconfig("kube-proxy", "system:kube-proxy")
-        self.proxy_metrics_port = free_port()
         self._proxy_healthz_port = free_port()
         config = self.workdir / "kube-proxy.json"
         config.write_text(json.dumps(self._kube_proxy_config(kubeconfig,
@@ -590,14 +589,6 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 return bool(resp.status == 200)
         except OSError:
             return False
-
-    def proxy_last_sync(self) -> float:
-        """When kube-proxy last finished writing its rules (Unix time, its metric)."""
-        url = f"http://127.0.0.1:{self.proxy_metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            text = resp.read().decode()
-        return next(float(line.split()[-1]) for line in text.splitlines()
-                    if line.startswith("kubeproxy_sync_proxy_rules_last_timestamp_seconds"))
 
     def _node_ready(self) -> bool:
         self._check_alive()

@@ -227,6 +227,14 @@ class ControlPlaneError(RuntimeError):
     """The control plane failed to start or a helper command failed."""
 
 
+# kube-apiserver flags for a control plane that keeps ``spec.preferredHolder`` and
+# ``spec.strategy``: without the CoordinatedLeaderElection gate (beta, off by default in
+# 1.37) the apiserver drops them itself. Its in-apiserver controller acts only on Leases
+# that have LeaseCandidates; ours have none.
+COORDINATED_LEADER_ELECTION = ("--feature-gates=CoordinatedLeaderElection=true",
+                               "--runtime-config=coordination.k8s.io/v1beta1=true")
+
+
 class ControlPlane(Service):
     """etcd + kube-apiserver on loopback; see the module docstring for what is missing.
 

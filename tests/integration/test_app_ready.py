@@ -17,7 +17,7 @@ import pytest
 
 from testkit.handover import FAST
 from testkit.kube_support import create_pods, install_rbac
-from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, serving, wait_until
 
 UNREADY_AFTER = 1.0
 
@@ -58,7 +58,7 @@ def endpoints() -> Iterator[list[ReadyEndpoint]]:
 def sidecar(tmp_path: Path, name: str, url: str) -> SidecarProcess:
     return SidecarProcess(tmp_path, name, args=[
         "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *FAST,
-        "--app-ready-url", url, "--app-unready-after", f"{UNREADY_AFTER}s"]).start()
+        "--app-ready-url", url, "--app-unready-after", f"{UNREADY_AFTER}s"])
 
 
 def metric(proc: SidecarProcess, line_start: str) -> float:
@@ -69,7 +69,7 @@ def metric(proc: SidecarProcess, line_start: str) -> float:
 
 def test_an_application_that_never_becomes_ready_never_leads(tmp_path, endpoints):
     endpoints.append(ReadyEndpoint(503))
-    proc = sidecar(tmp_path, "unready", endpoints[0].url)
+    proc = sidecar(tmp_path, "unready", endpoints[0].url).start()
     try:
         proc.wait_http()
         time.sleep(3.0)  # more than a lease duration with nobody else contending
@@ -86,9 +86,7 @@ def test_an_application_that_never_becomes_ready_never_leads(tmp_path, endpoints
 def test_a_leader_whose_application_turns_unready_hands_over(tmp_path, endpoints):
     endpoints.extend([ReadyEndpoint(200), ReadyEndpoint(200)])
     procs = [sidecar(tmp_path, f"app-{i}", endpoints[i].url) for i in range(2)]
-    try:
-        for proc in procs:
-            proc.wait_http()
+    with serving(procs):
         with ClaimRecorder(procs) as recorder:
             leader = wait_until(lambda: one_leader(procs), timeout=10)
             other = procs[1 - procs.index(leader)]
@@ -105,9 +103,6 @@ def test_a_leader_whose_application_turns_unready_hands_over(tmp_path, endpoints
         assert metric(leader, 'lease_sidecar_handovers_total{lease="handover",'
                               'reason="app-unready"}') == 1.0
         assert metric(leader, "lease_sidecar_app_unready_leading_seconds_total") >= 0.5
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 # -- in a pod: LEASE_APP_READY_CONTAINERS, the own pod watched on a real apiserver -------
@@ -134,10 +129,8 @@ def test_in_a_pod_the_app_containers_readiness_decides(control_plane, kube_names
         "--pod-label", "off", "--app-ready-containers", "app",
         "--app-unready-after", f"{UNREADY_AFTER}s"],
         env={"POD_NAME": pod, "POD_NAMESPACE": namespace, "KUBECONFIG": str(kubeconfig)},
-    ).start() for pod in ("pod-a", "pod-b")]
-    try:
-        for proc in procs:
-            proc.wait_http()
+    ) for pod in ("pod-a", "pod-b")]
+    with serving(procs):
         time.sleep(2.5)  # more than a lease duration: nobody may lead while not Ready
         assert [p.leader() for p in procs] == [503, 503]
         reason = get_json(procs[0].url + "/status")[1]["leases"][0]["reason"]
@@ -156,6 +149,3 @@ def test_in_a_pod_the_app_containers_readiness_decides(control_plane, kube_names
         assert UNREADY_AFTER <= took <= UNREADY_AFTER + 0.3 + 1.0, took
         assert metric(procs[0], 'lease_sidecar_handovers_total{lease="handover",'
                                 'reason="app-unready"}') == 1.0
-    finally:
-        for proc in procs:
-            proc.stop()

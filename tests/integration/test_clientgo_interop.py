@@ -23,7 +23,6 @@ import pytest
 
 from testkit.clientgo_support import OBJECT, Contest
 from testkit.kube_support import install_rbac, lease_spec
-from testkit.testbed import gobuild
 from testkit.testbed.kube import ControlPlane
 
 pytestmark = [pytest.mark.kube, pytest.mark.slow]
@@ -31,14 +30,6 @@ pytestmark = [pytest.mark.kube, pytest.mark.slow]
 # Holders alternate kinds, starting with the sidecar: four SIGTERM handovers each way,
 # then one SIGKILL takeover each way.
 ROUNDS = (signal.SIGTERM,) * 8 + (signal.SIGKILL,) * 2
-
-
-@pytest.fixture(scope="session")
-def clientgo_elector(control_plane: ControlPlane) -> Path:
-    try:
-        return gobuild.ensure_binary("clientgo-elector")
-    except gobuild.BuildError as exc:
-        pytest.fail(f"clientgo-elector could not be built: {exc}", pytrace=False)
 
 
 def test_sidecars_and_clientgo_electors_never_lead_at_once(

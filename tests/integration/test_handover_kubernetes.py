@@ -13,7 +13,6 @@ import json
 import random
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,16 +20,14 @@ import pytest
 from sidecar.lease.kubernetes.record import HINT_ANNOTATION
 from testkit.clientgo_support import GoElector
 from testkit.kube_support import (
-    create_pods,
     install_rbac,
+    interop_sidecars,
     leaders,
     lease_spec,
-    sidecar,
     sidecars_in_pods,
 )
 from testkit.support import ClaimRecorder, SidecarProcess, post_json, wait_until
-from testkit.testbed import gobuild
-from testkit.testbed.kube import ControlPlane, ControlPlaneError
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
 
@@ -42,48 +39,39 @@ CLAIM_HORIZON = 0.25  # the default
 BOUND = 2 * CLAIM_HORIZON + 1.0
 
 
-@pytest.fixture(scope="module")
-def coordinated() -> Iterator[ControlPlane]:
-    cp = ControlPlane(apiserver_extra_args=[
-        "--feature-gates=CoordinatedLeaderElection=true",
-        "--runtime-config=coordination.k8s.io/v1beta1=true"])
-    try:
-        cp.start()
-    except (gobuild.BuildError, ControlPlaneError) as exc:
-        cp.stop()
-        pytest.fail(f"kube test bed with CoordinatedLeaderElection did not start:\n{exc}",
-                    pytrace=False)
-    try:
-        yield cp
-    finally:
-        cp.stop()
-
-
 def only_leader(procs: list[SidecarProcess]) -> SidecarProcess | None:
     found = leaders(procs)
     return found[0] if len(found) == 1 else None
 
 
+def leader_and_a_standby(procs: list[SidecarProcess],
+                         rng: random.Random) -> tuple[SidecarProcess, SidecarProcess]:
+    """The one leader, once a lease duration has passed (both standbys campaign again),
+    and one of its standbys picked at random: the hand-over's target."""
+    leader = wait_until(lambda: only_leader(procs), timeout=15)
+    time.sleep(LEASE_DURATION + 0.5)
+    return leader, rng.choice([p for p in procs if p is not leader])
+
+
 def test_the_named_standby_leads_and_a_later_sigterm_is_not_held_back(
-        coordinated: ControlPlane, tmp_path: Path) -> None:
-    namespace = coordinated.create_namespace()
-    kubeconfig = install_rbac(coordinated, namespace)
-    started = sidecars_in_pods(coordinated, namespace, tmp_path, kubeconfig, PODS)
+        coordinated_control_plane: ControlPlane, tmp_path: Path) -> None:
+    cp = coordinated_control_plane
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace)
+    started = sidecars_in_pods(cp, namespace, tmp_path, kubeconfig, PODS)
     procs = next(started)
     rng = random.Random(21)
     try:
         with ClaimRecorder(procs) as recorder:
             for _ in range(2):
-                leader = wait_until(lambda: only_leader(procs), timeout=15)
-                time.sleep(LEASE_DURATION + 0.5)  # both standbys campaign again
-                target = rng.choice([p for p in procs if p is not leader])
+                leader, target = leader_and_a_standby(procs, rng)
                 sent = time.monotonic()
                 status = post_json(f"{leader.url}/handover?to={target.identity}")[0]
                 assert status == 202
                 wait_until(lambda t=target: t.leader() == 200, timeout=10, interval=0.01)
                 took = time.monotonic() - sent
                 assert took <= BOUND, f"the named standby led {took:.2f}s after the request"
-                assert lease_spec(coordinated, namespace)["preferredHolder"] == target.identity
+                assert lease_spec(cp, namespace)["preferredHolder"] == target.identity
             # The served preference must not hold the next SIGTERM hand-over back by a
             # lease duration: the release clears a preferredHolder naming the releaser.
             holder = wait_until(lambda: only_leader(procs), timeout=5)
@@ -94,7 +82,7 @@ def test_the_named_standby_leads_and_a_later_sigterm_is_not_held_back(
             assert time.monotonic() - stopped < 1.5
             time.sleep(0.3)
         assert recorder.overlaps() == []
-        assert "preferredHolder" not in lease_spec(coordinated, namespace)
+        assert "preferredHolder" not in lease_spec(cp, namespace)
     finally:
         started.close()
 
@@ -114,9 +102,7 @@ def test_without_the_feature_gate_the_hint_annotation_names_the_standby(
     try:
         with ClaimRecorder(procs) as recorder:
             for _ in range(4):
-                leader = wait_until(lambda: only_leader(procs), timeout=15)
-                time.sleep(LEASE_DURATION + 0.5)  # both standbys campaign again
-                target = rng.choice([p for p in procs if p is not leader])
+                leader, target = leader_and_a_standby(procs, rng)
                 assert post_json(f"{leader.url}/handover?to={target.identity}")[0] == 202
                 wait_until(lambda t=target: only_leader(procs) is t, timeout=10,
                            interval=0.01)
@@ -131,24 +117,15 @@ def test_without_the_feature_gate_the_hint_annotation_names_the_standby(
         started.close()
 
 
-@pytest.fixture(scope="module")
-def clientgo_binary() -> Path:
-    try:
-        return gobuild.ensure_binary("clientgo-elector")
-    except gobuild.BuildError as exc:
-        pytest.fail(f"clientgo-elector could not be built: {exc}", pytrace=False)
-
-
 def test_a_clientgo_elector_as_the_named_target(
-        coordinated: ControlPlane, clientgo_binary: Path, tmp_path: Path) -> None:
+        coordinated_control_plane: ControlPlane, clientgo_elector: Path, tmp_path: Path) -> None:
     """The other sidecar defers to the client-go elector named; client-go (polling every
     100 ms) leads only after the sidecar's last claim ran out."""
-    namespace = coordinated.create_namespace()
-    kubeconfig = install_rbac(coordinated, namespace, ("lease-sidecar.interop",))
-    create_pods(coordinated, namespace, "pod-a", "pod-b")
-    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
-                     lease="interop") for pod in ("pod-a", "pod-b")]
-    go = GoElector(clientgo_binary, tmp_path, "go-1", namespace, kubeconfig)
+    cp = coordinated_control_plane
+    namespace = cp.create_namespace()
+    kubeconfig = install_rbac(cp, namespace, ("lease-sidecar.interop",))
+    procs = interop_sidecars(cp, namespace, tmp_path, kubeconfig)
+    go = GoElector(clientgo_elector, tmp_path, "go-1", namespace, kubeconfig)
     try:
         for proc in procs:
             proc.start()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.publish.http import HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_WAITERS
-from testkit.support import SidecarProcess, get_json, one_leader, post_json, wait_until
+from testkit.support import SidecarProcess, get_json, one_leader, post_json, serving, wait_until
 
 # A renew every 20 s: a leader's state does not change on its own for that long (renews
 # no longer end a blocking query — tests/integration/test_longpoll.py — but a quiet
@@ -206,11 +206,9 @@ def test_release_on_a_standby_is_409_and_forgotten(tmp_path: Path) -> None:
     """Before: the standby remembered the request and stepped down right after its next
     acquisition, so nobody led for a whole lease duration."""
     procs = [SidecarProcess(tmp_path, f"node-{i}",
-                            args=["--dsn", str(tmp_path / "l.db"), *FAST]).start()
+                            args=["--dsn", str(tmp_path / "l.db"), *FAST])
              for i in range(2)]
-    try:
-        for proc in procs:
-            proc.wait_http()
+    with serving(procs):
         first = wait_until(lambda: one_leader(procs), timeout=10)
         standby = next(p for p in procs if p is not first)
         status, body, _ = post_json(standby.url + "/release")
@@ -222,6 +220,3 @@ def test_release_on_a_standby_is_409_and_forgotten(tmp_path: Path) -> None:
             time.sleep(0.1)
             assert standby.leader() == 200
         assert "released on request" not in standby.logs()
-    finally:
-        for proc in procs:
-            proc.stop()

@@ -23,6 +23,7 @@ from testkit.kube_support import (
     Recorder,
     create_pods,
     install_rbac,
+    interop_sidecars,
     leaders,
     lease_spec,
     lease_token,
@@ -30,8 +31,7 @@ from testkit.kube_support import (
     sidecars_in_pods,
 )
 from testkit.support import REPO, ClaimRecorder, SidecarProcess, get_json, wait_until
-from testkit.testbed import gobuild
-from testkit.testbed.kube import ControlPlane, ControlPlaneError
+from testkit.testbed.kube import ControlPlane
 
 pytestmark = [pytest.mark.kube, pytest.mark.slow]
 
@@ -54,6 +54,14 @@ def the_leader(procs: list[SidecarProcess], timeout: float = 10) -> SidecarProce
     found = wait_until(lambda: leaders(procs), timeout=timeout)
     assert len(found) == 1, [p.identity for p in found]
     return found[0]
+
+
+def assert_next_term(cp: ControlPlane, namespace: str, new: SidecarProcess,
+                     transitions: int) -> None:
+    """The Lease names ``new`` as its holder, in the term after ``transitions``."""
+    spec = lease_spec(cp, namespace)
+    assert spec["holderIdentity"] == new.identity
+    assert spec["leaseTransitions"] == transitions + 1
 
 
 def test_exactly_one_leads_and_the_lease_names_it(
@@ -113,9 +121,7 @@ def test_sigterm_releases_and_a_standby_leads_within_a_second(
     finally:
         recorder.stop()
     assert took < 1.0, f"standby led {took:.3f}s after SIGTERM (lease is 3s)"
-    spec = lease_spec(control_plane, kube_namespace)
-    assert spec["holderIdentity"] == new.identity
-    assert spec["leaseTransitions"] == token + 1
+    assert_next_term(control_plane, kube_namespace, new, token)
 
 
 def test_sigkill_is_taken_over_after_about_the_lease_duration(
@@ -133,9 +139,7 @@ def test_sigkill_is_taken_over_after_about_the_lease_duration(
     new = the_leader(rest, timeout=6)
     took = time.monotonic() - killed
     assert 2.4 <= took <= 5.0, f"took over after {took:.2f}s with a 3s lease"
-    spec = lease_spec(control_plane, kube_namespace)
-    assert spec["holderIdentity"] == new.identity
-    assert spec["leaseTransitions"] == token + 1
+    assert_next_term(control_plane, kube_namespace, new, token)
 
 
 def test_fencing_tokens_grow_across_holders(
@@ -216,27 +220,6 @@ def test_a_new_lease_counts_from_0_and_each_term_adds_1(
         assert lease_spec(control_plane, kube_namespace)["leaseTransitions"] == 1
     finally:
         assert second.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def coordinated_control_plane() -> Iterator[ControlPlane]:
-    """A control plane of its own, with CoordinatedLeaderElection on: without that gate
-    (beta, off by default in 1.37) the apiserver drops ``spec.preferredHolder`` and
-    ``spec.strategy`` itself, so nothing could show that *we* keep them. Its in-apiserver
-    controller acts only on Leases that have LeaseCandidates; ours has none."""
-    cp = ControlPlane(apiserver_extra_args=[
-        "--feature-gates=CoordinatedLeaderElection=true",
-        "--runtime-config=coordination.k8s.io/v1beta1=true"])
-    try:
-        cp.start()
-    except (gobuild.BuildError, ControlPlaneError) as exc:
-        cp.stop()
-        pytest.fail(f"kube test bed with CoordinatedLeaderElection did not start:\n{exc}",
-                    pytrace=False)
-    try:
-        yield cp
-    finally:
-        cp.stop()
 
 
 def test_fields_we_do_not_own_survive_acquire_renew_and_release(
@@ -336,14 +319,6 @@ def test_preferred_holder_ends_the_term_and_the_preferred_standby_leads(
         started.close()
 
 
-@pytest.fixture(scope="module")
-def clientgo_binary() -> Path:
-    try:
-        return gobuild.ensure_binary("clientgo-elector")
-    except gobuild.BuildError as exc:
-        pytest.fail(f"clientgo-elector could not be built: {exc}", pytrace=False)
-
-
 def preferred(cp: ControlPlane, namespace: str, identity: str) -> float:
     """Set preferredHolder (with the strategy the apiserver requires); the wall time."""
     sent = time.time()
@@ -357,7 +332,7 @@ INTEROP_OBJECT = "lease-sidecar.interop"
 
 
 def test_preferred_holder_hands_over_from_a_sidecar_to_clientgo(
-    coordinated_control_plane: ControlPlane, clientgo_binary: Path, tmp_path: Path
+    coordinated_control_plane: ControlPlane, clientgo_elector: Path, tmp_path: Path
 ) -> None:
     """The sidecar yields to a client-go elector named preferredHolder; the other sidecar
     defers to it, and client-go (polling every 100 ms) starts leading only after the
@@ -365,10 +340,8 @@ def test_preferred_holder_hands_over_from_a_sidecar_to_clientgo(
     cp = coordinated_control_plane
     namespace = cp.create_namespace()
     kubeconfig = install_rbac(cp, namespace, (INTEROP_OBJECT,))
-    create_pods(cp, namespace, "pod-a", "pod-b")
-    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
-                     lease="interop") for pod in ("pod-a", "pod-b")]
-    go = GoElector(clientgo_binary, tmp_path, "go-1", namespace, kubeconfig)
+    procs = interop_sidecars(cp, namespace, tmp_path, kubeconfig)
+    go = GoElector(clientgo_elector, tmp_path, "go-1", namespace, kubeconfig)
     try:
         for proc in procs:
             proc.start()
@@ -393,7 +366,7 @@ def test_preferred_holder_hands_over_from_a_sidecar_to_clientgo(
 
 
 def test_preferred_holder_hands_over_from_coordinated_clientgo_to_a_sidecar(
-    coordinated_control_plane: ControlPlane, clientgo_binary: Path, tmp_path: Path
+    coordinated_control_plane: ControlPlane, clientgo_elector: Path, tmp_path: Path
 ) -> None:
     """A client-go elector in coordinated mode stops renewing once preferredHolder is set
     (client-go v0.37.2's end of term); after its renew deadline it releases and a sidecar
@@ -409,11 +382,9 @@ def test_preferred_holder_hands_over_from_coordinated_clientgo_to_a_sidecar(
         "spec": {"holderIdentity": "go-1", "leaseDurationSeconds": 3, "leaseTransitions": 5,
                  "acquireTime": now, "renewTime": now,
                  "strategy": "OldestEmulationVersion"}}))
-    go = GoElector(clientgo_binary, tmp_path, "go-1", namespace, kubeconfig,
+    go = GoElector(clientgo_elector, tmp_path, "go-1", namespace, kubeconfig,
                    extra_args=("-coordinated",)).start()
-    create_pods(cp, namespace, "pod-a", "pod-b")
-    procs = [sidecar(tmp_path, pod, namespace, kubeconfig, "--pod-label", "off",
-                     lease="interop") for pod in ("pod-a", "pod-b")]
+    procs = interop_sidecars(cp, namespace, tmp_path, kubeconfig)
     try:
         wait_until(go.leading, timeout=10)
         for proc in procs:

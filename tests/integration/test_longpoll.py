@@ -22,7 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from testkit.support import Answer, SidecarProcess, get_json, long_poll, one_leader, wait_until
+from testkit.support import (
+    Answer,
+    SidecarProcess,
+    get_json,
+    long_poll,
+    one_leader,
+    serving,
+    wait_until,
+)
 
 HORIZON = 0.1
 VALIDITY = 1.7  # lease duration 2 s minus safety margin 300 ms
@@ -49,18 +57,13 @@ def renews(proc: SidecarProcess) -> float:
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[SidecarProcess, SidecarProcess, Path]]:
     db = tmp_path / "leases.db"
-    procs = [SidecarProcess(tmp_path, f"node-{i}", args=["--dsn", str(db), *FAST]).start()
+    procs = [SidecarProcess(tmp_path, f"node-{i}", args=["--dsn", str(db), *FAST])
              for i in range(2)]
-    try:
-        for proc in procs:
-            proc.wait_http()
+    with serving(procs):
         leader = wait_until(lambda: one_leader(procs), timeout=10)
         standby = next(p for p in procs if p is not leader)
         wait_until(lambda: current(standby).body["holder"] == leader.identity, timeout=5)
         yield leader, standby, db
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.fixture

@@ -27,12 +27,11 @@ import pytest
 from testkit.kube_support import (
     LeaderLabels,
     Recorder,
-    create_pods,
     install_rbac,
     leaders,
     lease_spec,
     role_column,
-    sidecar,
+    sidecars_in_pods,
 )
 from testkit.procs import free_port
 from testkit.support import REPO, SidecarProcess, get_json, wait_until
@@ -71,18 +70,7 @@ def operator(control_plane: ControlPlane, kube_namespace: str,
 def group(control_plane: ControlPlane, kube_namespace: str, tmp_path: Path,
           operator: subprocess.Popen[bytes]) -> Iterator[list[SidecarProcess]]:
     kubeconfig = install_rbac(control_plane, kube_namespace)
-    create_pods(control_plane, kube_namespace, *PODS)
-    procs = [sidecar(tmp_path, pod, kube_namespace, kubeconfig) for pod in PODS]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait_http()
-        wait_until(lambda: leaders(procs), timeout=15)
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+    yield from sidecars_in_pods(control_plane, kube_namespace, tmp_path, kubeconfig, PODS)
 
 
 def picture(leader: str) -> dict[str, str]:

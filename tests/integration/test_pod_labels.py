@@ -25,7 +25,7 @@ from testkit.kube_support import (
     lease_spec,
     lease_token,
     role_column,
-    sidecar,
+    sidecars_in_pods,
 )
 from testkit.support import SidecarProcess, get_json, wait_until
 from testkit.testbed.kube import ControlPlane
@@ -41,19 +41,8 @@ def group(control_plane: ControlPlane, kube_namespace: str,
           tmp_path: Path) -> Iterator[list[SidecarProcess]]:
     """Three contenders and one ``--role api`` sidecar, each in its own pod."""
     kubeconfig = install_rbac(control_plane, kube_namespace)
-    create_pods(control_plane, kube_namespace, *PODS, API_POD)
-    procs = [sidecar(tmp_path, pod, kube_namespace, kubeconfig) for pod in PODS]
-    procs.append(sidecar(tmp_path, API_POD, kube_namespace, kubeconfig, "--role", "api"))
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait_http()
-        wait_until(lambda: leaders(procs[:3]), timeout=15)
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+    yield from sidecars_in_pods(control_plane, kube_namespace, tmp_path, kubeconfig,
+                                (*PODS, API_POD), extra={API_POD: ("--role", "api")})
 
 
 def settled(cp: ControlPlane, ns: str, leader: str, standbys: list[str],

@@ -18,7 +18,15 @@ import pytest
 
 from sidecar.lease.postgres_advisory.sql import lock_id
 from sidecar.settings import StoreSettings
-from testkit.support import REPO, ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import (
+    REPO,
+    ClaimRecorder,
+    SidecarProcess,
+    get_json,
+    one_leader,
+    serving,
+    wait_until,
+)
 from testkit.testbed.postgres import PgServer
 from tests.integration.advisory_support import (
     DEADLINE,
@@ -209,13 +217,10 @@ async def test_unreachable_server_is_one_redacted_backend_error(pg: PgServer) ->
 def trio(tmp_path: Path, pg: PgServer, pg_dsn: str) -> Iterator[list[SidecarProcess]]:
     procs = [SidecarProcess(tmp_path, f"pg-node-{i}",
                             args=["--backend", "postgres", "--dsn", pg_dsn, "--name", "jobs",
-                                  *FAST]).start()
+                                  *FAST])
              for i in range(3)]
-    for proc in procs:
-        proc.wait_http()
-    yield procs
-    for proc in procs:
-        proc.stop()
+    with serving(procs):
+        yield procs
     for proc in procs:
         assert pg.password not in proc.logs(), f"{proc.identity} logged the password"
 

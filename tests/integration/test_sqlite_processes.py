@@ -9,11 +9,19 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import (
+    ClaimRecorder,
+    SidecarProcess,
+    get_json,
+    one_leader,
+    serving,
+    wait_until,
+)
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -21,15 +29,11 @@ LEASE_DURATION = 2.0
 
 
 @pytest.fixture
-def trio(tmp_path: Path):
-    procs = [SidecarProcess(tmp_path, f"node-{i}",
-                            args=["--dsn", str(tmp_path / "leases.db"), *FAST]).start()
-             for i in range(3)]
-    for proc in procs:
-        proc.wait_http()
-    yield procs
-    for proc in procs:
-        proc.stop()
+def trio(tmp_path: Path) -> Iterator[list[SidecarProcess]]:
+    with serving([SidecarProcess(tmp_path, f"node-{i}",
+                                 args=["--dsn", str(tmp_path / "leases.db"), *FAST])
+                  for i in range(3)]) as procs:
+        yield procs
 
 
 def test_exactly_one_of_three_leads(trio):

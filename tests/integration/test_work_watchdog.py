@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from testkit.support import SidecarProcess, get_json, one_leader, post_json, wait_until
+from testkit.support import SidecarProcess, get_json, one_leader, post_json, serving, wait_until
 
 STALL = 1.5
 HORIZON = 0.1
@@ -58,15 +58,8 @@ def pair(tmp_path: Path) -> Iterator[list[SidecarProcess]]:
         SidecarProcess(tmp_path, "worker-b", args=["--dsn", db, *FAST],
                        env={"LEASE_WORK_STALL_AFTER": f"{int(STALL * 1000)}ms"}),
     ]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.wait_http()
+    with serving(procs):
         yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 def test_a_leader_whose_work_stops_beating_steps_down_and_the_other_takes_over(pair):

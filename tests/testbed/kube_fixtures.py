@@ -18,11 +18,12 @@ To add kube-apiserver flags (admission webhooks, feature gates), override the
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from testkit.testbed import gobuild
-from testkit.testbed.kube import ControlPlane, ControlPlaneError
+from testkit.testbed.kube import COORDINATED_LEADER_ELECTION, ControlPlane, ControlPlaneError
 
 
 @pytest.fixture(scope="session")
@@ -31,20 +32,18 @@ def kube_apiserver_extra_args() -> list[str]:
     return []
 
 
-@pytest.fixture(scope="session")
-def control_plane(kube_apiserver_extra_args: list[str]) -> Iterator[ControlPlane]:
-    """One control plane for the whole session (startup costs several seconds)."""
-    cp = ControlPlane(apiserver_extra_args=kube_apiserver_extra_args)
+def running(cp: ControlPlane, what: str) -> Iterator[ControlPlane]:
+    """Start ``cp``, yield it, stop it; a start that fails FAILS the test, naming ``what``."""
     failure = ""
     try:
         cp.start()
     except gobuild.BuildError as exc:
         failure = (
-            "kube test bed: building the tools failed (fix the build or prebuild with "
+            f"{what}: building the tools failed (fix the build or prebuild with "
             f"scripts/build-testbed-tools; cache: {gobuild.cache_root()}):\n{exc}"
         )
     except ControlPlaneError as exc:
-        failure = f"kube test bed: control plane did not start:\n{exc}"
+        failure = f"{what}: control plane did not start:\n{exc}"
     if failure:
         # Outside the except block, so the report shows the message, not a chained trace.
         cp.stop()
@@ -53,6 +52,30 @@ def control_plane(kube_apiserver_extra_args: list[str]) -> Iterator[ControlPlane
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def control_plane(kube_apiserver_extra_args: list[str]) -> Iterator[ControlPlane]:
+    """One control plane for the whole session (startup costs several seconds)."""
+    yield from running(ControlPlane(apiserver_extra_args=kube_apiserver_extra_args),
+                       "kube test bed")
+
+
+@pytest.fixture(scope="module")
+def coordinated_control_plane() -> Iterator[ControlPlane]:
+    """A control plane of its own with CoordinatedLeaderElection on, for the tests of
+    ``spec.preferredHolder`` (see :data:`COORDINATED_LEADER_ELECTION`)."""
+    yield from running(ControlPlane(apiserver_extra_args=COORDINATED_LEADER_ELECTION),
+                       "kube test bed with CoordinatedLeaderElection")
+
+
+@pytest.fixture(scope="session")
+def clientgo_elector() -> Path:
+    """The client-go leader-election binary (testkit/clientgo), built once."""
+    try:
+        return gobuild.ensure_binary("clientgo-elector")
+    except gobuild.BuildError as exc:
+        pytest.fail(f"clientgo-elector could not be built: {exc}", pytrace=False)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ Through subprocesses: tests do not import ``bench`` (tests/unit/test_support_lay
 """
 
 import itertools
+import json
 import re
 import subprocess
 import sys
@@ -72,3 +73,30 @@ def test_every_table_names_its_file_and_commit_or_says_it_is_stale():
                 continue
             assert (("`bench/results/" in body and (" commit `" in body or "**stale**" in body))
                     or body.startswith("*Not measured yet")), (page, name)
+
+
+def test_the_pictures_are_drawn_from_the_results_files(tmp_path):
+    # A results directory with a hand-over timeline (as bench_handover writes it) and the
+    # rollout and chaos files of the repository; the pictures go to a scratch directory.
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("rollout.json", "chaos-sqlite.json"):
+        (results / name).write_text((REPO / "bench" / "results" / name).read_text())
+    trial = {"old_last_claim_until": 0.1, "old_stepped_down": 0.11, "new_acquired": 0.12,
+             "new_first_claim": 0.22}
+    (results / "handover.json").write_text(json.dumps(
+        {"sqlite": {"timeline": [trial, {**trial, "new_first_claim": 3.0}]}}))
+    page = tmp_path / "page.md"
+    page.write_text("no blocks here\n")
+    done = subprocess.run([sys.executable, "-m", "bench.report", "--results", str(results),
+                           "--images", str(tmp_path / "images"), str(page)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    drawn = sorted(p.name for p in (tmp_path / "images").iterdir())
+    assert drawn == ["bench-chaos-takeover.png", "bench-handover-timeline.png",
+                     "bench-rollout.png"]
+    for name in drawn:
+        assert (tmp_path / "images" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The docs show the pictures the repository's own results files draw.
+    for name in drawn:
+        assert f"images/{name}" in (REPO / "docs" / "benchmarks.md").read_text()

@@ -10,6 +10,8 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 from unittest import mock
 
@@ -87,8 +89,15 @@ class Client:
         await self.server.stop()
 
 
-async def client_for(app: web.Application, header_timeout: float = 5.0) -> Client:
-    return await Client(app, header_timeout).start()
+@asynccontextmanager
+async def client_for(app: web.Application,
+                     header_timeout: float = 5.0) -> AsyncIterator[Client]:
+    """``app`` served by a started :class:`Client`'s server; both closed after."""
+    client = await Client(app, header_timeout).start()
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 def lead(state: LeaseState, clock: FakeClock) -> None:
@@ -99,8 +108,7 @@ def lead(state: LeaseState, clock: FakeClock) -> None:
 async def test_leader_and_standby_answers():
     clock = FakeClock()
     app, states = make_app(clock)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         response = await client.get("/leader")
         assert response.status == 503
         body = await response.json()
@@ -117,15 +125,12 @@ async def test_leader_and_standby_answers():
         assert (await client.get("/leader/nope")).status == 404
         clock.advance(10)  # validity over, nobody told the state: still 503
         assert (await client.get("/leader")).status == 503
-    finally:
-        await client.close()
 
 
 async def test_blocking_query_returns_on_change():
     clock = FakeClock()
     app, states = make_app(clock)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         first = await client.get("/leader")
         tag = first.headers["ETag"]
         loop = asyncio.get_running_loop()
@@ -151,8 +156,6 @@ async def test_blocking_query_returns_on_change():
         assert same.headers["ETag"] == response.headers["ETag"]
         assert (await client.get("/leader?wait=abc")).status == 400
         assert (await client.get("/leader?wait=100000")).status == 400
-    finally:
-        await client.close()
 
 
 async def test_renews_do_not_end_a_blocking_query():
@@ -161,8 +164,7 @@ async def test_renews_do_not_end_a_blocking_query():
     clock = FakeClock()
     app, states = make_app(clock)
     lead(states[0], clock)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         first = await client.get("/leader")
         tag, before = first.headers["ETag"], (await first.json())["valid_until_ms"]
         assert tag.startswith('W/"first-')
@@ -189,8 +191,6 @@ async def test_renews_do_not_end_a_blocking_query():
         response = await client.get("/leader?wait=5", headers={"If-None-Match": tag})
         assert response.status == 503 and loop.time() - started < 1
         assert response.headers["ETag"] != tag
-    finally:
-        await client.close()
 
 
 async def test_a_contender_that_can_never_lead_fails_healthz_and_readyz_not_livez():
@@ -203,8 +203,7 @@ async def test_a_contender_that_can_never_lead_fails_healthz_and_readyz_not_live
     app = build_app(states, status=lambda: {}, alive=lambda: True,
                     ready=lambda: True, release=lambda name: "not-holding",
                     cannot_lead=lambda: reason[0])
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         livez = await client.get("/livez")
         assert (livez.status, await livez.json()) == (200, {"ok": True})
         for path in ("/healthz", "/readyz"):
@@ -214,16 +213,13 @@ async def test_a_contender_that_can_never_lead_fails_healthz_and_readyz_not_live
         reason[0] = None
         for path in ("/livez", "/healthz", "/readyz"):
             assert (await client.get(path)).status == 200
-    finally:
-        await client.close()
 
 
 async def test_other_endpoints_and_errors():
     clock = FakeClock()
     released: list[str | None] = []
     app, states = make_app(clock, released)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         assert (await client.get("/healthz")).status == 200
         assert (await client.get("/readyz")).status == 503
         lead(states[0], clock)
@@ -246,8 +242,6 @@ async def test_other_endpoints_and_errors():
         metrics = await (await client.get("/metrics")).text()
         assert "lease_sidecar_http_waiters 0.0" in metrics
         assert 'lease_sidecar_http_refused_total{bound="connections"} 0.0' in metrics
-    finally:
-        await client.close()
 
 
 def test_loopback_check():
@@ -292,14 +286,11 @@ async def test_an_unexpected_error_is_a_bare_500():
 
     app = build_app(states, status=broken_status, alive=lambda: True,
                     ready=lambda: True, release=lambda name: True)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         response = await client.get("/status")
         assert response.status == 500
         text = await response.text()
         assert "Traceback" not in text and "secret internals" not in text
-    finally:
-        await client.close()
 
 
 # -- POST /release: who may ask, and only a holder can step down --------------------------
@@ -327,8 +318,7 @@ async def test_release_refused_with_origin_or_foreign_host() -> None:
     """A web page (Origin) or a rebinding DNS name (Host) cannot make us step down."""
     released: list[str | None] = []
     app, _ = make_app(FakeClock(), released)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         for headers in ({"Origin": "http://evil.example"}, {"Origin": "null"},
                         {"Host": f"evil.example:{client.port}"},
                         {"Host": f"127.0.0.1:{client.port + 1}"}):
@@ -343,20 +333,15 @@ async def test_release_refused_with_origin_or_foreign_host() -> None:
                      f"[::1]:{client.port}"):
             assert (await client.post("/release", headers={"Host": host})).status == 202
         assert released == [None, None, None]
-    finally:
-        await client.close()
 
 
 async def test_release_on_a_standby_is_409() -> None:
     app, _ = make_app(FakeClock(), holding=False)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         response = await client.post("/release")
         assert response.status == 409
         assert (await response.json())["released"] is False
         assert (await client.post("/release/nope")).status == 404
-    finally:
-        await client.close()
 
 
 # -- bounds ---------------------------------------------------------------------------------
@@ -374,8 +359,7 @@ async def test_waiter_cap_answers_at_once_with_the_true_state() -> None:
     limits = Limits(max_waiters=2)
     app, states = make_app(clock, limits=limits)
     lead(states[0], clock)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         tag = (await client.get("/leader")).headers["ETag"]
         parked = [await _parked(client, tag) for _ in range(2)]
         for _ in range(100):
@@ -405,16 +389,13 @@ async def test_waiter_cap_answers_at_once_with_the_true_state() -> None:
         await asyncio.wait_for(asyncio.gather(*parked), 2)
         metrics = await (await client.get("/metrics")).text()
         assert 'lease_sidecar_http_refused_total{bound="waiters"} 2.0' in metrics
-    finally:
-        await client.close()
 
 
 async def test_a_client_that_leaves_frees_its_waiter_slot_at_once() -> None:
     clock = FakeClock()
     limits = Limits(max_waiters=1)
     app, _ = make_app(clock, limits=limits)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         tag = (await client.get("/leader")).headers["ETag"]
         _, writer = await asyncio.open_connection("127.0.0.1", client.port)
         writer.write(f"GET /leader?wait=300 HTTP/1.1\r\nHost: x\r\nIf-None-Match: {tag}\r\n\r\n"
@@ -430,16 +411,13 @@ async def test_a_client_that_leaves_frees_its_waiter_slot_at_once() -> None:
                 break
             await asyncio.sleep(0.01)
         assert limits.waiters == 0
-    finally:
-        await client.close()
 
 
 async def test_connection_cap_answers_503_with_retry_after() -> None:
     limits = Limits(max_connections=3)
     app, _ = make_app(FakeClock(), limits=limits)
-    client = await client_for(app)
     held = []
-    try:
+    async with client_for(app) as client:
         for _ in range(3):
             held.append(await asyncio.open_connection("127.0.0.1", client.port))
         await asyncio.sleep(0.1)
@@ -455,14 +433,11 @@ async def test_connection_cap_answers_503_with_retry_after() -> None:
         await asyncio.sleep(0.2)
         assert (await client.raw(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close"
                                  b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
-    finally:
-        await client.close()
 
 
 async def test_a_half_sent_request_is_closed_after_the_header_timeout() -> None:
     app, _ = make_app(FakeClock())
-    client = await client_for(app, header_timeout=0.5)
-    try:
+    async with client_for(app, header_timeout=0.5) as client:
         reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
         started = time.monotonic()
         writer.write(b"GET /leader HTTP/1.1\r\nHost: x\r\n")
@@ -476,8 +451,6 @@ async def test_a_half_sent_request_is_closed_after_the_header_timeout() -> None:
                 writer.write(f"X-{i}: y\r\n".encode())
         writer.close()
         assert closed is not None and 0.4 < closed < 1.2
-    finally:
-        await client.close()
 
 
 @pytest.mark.parametrize("raw", [
@@ -491,8 +464,7 @@ async def test_a_half_sent_request_is_closed_after_the_header_timeout() -> None:
 async def test_malformed_requests_are_a_400_and_one_debug_line(
         raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
     app, _ = make_app(FakeClock())
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
             answer = await client.raw(raw)
         assert re.search(rb"HTTP/1\.[01] 400 ", answer), answer[:200]
@@ -501,8 +473,6 @@ async def test_malformed_requests_are_a_400_and_one_debug_line(
         assert records, "the malformed request should be logged at debug"
         assert all(r.levelno == logging.DEBUG and r.exc_info is None for r in records)
         assert all("\n" not in r.getMessage() for r in records)
-    finally:
-        await client.close()
 
 
 # -- POST /heartbeat: the work watchdog's input -------------------------------------------
@@ -527,8 +497,7 @@ def beat_app(clock: FakeClock):
 async def test_heartbeat_is_taken_from_a_leader_only() -> None:
     clock = FakeClock()
     app, states = beat_app(clock)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         response = await client.post("/heartbeat")
         assert response.status == 409
         assert (await response.json())["ok"] is False
@@ -547,8 +516,6 @@ async def test_heartbeat_is_taken_from_a_leader_only() -> None:
         found = re.search(r'^lease_sidecar_last_work_heartbeat_timestamp_seconds'
                           r'\{lease="first"\} (\S+)$', metrics, re.M)
         assert found and float(found.group(1)) == clock.wall()
-    finally:
-        await client.close()
 
 
 async def test_heartbeat_follows_the_release_rules() -> None:
@@ -557,8 +524,7 @@ async def test_heartbeat_follows_the_release_rules() -> None:
     clock = FakeClock()
     app, states = beat_app(clock)
     lead(states[0], clock)
-    client = await client_for(app)
-    try:
+    async with client_for(app) as client:
         for headers in ({"Origin": "http://evil.example"},
                         {"Host": f"evil.example:{client.port}"}):
             response = await client.post("/heartbeat", headers=headers)
@@ -567,8 +533,6 @@ async def test_heartbeat_follows_the_release_rules() -> None:
         assert states[0].work.last_beat is None
         assert (await client.post("/heartbeat",
                                   headers={"Host": f"localhost:{client.port}"})).status == 200
-    finally:
-        await client.close()
 
 
 async def test_heartbeat_refused_from_a_non_loopback_peer() -> None:

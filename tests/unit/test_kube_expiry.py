@@ -166,22 +166,31 @@ def test_a_released_lease_deleted_by_hand_is_free_at_once(clock: FakeClock) -> N
     assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
 
 
-def test_a_holder_cleared_by_hand_is_free_but_guarded(clock: FakeClock) -> None:
-    """Cleared without the release's duration 1: not a release, the holder may claim."""
+# A term of "other" (duration 10) seen at 0 s, then a write to the Lease at ``edited`` s;
+# at ``asked`` s: may we start a term (free_in), and how long until we may claim.
+@pytest.mark.parametrize(("edit", "edited", "asked", "free_in", "claim_delay"), [
+    # Cleared without the release's duration 1: not a release, the holder may claim.
+    pytest.param(record("", "8", duration=10), 3, 3, 0.0, 7.0,
+                 id="a holder cleared by hand is free but guarded"),
+    pytest.param(record("", "8", duration=1), 3, 3, 0.0, 0.0,
+                 id="a proper release needs no guard"),
+    # holder -> me by a write that is not ours: we may start a term, not claim at once.
+    pytest.param(record("me", "8", duration=10), 1, 1, 0.0, 9.0,
+                 id="named holder by hand is ours but guarded"),
+    # third's own term counts with its duration as written, but other's term still runs.
+    pytest.param(record("third", "8", duration=1), 1, 2, 0.0, 8.0,
+                 id="holder changed by hand to a third with duration 1"),
+])
+def test_a_write_by_hand_after_a_term(clock: FakeClock, edit: Record, edited: float,
+                                      asked: float, free_in: float,
+                                      claim_delay: float) -> None:
     observer = Observer(clock, cap=10)
     observer.observe(record("other", "7", duration=10))
-    clock.now += 3
-    observer.observe(record("", "8", duration=10))
-    assert observer.free_in("me") == 0.0
-    assert observer.claim_delay() == pytest.approx(7.0)
-
-
-def test_a_proper_release_needs_no_guard(clock: FakeClock) -> None:
-    observer = Observer(clock, cap=10)
-    observer.observe(record("other", "7", duration=10))
-    clock.now += 3
-    observer.observe(record("", "8", duration=1))
-    assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
+    clock.now += edited
+    observer.observe(edit)
+    clock.now += asked - edited
+    assert observer.free_in("me") == free_in
+    assert observer.claim_delay() == pytest.approx(claim_delay)
 
 
 def test_a_duration_edited_down_does_not_shorten_the_wait(clock: FakeClock) -> None:
@@ -201,16 +210,6 @@ def test_named_holder_by_hand_is_ours_but_guarded(clock: FakeClock) -> None:
     observer.observe(record("me", "8", duration=10))
     assert observer.free_in("me") == 0.0
     assert observer.claim_delay() == pytest.approx(9.0)
-
-
-def test_holder_changed_by_hand_to_a_third_with_duration_1(clock: FakeClock) -> None:
-    observer = Observer(clock, cap=10)
-    observer.observe(record("other", "7", duration=10))
-    clock.now += 1
-    observer.observe(record("third", "8", duration=1))
-    clock.now += 1
-    assert observer.free_in("me") == 0.0  # third's own term: its duration as written
-    assert observer.claim_delay() == pytest.approx(8.0)  # but other's term still runs
 
 
 def test_a_long_duration_by_hand_is_capped_at_our_own(clock: FakeClock) -> None:

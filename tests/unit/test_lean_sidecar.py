@@ -11,14 +11,13 @@ everything it would ever load is loaded.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from testkit.procs import free_port
+from tests.unit.nowhere import DSNS, pod_env
 
 PROBE = """
 import asyncio, json, sys
@@ -38,34 +37,16 @@ async def main():
 asyncio.run(main())
 """
 
-CLOSED = free_port()  # nothing listens here
-DSNS = {
-    "sqlite": None,
-    "postgres": f"postgresql://lease@127.0.0.1:{CLOSED}/lease",
-    "postgres-row": f"postgresql://lease@127.0.0.1:{CLOSED}/lease",
-    "sqlserver": (f"Driver={{ODBC Driver 18 for SQL Server}};Server=127.0.0.1,{CLOSED};"
-                  "Database=lease;UID=u;PWD=p;Encrypt=no"),
-    "kubernetes": None,
-}
-
 
 @pytest.mark.parametrize("backend", list(DSNS))
 def test_a_running_sidecar_loads_neither_kopf_nor_the_kubernetes_client(
         backend: str, tmp_path: Path) -> None:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": f"https://127.0.0.1:{CLOSED}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
     flags = {"backend": backend, "state_dir": str(tmp_path), "http_addr": "127.0.0.1:0",
              "pod_label": "on", "dsn": DSNS[backend] or str(tmp_path / "l.db")}
     if backend == "kubernetes":
         flags.pop("dsn")
-    env = {**os.environ, "POD_NAME": "web-0", "POD_NAMESPACE": "apps",
-           "KUBECONFIG": str(kubeconfig)}
-    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(flags)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(flags)],
+                          env=pod_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["labels"] is True  # the label publisher really ran

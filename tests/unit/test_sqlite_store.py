@@ -2,6 +2,7 @@
 
 import asyncio
 import sqlite3
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -17,28 +18,35 @@ def lease(store: SqliteStore, owner: str, duration: float = 5.0) -> RowLease:
                     safety_margin=0.5)
 
 
-async def test_one_holder_reentrant_and_owner_filtered(tmp_path):
-    a_store = SqliteStore(str(tmp_path / "l.db"), "leases")
-    b_store = SqliteStore(str(tmp_path / "l.db"), "leases")  # a second "process"
+@pytest.fixture
+async def contenders(tmp_path) -> AsyncIterator[tuple[RowLease, RowLease]]:
+    """Owners "a" and "b" of lease "job" (5 s), each through its own store on one
+    database file, as two sidecar processes are; the stores are closed after."""
+    path = str(tmp_path / "l.db")
+    a_store, b_store = SqliteStore(path, "leases"), SqliteStore(path, "leases")
     try:
-        a, b = lease(a_store, "a"), lease(b_store, "b")
-        first = await a.try_acquire()
-        assert first.held and first.valid_for == 4.5
-        lost = await b.try_acquire()
-        assert not lost.held and lost.holder == "a"
-        again = await a.try_acquire()  # re-entrant: same term, same token
-        assert again.held and again.fencing_token == first.fencing_token
-        assert not (await b.try_renew()).held  # renew only touches one's own row
-        await b.release()  # release only deletes one's own row
-        assert (await a.describe()).holder == "a"
-        assert (await a.try_renew()).held
-        await a.release()
-        assert (await a.describe()).holder is None
-        taken = await b.try_acquire()
-        assert taken.held and taken.fencing_token > first.fencing_token
+        yield lease(a_store, "a"), lease(b_store, "b")
     finally:
         await a_store.close()
         await b_store.close()
+
+
+async def test_one_holder_reentrant_and_owner_filtered(contenders):
+    a, b = contenders
+    first = await a.try_acquire()
+    assert first.held and first.valid_for == 4.5
+    lost = await b.try_acquire()
+    assert not lost.held and lost.holder == "a"
+    again = await a.try_acquire()  # re-entrant: same term, same token
+    assert again.held and again.fencing_token == first.fencing_token
+    assert not (await b.try_renew()).held  # renew only touches one's own row
+    await b.release()  # release only deletes one's own row
+    assert (await a.describe()).holder == "a"
+    assert (await a.try_renew()).held
+    await a.release()
+    assert (await a.describe()).holder is None
+    taken = await b.try_acquire()
+    assert taken.held and taken.fencing_token > first.fencing_token
 
 
 async def test_expired_row_is_taken_over_with_a_larger_token(tmp_path):
@@ -70,71 +78,53 @@ async def test_many_names_share_one_table(tmp_path):
         await store.close()
 
 
-async def test_release_wakes_a_waiting_standby(tmp_path):
-    a_store = SqliteStore(str(tmp_path / "l.db"), "leases")
-    b_store = SqliteStore(str(tmp_path / "l.db"), "leases")
-    try:
-        a, b = lease(a_store, "a"), lease(b_store, "b")
-        await a.try_acquire()
-        assert not (await b.try_acquire()).held  # a standby waits after a refused acquire
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        waiter = asyncio.ensure_future(b.wait_for_change(5.0))
-        await asyncio.sleep(0.1)
-        await a.release()
-        await asyncio.wait_for(waiter, 2.0)
-        assert loop.time() - started < 1.0
-        assert (await b.try_acquire()).held
-    finally:
-        await a_store.close()
-        await b_store.close()
+async def test_release_wakes_a_waiting_standby(contenders):
+    a, b = contenders
+    await a.try_acquire()
+    assert not (await b.try_acquire()).held  # a standby waits after a refused acquire
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    waiter = asyncio.ensure_future(b.wait_for_change(5.0))
+    await asyncio.sleep(0.1)
+    await a.release()
+    await asyncio.wait_for(waiter, 2.0)
+    assert loop.time() - started < 1.0
+    assert (await b.try_acquire()).held
 
 
-async def test_a_release_before_the_wait_begins_is_not_missed(tmp_path):
+async def test_a_release_before_the_wait_begins_is_not_missed(contenders):
     """The release lands between the standby's refused acquire and its wait (a busy
     host: the hand-over's hint woke it just before). Before, the standby took the files
     as they were after its acquire's reply as \"seen\", the release with them, and slept
     out its retry delay (the sqlite p99 of the hand-over benchmark)."""
-    a_store = SqliteStore(str(tmp_path / "l.db"), "leases")
-    b_store = SqliteStore(str(tmp_path / "l.db"), "leases")
-    try:
-        a, b = lease(a_store, "a"), lease(b_store, "b")
-        assert (await a.try_acquire()).held
-        assert not (await b.try_acquire()).held
-        await a.release()
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        await b.wait_for_change(3.0)
-        assert loop.time() - started < 1.0
-        assert (await b.try_acquire()).held
-        # Nothing new since b's acquire: its wait runs to the end.
-        started = loop.time()
-        assert not (await a.try_acquire()).held
-        await a.wait_for_change(0.3)
-        assert loop.time() - started >= 0.29
-    finally:
-        await a_store.close()
-        await b_store.close()
+    a, b = contenders
+    assert (await a.try_acquire()).held
+    assert not (await b.try_acquire()).held
+    await a.release()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await b.wait_for_change(3.0)
+    assert loop.time() - started < 1.0
+    assert (await b.try_acquire()).held
+    # Nothing new since b's acquire: its wait runs to the end.
+    started = loop.time()
+    assert not (await a.try_acquire()).held
+    await a.wait_for_change(0.3)
+    assert loop.time() - started >= 0.29
 
 
-async def test_an_acquire_that_finds_the_lease_held_writes_nothing(tmp_path):
+async def test_an_acquire_that_finds_the_lease_held_writes_nothing(contenders, tmp_path):
     """Standbys acquire on every commit they see; each one wrote (and synced) the
     version counter, slowing the holder's renews on a busy disk."""
-    path = tmp_path / "l.db"
-    a_store, b_store = SqliteStore(str(path), "leases"), SqliteStore(str(path), "leases")
-    try:
-        a, b = lease(a_store, "a"), lease(b_store, "b")
-        assert (await a.try_acquire()).held
-        assert not (await b.try_acquire()).held  # b's first connect sets the file up
-        watcher = sqlite3.connect(path)
-        before = watcher.execute("PRAGMA data_version").fetchone()
-        for _ in range(3):
-            assert not (await b.try_acquire()).held
-        assert watcher.execute("PRAGMA data_version").fetchone() == before
-        watcher.close()
-    finally:
-        await a_store.close()
-        await b_store.close()
+    a, b = contenders
+    assert (await a.try_acquire()).held
+    assert not (await b.try_acquire()).held  # b's first connect sets the file up
+    watcher = sqlite3.connect(tmp_path / "l.db")
+    before = watcher.execute("PRAGMA data_version").fetchone()
+    for _ in range(3):
+        assert not (await b.try_acquire()).held
+    assert watcher.execute("PRAGMA data_version").fetchone() == before
+    watcher.close()
 
 
 def test_schema_is_idempotent_and_printable(tmp_path):

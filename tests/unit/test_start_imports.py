@@ -9,22 +9,22 @@ versions (``importlib.metadata``, ``pkg_resources``) either. The start-up figure
 is ``bench/bench_lean.py``'s; this pins what it rests on, so it cannot slip back quietly.
 
 Each backend runs for real through the command line in a fresh process, label and Events
-on, pointed at addresses where nothing listens (as in test_lean_sidecar.py): the modules
+on, pointed at addresses where nothing listens (tests/unit/nowhere.py): the modules
 are read the moment ``Sidecar.start`` returns (listening, electors started), then the
 probe asks ``/healthz`` over the socket to prove the sidecar was serving.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from testkit.procs import free_port
+from tests.unit.nowhere import DSNS, pod_env
 
 PROBE = """
 import asyncio, json, os, signal, sys
@@ -46,16 +46,6 @@ async def start(self):
 runtime.Sidecar.start = start
 sys.exit(main(sys.argv[1:]))
 """
-
-CLOSED = free_port()  # nothing listens here
-DSNS = {
-    "sqlite": None,
-    "postgres": f"postgresql://lease@127.0.0.1:{CLOSED}/lease",
-    "postgres-row": f"postgresql://lease@127.0.0.1:{CLOSED}/lease",
-    "sqlserver": (f"Driver={{ODBC Driver 18 for SQL Server}};Server=127.0.0.1,{CLOSED};"
-                  "Database=lease;UID=u;PWD=p;Encrypt=no"),
-    "kubernetes": None,
-}
 
 # Never before serving, on any backend.
 NEVER = {
@@ -80,19 +70,11 @@ def test_run_serves_healthz_before_importing_what_only_later_needs(
         backend: str, tmp_path: Path) -> None:
     if backend == "sqlserver":
         pytest.importorskip("pyodbc", reason="the sqlserver extra is not installed")
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": f"https://127.0.0.1:{CLOSED}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
     args = ["run", "--backend", backend, "--name", "jobs", "--state-dir", str(tmp_path / "s"),
             "--http-addr", "127.0.0.1:0", "--pod-label", "on", "--log-level", "error"]
     if backend != "kubernetes":
         args += ["--dsn", DSNS[backend] or str(tmp_path / "l.db")]
-    env = {**os.environ, "POD_NAME": "web-0", "POD_NAMESPACE": "apps",
-           "KUBECONFIG": str(kubeconfig)}
-    done = subprocess.run([sys.executable, "-c", PROBE, *args], env=env,
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], env=pod_env(tmp_path),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -107,3 +89,10 @@ def test_run_serves_healthz_before_importing_what_only_later_needs(
     unexpected = {name for name, backends in ONLY_ON.items()
                   if present(name) and backend not in backends}
     assert not unexpected, unexpected
+
+
+def test_the_modules_named_here_exist() -> None:
+    """A module renamed away would make the checks above pass for nothing."""
+    ours = [name for name in (*NEVER, *ONLY_ON) if name.startswith("sidecar.")]
+    assert ours and all(importlib.util.find_spec(name) for name in ours), [
+        name for name in ours if not importlib.util.find_spec(name)]
