@@ -16,6 +16,7 @@ probe asks ``/healthz`` over the socket to prove the sidecar was serving.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -88,3 +89,10 @@ def test_run_serves_healthz_before_importing_what_only_later_needs(
     unexpected = {name for name, backends in ONLY_ON.items()
                   if present(name) and backend not in backends}
     assert not unexpected, unexpected
+
+
+def test_the_modules_named_here_exist() -> None:
+    """A module renamed away would make the checks above pass for nothing."""
+    ours = [name for name in (*NEVER, *ONLY_ON) if name.startswith("sidecar.")]
+    assert ours and all(importlib.util.find_spec(name) for name in ours), [
+        name for name in ours if not importlib.util.find_spec(name)]
