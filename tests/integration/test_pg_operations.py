@@ -19,22 +19,15 @@ import pytest
 
 from testkit.support import SidecarProcess, get_json, wait_until
 from testkit.testbed.pgbouncer import PgBouncer
-from testkit.testbed.postgres import HOST, TEST_ROLE, PgError, PgServer
+from testkit.testbed.postgres import HOST, TEST_ROLE, PgServer
+from tests.testbed.pg_fixtures import serve
 
 BACKENDS = ("postgres", "postgres-row")
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[PgServer]:
-    try:
-        pg = PgServer(name="ops")
-        pg.init()
-    except PgError as exc:
-        pytest.fail(f"postgres test bed: cannot start a server:\n{exc}", pytrace=False)
-    try:
-        yield pg
-    finally:
-        pg.destroy()
+    yield from serve(PgServer(name="ops"), "postgres test bed: the operations server")
 
 
 def fresh_role(pg: PgServer, *settings: str, createdb: bool = True) -> str:

@@ -47,12 +47,17 @@ def _skip_reason() -> str | None:
         else None
 
 
-@pytest.fixture(scope="module")
-def artifact() -> image.ImageArtifact:
+def _built(target: str) -> image.ImageArtifact:
+    """The Dockerfile's ``target``, built (or found built); skips where it cannot run."""
     reason = _skip_reason()
     if reason:
         pytest.skip(f"image test bed: {reason}")
-    return image.build_image()
+    return image.build_image(target)
+
+
+@pytest.fixture(scope="module")
+def artifact() -> image.ImageArtifact:
+    return _built("sidecar")
 
 
 @pytest.fixture(scope="module")
@@ -67,18 +72,12 @@ def archive_config(artifact: image.ImageArtifact) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def operator_artifact() -> image.ImageArtifact:
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(f"image test bed: {reason}")
-    return image.build_image("operator")
+    return _built("operator")
 
 
 @pytest.fixture(scope="module")
 def sqlserver_artifact() -> image.ImageArtifact:
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(f"image test bed: {reason}")
-    return image.build_image("sidecar-sqlserver")
+    return _built("sidecar-sqlserver")
 
 
 def _unpack(artifact: image.ImageArtifact, work: Path) -> Path:

@@ -11,6 +11,7 @@ from aiohttp import web
 from sidecar.appready import AppReadiness
 from sidecar.state import LeaseState
 from tests.unit.fakes import FakeClock
+from tests.unit.loopback import serve_on_loopback
 
 
 async def serve(status: list[int]) -> tuple[web.AppRunner, str]:
@@ -19,12 +20,8 @@ async def serve(status: list[int]) -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.router.add_get("/ready", ready)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}/ready"
+    runner, url = await serve_on_loopback(app)
+    return runner, f"{url}/ready"
 
 
 async def test_campaign_only_while_ready_and_hand_over_after_the_period():

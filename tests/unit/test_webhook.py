@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from sidecar.injector.webhook import InjectorServer, review_problem
+from tests.unit.loopback import serve_on_loopback
 
 
 def review(operation: str = "CREATE", **changes: Any) -> dict[str, Any]:
@@ -82,12 +83,8 @@ async def served():
 
     app = web.Application()
     app.router.add_post("/{id:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    session = aiohttp.ClientSession(f"http://127.0.0.1:{port}")
+    runner, url = await serve_on_loopback(app)
+    session = aiohttp.ClientSession(url)
     yield session, calls
     await session.close()
     await runner.cleanup()
