@@ -260,6 +260,10 @@ def run(trials: int, backend: str) -> dict[str, Any]:
         if backend in ("postgres", "postgres-row"):
             pg, more = _pg_backend(cluster, ns)
             extra += more
+        if backend == "postgres-row":
+            # The lease table, made the chart's way: its schema Job (a Helm hook before
+            # the install), here with the same role's DSN.
+            extra += ("schemaJob.enabled=true", "schemaJob.dsnSecret.name=lease-dsn")
         t = time.monotonic()
         ps.install_release(cluster, ns, image, backend=backend, extra=extra)
         installed = time.monotonic() - t
