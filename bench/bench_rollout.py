@@ -21,8 +21,8 @@ strategy and mode. Every figure is on this host's one clock:
   claim → its pod label ``leader`` → the Service's EndpointSlices list exactly its pod IP
   as ready (an EndpointSlice watch) → a client pod asking ``/leader`` through the
   ClusterIP every 20 ms (a new connection each time; kube-proxy's rules) first reaches
-  the new leader. Also counted: later requests that anyone else answered, or none did
-  (target 0), and each ready endpoint's own ``/leader`` once settled, asked from the host.
+  the new leader. Also counted: later requests that another pod answered (target 0) or
+  none did, and each ready endpoint's own ``/leader`` once settled, asked from the host.
 """
 
 from __future__ import annotations
@@ -126,7 +126,9 @@ def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                                          for r in rows),
         "service_claim_to_client": summary(client) if client else None,
         "service_handovers_measured_by_client": len(client),
-        "service_client_not_leader_after": sum(_present(rows, "not_leader_after")),
+        "service_client_other_pod_after": sum(_present(rows, "other_pod")),
+        "service_client_no_answer_after": sum(_present(rows, "no_answer")),
+        "service_client_leader_not_200_after": sum(_present(rows, "leader_not_200")),
     }
 
 
@@ -164,13 +166,15 @@ def table(r: dict[str, Any]) -> str:
                          f"{f['overlaps']} |")
     lines += ["", "| leader Service (mode, strategy) | first claim → label | first claim → "
               "endpoints only the leader | first claim → a client pod reaches it through "
-              "the ClusterIP | later requests not answered by it |", "|---|---|---|---|---|"]
+              "the ClusterIP | later requests: another pod answered / none did |",
+              "|---|---|---|---|---|"]
     for mode, by_strategy in r["results"].items():
         for strategy, f in by_strategy.items():
             lines.append(f"| `{mode}`, {strategy} | {ms(f['service_claim_to_label'])} | "
                          f"{ms(f['service_claim_to_endpoints'])} | "
                          f"{ms(f['service_claim_to_client'])} | "
-                         f"{f['service_client_not_leader_after']} |")
+                         f"{f['service_client_other_pod_after']} / "
+                         f"{f['service_client_no_answer_after']} |")
     return "\n".join(lines)
 
 

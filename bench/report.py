@@ -406,11 +406,13 @@ def rollout_service(r: Row) -> list[str]:
             through = x.get("service_claim_to_client")
             rows.append([f"`{mode}`", strategy, p50_p99(x.get("service_claim_to_label")),
                          p50_p99(x.get("service_claim_to_endpoints")), p50_p99(through),
-                         "—" if through is None else x["service_client_not_leader_after"]])
+                         "—" if through is None else
+                         f"{x['service_client_other_pod_after']} / "
+                         f"{x['service_client_no_answer_after']}"])
     return table(["`shutdownHandover`", "strategy", "first claim → pod label `leader`",
                   "first claim → EndpointSlice lists only its pod",
                   "first claim → a client pod's request through the ClusterIP reaches it",
-                  "later requests that anyone else answered, or none did"], rows, right=2)
+                  "later requests: another pod answered / none did"], rows, right=2)
 
 
 def lean_lone(r: Row) -> list[str]:

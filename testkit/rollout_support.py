@@ -208,8 +208,9 @@ import json, os, threading, time, urllib.error, urllib.request
 URL, PERIOD = os.environ["TARGET_URL"], float(os.environ["PERIOD"])
 done, cond = {}, threading.Condition()
 
-def ask(seq, sent):
+def ask(seq):
     # A new connection each time: kube-proxy's rules at that moment pick its endpoint.
+    sent = time.time()
     try:
         with urllib.request.urlopen(URL, timeout=2.0) as answer:
             status, body = answer.status, json.load(answer)
@@ -239,7 +240,7 @@ def report():
 threading.Thread(target=report, daemon=True).start()
 seq = 0
 while True:  # one request every PERIOD, whether or not earlier ones have been answered
-    threading.Thread(target=ask, args=(seq, time.time()), daemon=True).start()
+    threading.Thread(target=ask, args=(seq,), daemon=True).start()
     seq += 1
     time.sleep(PERIOD)
 '''
@@ -281,8 +282,9 @@ class ServiceClient:
                     "command": ["python", "-u", "-c", CLIENT_SCRIPT],
                     "env": [{"name": "TARGET_URL", "value": self.url},
                             {"name": "PERIOD", "value": str(period)}],
-                    "resources": {"requests": {"cpu": "5m", "memory": "16Mi"},
-                                  "limits": {"memory": "64Mi"}},
+                    # Enough CPU share that its threads start on time on a busy node.
+                    "resources": {"requests": {"cpu": "100m", "memory": "32Mi"},
+                                  "limits": {"memory": "128Mi"}},
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
                                         "allowPrivilegeEscalation": False,
                                         "readOnlyRootFilesystem": True,
@@ -334,9 +336,11 @@ def through_service(client: ServiceClient, moves: list[tuple[str, str, float]],
     - ``claim_to_client``: the new leader's first claim -> the first request through
       the Service that the new leader answered 200 (the Service has settled: label,
       EndpointSlice and kube-proxy's rules all name it);
-    - ``not_leader_after``: requests sent after that one that anyone else answered, or
-      none did (the claim "a client reaches only the leader once the endpoints have
-      settled"), and ``not_leader`` what they were.
+    - requests sent after that one that the new leader did not answer 200: ``other_pod``
+      another pod answered (the claim "a client reaches only the leader once the
+      endpoints have settled" is that there are none), ``no_answer`` none did (refused,
+      or no answer within the client's timeout on a busy node), ``leader_not_200`` the
+      new leader answered otherwise; ``not_leader`` lists them all.
 
     The client logs each change of answer and every answer that is not a 200, in the
     order sent, so a logged answer stands for the requests up to the next one.
@@ -356,7 +360,9 @@ def through_service(client: ServiceClient, moves: list[tuple[str, str, float]],
         wrong = [(a, n) for a, n in window if a.key != (200, new)]
         out.append({
             "claim_to_client": max(0.0, window[0][0].sent - at) if window else None,
-            "not_leader_after": sum(n for _, n in wrong) if window else None,
+            "other_pod": sum(n for a, n in wrong if a.identity not in (None, new)),
+            "no_answer": sum(n for a, n in wrong if a.status == 0),
+            "leader_not_200": sum(n for a, n in wrong if a.identity == new),
             "not_leader": [f"{a.status} {a.identity} {a.error} at +{a.sent - at:.3f}s"
                            for a, _ in wrong],
         })

@@ -14,14 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.support import (
-    ClaimRecorder,
-    SidecarProcess,
-    get_json,
-    one_leader,
-    serving,
-    wait_until,
-)
+from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, serving, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]

@@ -28,6 +28,16 @@ def make(clock: FakeClock, lease: FakeLease, sink=None):
     return Elector(lease, state, FAST, "me", [publisher]), state, publisher
 
 
+async def claiming(clock: FakeClock, lease: FakeLease, sink=None):
+    """``make``'s elector, state and publisher once the elector has acquired ``lease``
+    and a claim horizon has passed: a leader whose claims are out."""
+    elector, state, publisher = make(clock, lease, sink=sink)
+    await elector._acquire_once()
+    clock.advance(FAST.claim_horizon)
+    assert state.claim().leader
+    return elector, state, publisher
+
+
 async def until(predicate, timeout: float = 2.0) -> None:
     async def poll() -> None:
         while not predicate():
@@ -78,10 +88,7 @@ async def test_unpublish_then_release():
     sink: list[tuple[str, float]] = []
     lease = FakeLease(clock)
     lease.calls = sink  # one timeline for publisher and lease
-    elector, state, _ = make(clock, lease, sink=sink)
-    await elector._acquire_once()
-    clock.advance(FAST.claim_horizon)
-    assert state.claim().leader
+    elector, state, _ = await claiming(clock, lease, sink=sink)
     await drive(clock, asyncio.create_task(elector.shutdown()))
     order = [what for what, _ in sink]
     assert order.index("unpublish") < order.index("release")
@@ -133,10 +140,7 @@ async def test_no_claim_outstanding_means_no_wait_before_the_release():
     """Nobody asked during the last horizon (or validity already ran out): release now."""
     clock = FakeClock()
     lease = FakeLease(clock)
-    elector, state, _ = make(clock, lease)
-    await elector._acquire_once()
-    clock.advance(FAST.claim_horizon)
-    assert state.claim().leader
+    elector, _, _ = await claiming(clock, lease)
     clock.advance(FAST.claim_horizon)  # that claim has just expired
     stepped_down_at = clock.now
     await asyncio.wait_for(elector.shutdown(), 1.0)  # the fake clock stands still
@@ -146,10 +150,7 @@ async def test_no_claim_outstanding_means_no_wait_before_the_release():
 async def test_a_lost_lease_is_not_released_and_not_waited_for():
     clock = FakeClock()
     lease = FakeLease(clock)
-    elector, state, _ = make(clock, lease)
-    await elector._acquire_once()
-    clock.advance(FAST.claim_horizon)
-    assert state.claim().leader
+    elector, state, _ = await claiming(clock, lease)
     lease.grant = False
     await asyncio.wait_for(elector._renew_once(), 1.0)  # the fake clock stands still
     assert not state.facts.holding
