@@ -18,6 +18,7 @@ The time spent leading while not ready is summed into each lease's state for the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -71,6 +72,9 @@ class AppReadiness:
         self._unready_since: float | None = self._clock.monotonic()
         self._last_seen = self._clock.monotonic()
         self._last_problem: str | None = None
+        # Set when the application turns not ready: the look already scheduled was timed
+        # for a ready one (a period away), and LEASE_APP_UNREADY_AFTER may end sooner.
+        self._turned_unready = asyncio.Event()
 
     def why_not(self) -> str | None:
         """None while the application is ready; else why this contender sits out."""
@@ -84,7 +88,7 @@ class AppReadiness:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 self._observe(await self._probe(session))
-                await asyncio.sleep(self.period)
+                await asyncio.sleep(self.next_look())
 
     async def _probe(self, session: aiohttp.ClientSession) -> str | None:
         """None when the URL answered 2xx; else what it did."""
@@ -120,13 +124,17 @@ class AppReadiness:
 
     async def _tick(self) -> None:
         while True:
-            await asyncio.sleep(self.next_look())
+            self._turned_unready.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.next_look()):
+                    await self._turned_unready.wait()
             self._observe(self._problem)
 
     def next_look(self) -> float:
-        """Seconds to the next look at the last pod status: a period, or less when an
-        unready application's LEASE_APP_UNREADY_AFTER ends sooner (no event comes then,
-        and waiting for the period would add up to one to the hand-over's bound)."""
+        """Seconds to the next look (at the last pod status, or a probe of the URL): a
+        period, or less when an unready application's LEASE_APP_UNREADY_AFTER ends sooner
+        (no event comes then, and waiting for the period would add up to one to the
+        hand-over's bound)."""
         if self._unready_since is None:
             return self.period
         due = self._unready_since + self.unready_after - self._clock.monotonic()
@@ -146,6 +154,7 @@ class AppReadiness:
         if self.ready or self._unready_since is None:
             log.warning("application not ready", extra={"url": self.url, "error": problem})
             self._unready_since = now
+            self._turned_unready.set()
         elif problem != self._last_problem:
             log.info("application still not ready", extra={"url": self.url, "error": problem})
         self._last_problem = problem

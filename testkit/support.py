@@ -225,6 +225,16 @@ class ClaimRecorder:
             thread.start()
         return self
 
+    def seen_a_claim(self, timeout: float = 5.0) -> ClaimRecorder:
+        """Wait until a claim is recorded: a check after a step-down then compares with
+        the old holder's claims, not with a recorder that has not polled yet."""
+        deadline = time.monotonic() + timeout
+        while not self.claims:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no claim recorded within {timeout}s")
+            time.sleep(0.005)
+        return self
+
     def add(self, proc: SidecarProcess) -> None:
         """Poll one more process (a newcomer) from now on."""
         thread = threading.Thread(target=self._poll, args=(proc,), daemon=True)

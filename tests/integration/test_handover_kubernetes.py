@@ -63,6 +63,7 @@ def test_the_named_standby_leads_and_a_later_sigterm_is_not_held_back(
     rng = random.Random(21)
     try:
         with ClaimRecorder(procs) as recorder:
+            recorder.seen_a_claim()
             for _ in range(2):
                 leader, target = leader_and_a_standby(procs, rng)
                 sent = time.monotonic()
@@ -101,6 +102,7 @@ def test_without_the_feature_gate_the_hint_annotation_names_the_standby(
     rng = random.Random(2121)
     try:
         with ClaimRecorder(procs) as recorder:
+            recorder.seen_a_claim()
             for _ in range(4):
                 leader, target = leader_and_a_standby(procs, rng)
                 assert post_json(f"{leader.url}/handover?to={target.identity}")[0] == 202
@@ -133,6 +135,7 @@ def test_a_clientgo_elector_as_the_named_target(
         go.start()
         time.sleep(1.0)  # client-go is a standby now
         with ClaimRecorder(procs) as recorder:
+            recorder.seen_a_claim()
             sent = time.time()
             assert post_json(f"{holder.url}/handover/interop?to=go-1")[0] == 202
             wait_until(go.leading, timeout=10, interval=0.01)

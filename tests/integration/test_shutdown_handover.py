@@ -52,6 +52,7 @@ def test_sigterm_hands_over_to_the_youngest_ready_pod(
             "pod-a": "leader", "pod-b": "standby", "pod-c": "standby"}, timeout=15)
         time.sleep(0.5)
         with ClaimRecorder(procs) as recorder:
+            recorder.seen_a_claim()
             leader.signal(signal.SIGTERM)
             stopped = time.monotonic()
             wait_until(lambda: procs[1].leader() == 200, timeout=10, interval=0.01)

@@ -86,3 +86,27 @@ def test_an_unready_leader_is_looked_at_when_its_period_ends_not_a_renew_interva
     watcher._observe("container app is not Ready")
     assert asked == ["jobs"]
     assert watcher.next_look() == 2.0  # asked: back to every period
+
+
+async def test_a_leader_whose_app_turns_unready_between_looks_hands_over_on_time():
+    """The look scheduled while the app was ready is a period away; the pod event that
+    says "not Ready" re-arms it, so the hand-over comes at LEASE_APP_UNREADY_AFTER, not up
+    to a period later (seen in real pods: 4.8 s for a 2 s setting and a 2 s period)."""
+    state = LeaseState(lease="jobs", identity="web-0", role="all", claim_horizon=0.1)
+    asked: list[float] = []
+    loop = asyncio.get_running_loop()
+    watcher = AppReadiness("pod web-0", unready_after=0.2, period=5.0, states=[state],
+                           hand_over=lambda name: asked.append(loop.time()) or True)
+    watcher._observe(None)
+    state.update(holding=True)
+    ticker = asyncio.create_task(watcher._tick())
+    try:
+        await asyncio.sleep(0.05)  # the ticker sleeps toward a look a period away
+        turned = loop.time()
+        watcher._problem = "container app is not Ready"
+        watcher._observe(watcher._problem)  # what the pod watch does on the event
+        await asyncio.sleep(1.0)
+    finally:
+        ticker.cancel()
+    assert asked, "the leader never handed over"
+    assert 0.2 <= asked[0] - turned < 0.6, asked[0] - turned
