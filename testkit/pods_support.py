@@ -34,7 +34,10 @@ SIDECAR = "lease-sidecar"  # the chart's sidecar.containerName
 # The app container's readiness file (app_deployment(ready_file=True)): its emptyDir.
 READY_VOLUME, READY_FILE = "ready", "ok"
 CLAIM_HORIZON = 0.25  # the chart's default lease.claimHorizon
-RENEW_INTERVAL = 2.0  # the chart's default lease.renewInterval (a standby's retry period)
+# The chart's renew interval on the database backends (a standby's retry period). On
+# kubernetes it defaults to a third of the validity (4.67 s), but standbys there learn of
+# a release from their Lease watch, not from a retry, so the bound below holds for both.
+RENEW_INTERVAL = 2.0
 # The leaderless gap a graceful handover (pod deletion, rolling restart) may cause: the
 # old holder releases on SIGTERM; a standby takes the lease when its watch reports that,
 # or at the latest on its next retry (renew interval + 20 % jitter), then waits one claim
