@@ -34,6 +34,10 @@ SIDECAR = "lease-sidecar"  # the chart's sidecar.containerName
 # The app container's readiness file (app_deployment(ready_file=True)): its emptyDir.
 READY_VOLUME, READY_FILE = "ready", "ok"
 CLAIM_HORIZON = 0.25  # the chart's default lease.claimHorizon
+# The test pods' own containers run as the sidecar image's user, as the chart runs it.
+RESTRICTED_CONTAINER = {"runAsNonRoot": True, "runAsUser": 10001,
+                        "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                        "capabilities": {"drop": ["ALL"]}}
 # The chart's renew interval on the database backends (a standby's retry period). On
 # kubernetes it defaults to a third of the validity (4.67 s), but standbys there learn of
 # a release from their Lease watch, not from a retry, so the bound below holds for both.
@@ -198,10 +202,7 @@ def app_deployment(name: str, image: str, lease: str, replicas: int = 3,
         "command": ["python", "-u", "-c", APP_SCRIPT],
         "resources": {"requests": {"cpu": "5m", "memory": "16Mi"},
                       "limits": {"memory": "64Mi"}},
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
-                            "allowPrivilegeEscalation": False,
-                            "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": RESTRICTED_CONTAINER,
     }
     volumes = []
     if ready_file:

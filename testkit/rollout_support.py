@@ -285,10 +285,7 @@ class ServiceClient:
                     # Enough CPU share that its threads start on time on a busy node.
                     "resources": {"requests": {"cpu": "100m", "memory": "32Mi"},
                                   "limits": {"memory": "128Mi"}},
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
-                                        "allowPrivilegeEscalation": False,
-                                        "readOnlyRootFilesystem": True,
-                                        "capabilities": {"drop": ["ALL"]}},
+                    "securityContext": ps.RESTRICTED_CONTAINER,
                 }],
             },
         }))
