@@ -25,7 +25,8 @@ import pytest
 
 from sidecar.lease.postgres_advisory.lease import AdvisoryLease
 from sidecar.lease.postgres_advisory.session import POOLER, pooler_evidence
-from sidecar.lease.postgres_advisory.sql import MARKER_SETTING
+from sidecar.lease.postgres_advisory.sql import MARKER_SETTING, lock_id
+from sidecar.settings import StoreSettings
 from testkit import support
 from testkit.support import REPO, SidecarProcess, get_json, one_leader, wait_until
 from testkit.testbed.postgres import PgServer
@@ -297,32 +298,51 @@ def test_transaction_pooling_is_refused_and_never_two_leaders(
         stop_all(procs, pg.password)
 
 
+# A client that takes the lease's lock through the pooler with the idle_session_timeout
+# the backend sets (argv[3], ms), says so, and sleeps until killed.
+LOCKING_CLIENT = """
+import asyncio, sys, asyncpg
+async def main():
+    conn = await asyncpg.connect(sys.argv[1], statement_cache_size=0)
+    await conn.execute("select set_config('idle_session_timeout', '" + sys.argv[3]
+                       + "', false), pg_advisory_lock(" + sys.argv[2] + ")")
+    print("locked", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
 @pytest.mark.parametrize("pool_size", [1, 5])
 def test_killed_holder_behind_transaction_pooler_is_never_taken_over(
         tmp_path: Path, pg: PgServer, pg_dsn: str, pgbouncer: StartBouncer,
         pool_size: int) -> None:
-    """The holder is killed the moment it holds the lock (or has already found the pooler
-    by itself and exited 2: either way its client is gone). The pooler's server session
-    keeps the lock: the next contenders are handed that session (or share one between
-    them), and refuse instead of being granted the lock re-entrantly. The lock goes only
-    when the server ends the idle session (``idle_session_timeout``, which the backend
-    sets to the lease duration)."""
+    """A holder killed while it holds the lock: the pooler's server session keeps the lock,
+    the next contenders are handed that session (or share one between them, or find the
+    pooler by their own probe) and refuse instead of being granted the lock re-entrantly.
+    The lock goes only when the server ends the idle session (``idle_session_timeout``,
+    which the backend sets to the lease duration).
+
+    The holder is a plain client (the lease's lock id, taken through the pooler, killed
+    with SIGKILL), not a sidecar: a sidecar behind a transaction pooler finds it within
+    its first statements, often before it holds anything, and the state under test is the
+    lock its killed client left on a pooled server session."""
     bouncer = pgbouncer("transaction", pool_size)
     dsn = bouncer.dsn_for(dbname(pg_dsn))
     # A long lease, so the session outlives the contenders' start-up by far.
     lease = 15.0
     timing = ["--lease-duration", f"{lease}s", *FAST[2:]]
-    [holder] = start_sidecars(tmp_path, dsn, 1, tag="first", timing=timing)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCKING_CLIENT, dsn, str(lock_id(StoreSettings().key("jobs"))),
+         str(round(lease * 1000))],
+        stdout=subprocess.PIPE, text=True)
     contenders: list[SidecarProcess] = []
     try:
-        wait_until(lambda: holder.proc.poll() is not None
-                   or '"acquired lease"' in holder.logs(), timeout=10, interval=0.002)
-        if holder.proc.poll() is None:
-            holder.signal(signal.SIGKILL)
-        assert holder.proc.wait(5) in (2, -signal.SIGKILL)
-        killed = time.monotonic()
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         held_by = lock_holders(pg, dbname(pg_dsn))
         assert len(held_by) == 1
+        holder.send_signal(signal.SIGKILL)
+        assert holder.wait(5) == -signal.SIGKILL
+        killed = time.monotonic()
         contenders = start_sidecars(tmp_path, dsn, 2, tag="next", timing=timing)
         with ClaimRecorder(contenders) as recorder:
             wait_until(lambda: all(p.proc.poll() is not None for p in contenders), timeout=10)
@@ -337,7 +357,10 @@ def test_killed_holder_behind_transaction_pooler_is_never_taken_over(
         wait_until(lambda: lock_holders(pg, dbname(pg_dsn)) == [], timeout=lease + 5)
         assert time.monotonic() - killed >= lease - 1
     finally:
-        stop_all([holder, *contenders], pg.password)
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(5)
+        stop_all(contenders, pg.password)
 
 
 async def test_refusal_reason_is_in_status(tmp_path: Path, pg: PgServer, pg_dsn: str,

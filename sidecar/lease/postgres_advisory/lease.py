@@ -97,6 +97,7 @@ class AdvisoryLease:
                 reused = self._link.session is not None
                 previous, started = self._link.session, loop.time()
                 session = await self._link.connect()
+                self._start_probe(session)
                 if (session is not previous
                         and loop.time() - started > self._timing.renew_deadline / 2):
                     # The grant's validity counts from the elector's send time, before
@@ -231,6 +232,10 @@ class AdvisoryLease:
     async def close(self) -> None:
         await self._end_hint()
         if self._probe is not None:
+            # A probe cut off mid-statement makes a transaction pooler close the server
+            # session it ran on, which may be the one a killed holder left holding the
+            # lock: let a running statement finish (milliseconds), cancel only a stuck one.
+            await asyncio.wait({self._probe}, timeout=self._db.timeout)
             self._probe.cancel()
             with contextlib.suppress(BaseException):
                 await self._probe
@@ -282,14 +287,30 @@ class AdvisoryLease:
             with contextlib.suppress(asyncio.CancelledError):
                 await expiry
 
+    def _start_probe(self, session: Session, again: bool = False) -> None:
+        """Behind a proxy, probe a session once when it opens (``again``: after a grant)."""
+        if not session.proxied or (session.probed and not again):
+            return
+        if self._probe is not None and not self._probe.done():
+            return
+        session.probed = True
+        self._probe = asyncio.create_task(self._probe_pooler(session),
+                                          name=f"pg-advisory-probe-{self.name}")
+
     async def _probe_pooler(self, session: Session) -> None:
-        """Behind a pooler, right after a grant: does a fresh connection get a server
-        session of its own, as session pooling promises? Runs beside the term, not before
-        it: the checks in every lock statement, not this probe, keep claims apart."""
+        """Behind a proxy, when a session opens and after a grant: does a fresh connection
+        get a server session of its own, as session pooling promises? Runs beside the
+        lease's statements, not before them: the checks in every lock statement, not this
+        probe, keep claims apart."""
         if await self._db.hands_out_used_sessions(session):
-            self.pooler_seen("a fresh connection was handed a server session that already "
-                             "carried a connection's marker: a transaction pooler, or a "
-                             "session pool without a server reset")
+            # Once the lease's own statement is done: cutting the connection while a
+            # statement runs makes a transaction pooler close the server session it ran
+            # on, which may be the one holding another sidecar's lock (freed early,
+            # before that holder's claims end).
+            async with self._busy:
+                self.pooler_seen("a fresh connection was handed a server session that "
+                                 "already carried a connection's marker: a transaction "
+                                 "pooler, or a session pool without a server reset")
 
     def _check(self, session: Session, ours: bool, already: bool) -> Grant | None:
         """The refusal when a lock statement did not run on our own, clean session."""
@@ -321,6 +342,7 @@ class AdvisoryLease:
                 session = await self._link.connect()
             except BackendError:
                 return  # the elector's next try_acquire reports it
+            self._start_probe(session)
             wait_ms = f"{max(1, round(timeout * 1000))}ms"
             try:
                 # One round trip: lock_timeout ends the wait in the server; the client
@@ -380,11 +402,8 @@ class AdvisoryLease:
         self._link.granted(token)
         self._claims_wait_until = (asyncio.get_running_loop().time()
                                    + self._timing.renew_deadline - known_age)
-        session = self._link.session
-        if session is not None and session.proxied and (
-                self._probe is None or self._probe.done()):
-            self._probe = asyncio.create_task(self._probe_pooler(session),
-                                              name=f"pg-advisory-probe-{self.name}")
+        if self._link.session is not None:
+            self._start_probe(self._link.session, again=True)
         log.debug("advisory lock granted", extra={"lease": self.name, "lock_id": self.lock_id,
                                                   "pid": self.pid, "fencing_token": token})
 

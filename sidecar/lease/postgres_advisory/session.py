@@ -106,6 +106,8 @@ class Session:
     # survives its statement's error: the session may hold the lock although we were
     # told no.
     maybe_holds: bool = False
+    # A fresh connection has checked, once, that this session is not handed around.
+    probed: bool = False
 
 
 class Connector:
@@ -150,13 +152,18 @@ class Connector:
     async def hands_out_used_sessions(self, session: Session) -> bool:
         """Does a fresh connection get a server session that already carries a marker?
 
-        Asked behind a pooler right after a grant. The lock statements' checks need a
-        second client to share or swap a session before they can see anything; a sidecar
-        left alone on a transaction pool (its rivals refused and exited) would otherwise
-        lead on, unwarned. A transaction pooler hands this fresh connection a pooled
-        session — by default the one released last, ours — still carrying our marker (or
-        another client's); a session pooler gives it a new or reset session (no marker),
-        or makes it wait for one (a timeout here, which says nothing: False).
+        Asked behind a proxy once per session and after every grant. The lock
+        statements' checks need a second client to share or swap a session before they
+        can see anything; a sidecar left alone on a transaction pool (its rivals refused
+        and exited) would otherwise lead on, unwarned, and standbys whose lock waits keep
+        landing on their own pooled sessions would never meet the session a killed
+        holder left with the lock. A transaction pooler hands this fresh connection a
+        pooled session — by default the one released last, ours — still carrying our
+        marker (or another client's); where it opens a new one instead, the probe's own
+        marker stays on it and the pooler, which reuses the session released last, hands
+        it to our next statement, whose check fails. A session pooler gives the probe a
+        new or reset session and never hands it to us, or makes the probe wait for one
+        (a timeout here, which says nothing: False).
         """
         try:
             conn = await asyncpg.connect(
@@ -165,7 +172,7 @@ class Connector:
         except (*DB_ERRORS, ValueError):
             return False
         try:
-            marker, pid = await conn.fetchrow(PROBE, timeout=self.timeout)
+            marker, pid, _ = await conn.fetchrow(PROBE, timeout=self.timeout)
         except DB_ERRORS:
             return False
         finally:

@@ -62,8 +62,11 @@ UNLOCK = (f"select {_OURS.replace('$3', '$2')}, case when {_OURS.replace('$3', '
 APPLY = ("select pg_backend_pid(), (select count(set_config(name, value, false)) "
          "from unnest($1::text[], $2::text[]) s(name, value)), "
          f"set_config('{MARKER_SETTING}', $3, false)")
-# What a fresh connection finds on the server session it was handed.
-PROBE = f"select current_setting('{MARKER_SETTING}', true), pg_backend_pid()"
+# What a fresh connection finds on the server session it was handed; it leaves a marker
+# of its own there, so a transaction pooler that later hands that session to the lease's
+# connection fails the lease's next check even when the probe itself found a clean one.
+PROBE = (f"select current_setting('{MARKER_SETTING}', true), pg_backend_pid(), "
+         f"set_config('{MARKER_SETTING}', 'probe', false)")
 # Who holds a lock in this database (application_name is visible even across roles).
 HOLDER = """select a.application_name from pg_locks l join pg_stat_activity a on a.pid = l.pid
             where l.locktype = 'advisory' and l.granted and l.classid = $1::int8::oid
