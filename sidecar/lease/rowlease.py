@@ -66,8 +66,9 @@ class Row:
 
 class Refused(BackendError):
     """Raised by a store that knows the lease cannot be held now, and that a row of ours
-    is already gone (SQLite: the database file was replaced, or is in its hold-off). The
-    lease answers "not held" with this as the reason, and a release has nothing to do."""
+    is already gone (SQLite: the database file was replaced, or is in its hold-off; or
+    the lease is free but a live hand-over hint names another contender). The lease
+    answers "not held" with this as the reason, and a release has nothing to do."""
 
 
 class RowStore(Protocol):

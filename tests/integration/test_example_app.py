@@ -20,6 +20,8 @@ import pytest
 from testkit.chart_support import VALUE_SETS, documents, find, template
 from testkit.support import SidecarProcess, wait_until
 
+pytestmark = pytest.mark.tools  # helm renders the chart
+
 
 def example_script() -> str:
     docs = documents(template("ex", "example", VALUE_SETS["kubernetes-example"]).stdout)

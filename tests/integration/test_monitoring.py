@@ -34,6 +34,8 @@ TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint",
 ALERTS = {"LeaseSidecarNotExactlyOneLeader", "LeaseSidecarRenewFailures",
           "LeaseSidecarBackendDown", "LeaseSidecarLeaderFlapping"}
 
+pytestmark = pytest.mark.tools  # helm renders the chart; promtool checks its rules
+
 
 # ----------------------------------------------------------------- rendering
 

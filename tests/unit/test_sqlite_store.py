@@ -113,6 +113,37 @@ async def test_a_release_before_the_wait_begins_is_not_missed(contenders):
     assert loop.time() - started >= 0.29
 
 
+async def test_a_standby_that_looked_before_the_hand_over_does_not_take_the_lease(tmp_path):
+    """The race behind the late sqlite hand-overs: a standby that is not named reads
+    "no hint" just before the holder's release (hint and release in one commit) and
+    acquires just after it, queued on the write lock behind that commit. It took the
+    lease handed to another, and the named one led only after two more commits (that
+    insert, and the lease given back) and its busy retries. The acquire now looks at the
+    hint in its own transaction."""
+    path = str(tmp_path / "l.db")
+    stores = [SqliteStore(path, "leases") for _ in range(3)]
+    try:
+        holder, other, named = (lease(store, owner)
+                                for store, owner in zip(stores, ("a", "b", "c"), strict=True))
+        assert (await holder.try_acquire()).held
+        assert await other.handing_to_other() is None  # the elector's look, before
+        await holder.hand_to("c", 5.0)
+        await holder.release()  # the hint and the free lease in one commit
+        refused = await other.try_acquire()
+        assert not refused.held and refused.reason is not None and "c" in refused.reason
+        assert (await other.describe()).holder is None  # it wrote no row of its own
+        taken = await named.try_acquire()
+        assert taken.held
+        assert not (await other.try_acquire()).held  # held now, as usual
+        # The hint never stands in the way of its own successor's renew and release.
+        assert (await named.try_renew()).held
+        await named.release()
+        assert (await named.try_acquire()).held
+    finally:
+        for store in stores:
+            await store.close()
+
+
 async def test_an_acquire_that_finds_the_lease_held_writes_nothing(contenders, tmp_path):
     """Standbys acquire on every commit they see; each one wrote (and synced) the
     version counter, slowing the holder's renews on a busy disk."""

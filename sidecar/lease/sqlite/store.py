@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sidecar.base.errors import BackendError
-from sidecar.lease.rowlease import Row
+from sidecar.lease.rowlease import HINT_SUFFIX, Refused, Row, is_hint
 from sidecar.lease.sqlite.file_identity import FileGuard, Replaced
 from sidecar.lease.sqlite.watch import CommitWatch
 
@@ -47,13 +47,14 @@ CREATE TABLE IF NOT EXISTS {table}_version (id INTEGER PRIMARY KEY CHECK (id = 1
 INSERT OR IGNORE INTO {table}_version (id, value) VALUES (1, 0);
 """
 
-# The acquire transaction: sweep, look, and only if no live row is left draw a version
-# and insert. A live row survived the sweep and stays untouched — ours too: an acquire
-# comes only from a contender that does not hold the lease, so a live row under our
-# identity belongs to another process (or to our previous term) and must run out first.
-# An acquire that finds the lease held writes nothing, so it commits without touching
-# the disk: standbys look on every commit they see, and a sync per look slowed every
-# holder's renew on a busy disk. (``metadata`` is left NULL.)
+# The acquire transaction: sweep, look, and only if no live row is left (and no live
+# hand-over hint names another contender) draw a version and insert. A live row
+# survived the sweep and stays untouched — ours too: an acquire comes only from a
+# contender that does not hold the lease, so a live row under our identity belongs to
+# another process (or to our previous term) and must run out first. An acquire that
+# finds the lease held writes nothing, so it commits without touching the disk:
+# standbys look on every commit they see, and a sync per look slowed every holder's
+# renew on a busy disk. (``metadata`` is left NULL.)
 _SWEEP = "DELETE FROM {table} WHERE expires_at <= {now}"
 _INSERT = (
     "UPDATE {table}_version SET value = value + 1 WHERE id = 1",
@@ -170,7 +171,17 @@ class SqliteStore:
             try:
                 conn.execute(self._sql(_SWEEP))
                 found = conn.execute(self._sql(_READ), params).fetchone()
-                inserted = found is None
+                # The hand-over hint is looked at in this transaction, not only by the
+                # elector's read before it: a standby that read "no hint" while the
+                # holder's release was committing queued on the write lock behind it
+                # and took the lease the release had just handed to another; the named
+                # one then waited for two more commits (this insert, and the lease
+                # given back) and its own busy retries: the late sqlite hand-overs,
+                # hundreds of ms when commits were slow.
+                hint = None if is_hint(name) else conn.execute(
+                    self._sql(_READ), {"name": name + HINT_SUFFIX}).fetchone()
+                handed_to = hint[0] if hint is not None and hint[0] != owner else None
+                inserted = found is None and handed_to is None
                 if inserted:
                     for statement in _INSERT:
                         conn.execute(self._sql(statement), params)
@@ -181,10 +192,12 @@ class SqliteStore:
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
+            self._guard.saw(drawn)
+            if found is None and handed_to is not None:
+                raise Refused(f"standing aside: the lease is being handed to {handed_to}")
             # Ours iff this transaction inserted it: it carries the version drawn here
             # (a row that expired between the sweep and the look stays, untaken).
             row = _row(found, won=inserted and found is not None and int(found[1]) == drawn)
-            self._guard.saw(drawn)
             if row is not None and row.won:
                 self._guard.record_token(row.version)
             return row
