@@ -10,7 +10,7 @@ every 20 ms and reading every leader file every 10 ms (testkit/chaos/recorder.py
 sidecars' own log timestamps.
 
 - **pod start → sidecar ready**: the pod's first watch event → the first event showing
-  its sidecar container ready (startup probe passed); and → the pod Ready. Every pod
+  its sidecar container ready (its readiness probe passed); and → the pod Ready. Every pod
   the trials create counts (replacements and rolled-out pods).
 - **leader deletion → first claim**: ``kubectl delete pod <leader>`` issued → another
   pod's first observed claim (``200`` or a leader file). The deleted pod's app stops
@@ -23,11 +23,12 @@ sidecars' own log timestamps.
   (``cpuacct.usage`` over a quiet minute), leader and standbys apart.
 - **where start-up goes**: for the pods each rolling restart made, the moments after
   the pod's first watch event when the watch first showed its IP (scheduled, sandbox and
-  network up) and its sidecar container running; when the sidecar process started (its
+  network up) and its sidecar container running (with the chart's postStart hook: once the
+  hook has seen the sidecar answer); when the sidecar process started (its
   ``/proc`` start time, found through the container's cgroup); when it logged
   ``started`` (its HTTP server up, its elector running); and when the watch showed the
-  container ready (the kubelet's startup probe passed, every second, and the status
-  reached the apiserver).
+  container ready (the kubelet's next pass over the pod, its first readiness probe, and
+  the status reached the apiserver).
 - **idle sidecar memory per trial**: after each rolling restart, once the new pods have
   idled IDLE_AFTER_RESTART, every sidecar container's own memory cgroup
   (``memory.stat``): ``total_rss`` (anonymous memory: the Python heap, thread stacks; the

@@ -21,13 +21,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from sidecar.base.clock import format_duration
-from sidecar.kubeapi import KubeClient, KubeError
+from sidecar.kubeapi import KubeClient, KubeError, load_aiohttp
 from sidecar.state import LeaseState
+
+if TYPE_CHECKING:
+    import aiohttp  # loaded by run() (kubeapi.load_aiohttp), after the sidecar serves
 
 log = logging.getLogger("sidecar.appready")
 
@@ -84,6 +85,9 @@ class AppReadiness:
         if self.pod is not None:
             await self._run_pod(*self.pod)
             return
+        await load_aiohttp()
+        import aiohttp
+
         timeout = aiohttp.ClientTimeout(total=max(0.2, min(self.period, 2.0)))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
@@ -92,6 +96,8 @@ class AppReadiness:
 
     async def _probe(self, session: aiohttp.ClientSession) -> str | None:
         """None when the URL answered 2xx; else what it did."""
+        import aiohttp
+
         try:
             async with session.get(self.url, allow_redirects=False) as answer:
                 await answer.read()

@@ -21,8 +21,10 @@ Errors: :class:`KubeError` carries the status; its text is one line, e.g.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import importlib
 import json
 import os
 import ssl
@@ -31,10 +33,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
-import aiohttp
+if TYPE_CHECKING:
+    import aiohttp
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MERGE_PATCH = "application/merge-patch+json"
@@ -222,6 +225,22 @@ def _load_client_cert(tls: ssl.SSLContext, user: dict[str, Any], base: Path) -> 
 # --------------------------------------------------------------------- the client
 
 
+async def load_aiohttp() -> None:
+    """Import aiohttp in a thread before its first use: its import is most of a process
+    start (about 200 ms of CPU), and meanwhile the event loop keeps answering ``/healthz``
+    and ``/leader`` (the HTTP endpoint is h11's, :mod:`sidecar.publish.http`). Every user
+    of aiohttp in the sidecar process awaits this first; ``import aiohttp`` in a function
+    is then a dictionary look-up. Two callers at once: the second thread waits on the
+    first one's import lock, not the loop."""
+    global _aiohttp_loaded
+    if not _aiohttp_loaded:
+        await asyncio.to_thread(importlib.import_module, "aiohttp")
+        _aiohttp_loaded = True
+
+
+_aiohttp_loaded = False
+
+
 class KubeClient:
     """JSON requests to one apiserver; one aiohttp session (made on first use, on the
     running loop); no retries (callers retry on their own schedule)."""
@@ -239,6 +258,8 @@ class KubeClient:
         return cls(creds, namespace or creds.namespace or "default")
 
     def _open(self) -> aiohttp.ClientSession:
+        import aiohttp
+
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=self.credentials.ssl, limit=8),
@@ -264,6 +285,9 @@ class KubeClient:
                       params: dict[str, str] | None = None,
                       read_timeout: float = READ_TIMEOUT) -> dict[str, Any]:
         """One call with plain JSON in and out; ``KubeError`` on anything but 2xx."""
+        await load_aiohttp()
+        import aiohttp
+
         url = self.credentials.server + path + (f"?{urlencode(params)}" if params else "")
         data = None if body is None else json.dumps(body).encode()
         timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT,
@@ -320,6 +344,9 @@ class KubeClient:
         ``BOOKMARK`` events are not yielded; 410 Gone, in the answer or as an ERROR
         event, raises :class:`Gone`; other failures :class:`KubeError`.
         """
+        await load_aiohttp()
+        import aiohttp
+
         query = {**params, "watch": "true", "timeoutSeconds": str(timeout_seconds),
                  "allowWatchBookmarks": "true"}
         if resource_version:

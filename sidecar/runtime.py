@@ -95,9 +95,11 @@ class Sidecar:
             raise start_error(self, exc) from None
 
     async def _start(self) -> None:
+        # Serving first: the publishers' tasks (the pod label's, the Events') then run
+        # only once the endpoint listens, and their apiserver client loads beside it.
+        await self.http.start()
         for publisher in self.publishers:
             await publisher.start()
-        await self.http.start()
         if not self.contends:
             for state in self.states:
                 state.update("api role", backend_ok=True, reason="role api never contends")

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from testkit.chart_support import (
     set_args,
     template,
 )
+from testkit.procs import free_port
 from testkit.support import REPO, SidecarProcess, wait_until
 from testkit.testbed.kube import ControlPlane
 from testkit.testbed.postgres import PgServer
@@ -54,11 +56,12 @@ def test_lint_strict(values: list[str]) -> None:
         (["lease.role=boss"], "at '/lease/role'"),
         (["lease.duration=15 seconds"], "at '/lease/duration'"),
         (["sidecar.readinessProbePath=/leader"], "at '/sidecar/readinessProbePath'"),
+        (["sidecar.startGate=exec"], "at '/sidecar/startGate'"),
         (["injector.failurePolicy=Never"], "at '/injector/failurePolicy'"),
         (["lease.durration=15s"], "additional properties 'durration' not allowed"),
     ],
-    ids=["mysql", "sqlite", "postgres-without-dsn", "role", "duration", "probe", "policy",
-         "typo"],
+    ids=["mysql", "sqlite", "postgres-without-dsn", "role", "duration", "probe", "gate",
+         "policy", "typo"],
 )
 def test_schema_rejects_bad_values(values: list[str], message: str) -> None:
     proc = template("r", "default", values, check=False)
@@ -83,11 +86,17 @@ def test_sidecar_is_a_native_sidecar_with_shared_dir_and_probes() -> None:
     # Probes come from the node: the sidecar must listen beyond loopback.
     assert env["LEASE_HTTP_ADDR"] == "0.0.0.0:8099"
     assert env["LEASE_STATE_DIR"] == "/run/lease"
-    for probe in ("startupProbe", "livenessProbe"):
-        assert sidecar[probe]["httpGet"] == {"path": "/livez", "port": "lease-http"}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "lease-http"}
+    # The app containers wait for the sidecar's postStart hook (it waits for /livez);
+    # no startupProbe, whose success would cost the pod another kubelet pass (~1 s).
+    assert "startupProbe" not in sidecar
+    hook = sidecar["lifecycle"]["postStart"]["exec"]["command"]
+    assert hook[:4] == ["/opt/lease-sidecar/bin/python", "-I", "-S", "-c"]
+    assert '("127.0.0.1",8099)' in hook[4] and "GET /livez" in hook[4]
     # Readiness of a native sidecar gates the pod: /healthz by default (see values.yaml),
     # which also fails while the sidecar can never lead; a restart would not help that.
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert sidecar["readinessProbe"]["periodSeconds"] == 5
     security = sidecar["securityContext"]
     assert security["runAsNonRoot"] is True and security["readOnlyRootFilesystem"] is True
     assert security["allowPrivilegeEscalation"] is False
@@ -101,6 +110,61 @@ def test_sidecar_is_a_native_sidecar_with_shared_dir_and_probes() -> None:
         app["volumeMounts"])
     assert env_map(app)["LEASE_LEADER_FILE"] == "/run/lease/leader"
     assert "$LEASE_LEADER_FILE" in app["args"][0]
+
+
+def test_start_gate_startup_probe_instead_of_the_post_start_hook() -> None:
+    docs = documents(template("r", "apps", [
+        "example.enabled=true", "sidecar.startGate=startupProbe",
+        "sidecar.startTimeoutSeconds=45", "sidecar.readinessProbePeriodSeconds=1"]).stdout)
+    sidecar = find(docs, "Deployment", "-example")["spec"]["template"]["spec"][
+        "initContainers"][0]
+    assert "lifecycle" not in sidecar
+    assert sidecar["startupProbe"] == {"httpGet": {"path": "/livez", "port": "lease-http"},
+                                       "periodSeconds": 1, "failureThreshold": 45}
+    assert sidecar["readinessProbe"]["periodSeconds"] == 1
+
+
+def _post_start_hook(port: int, timeout: int) -> list[str]:
+    docs = documents(template("r", "apps", [
+        "example.enabled=true", f"sidecar.port={port}",
+        f"sidecar.startTimeoutSeconds={timeout}"]).stdout)
+    sidecar = find(docs, "Deployment", "-example")["spec"]["template"]["spec"][
+        "initContainers"][0]
+    # Run with this interpreter: the image's path does not exist here.
+    return [sys.executable, *sidecar["lifecycle"]["postStart"]["exec"]["command"][1:]]
+
+
+def test_post_start_hook_returns_once_a_real_sidecar_answers(tmp_path: Path) -> None:
+    """The chart's postStart program, run against a real sidecar process: it keeps
+    waiting while nothing listens and returns 0 soon after the sidecar answers /livez."""
+    sidecar = SidecarProcess(tmp_path, "hooked", args=[
+        "--backend", "sqlite", "--dsn", str(tmp_path / "leases.db"), "--name", "hook"])
+    hook = subprocess.Popen(_post_start_hook(sidecar.port, 60), stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        time.sleep(1.0)
+        assert hook.poll() is None, hook.stderr.read() if hook.stderr else ""
+        sidecar.start()
+        sidecar.wait_http()
+        answered = time.monotonic()
+        assert hook.wait(timeout=10) == 0
+        assert time.monotonic() - answered < 1.0  # it polls every 50 ms
+    finally:
+        hook.kill()
+        hook.wait()
+        if sidecar.proc is not None:
+            assert sidecar.stop() == 0, sidecar.logs()
+
+
+def test_post_start_hook_fails_when_nothing_answers_in_time() -> None:
+    """Nothing on the port: the hook gives up after startTimeoutSeconds with one line
+    saying so (the kubelet then kills and restarts the sidecar container)."""
+    started = time.monotonic()
+    done = subprocess.run(_post_start_hook(free_port(), 1), capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "lease-sidecar: no answer from /livez in 1 s"
+    assert 1.0 <= time.monotonic() - started < 10
 
 
 def test_values_reach_the_sidecar_env() -> None:
@@ -119,6 +183,9 @@ def test_values_reach_the_sidecar_env() -> None:
     assert env["LEASE_DURATION"] == "30s"
     assert env["LEASE_HTTP_ADDR"] == "[::]:9099"
     assert pod["initContainers"][0]["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # The postStart hook asks the address the sidecar listens on ("::" -> loopback).
+    assert '("::1",9099)' in pod["initContainers"][0]["lifecycle"]["postStart"]["exec"][
+        "command"][4]
     assert env_map(pod["containers"][0])["LEASE_LEADER_URL"] == "http://127.0.0.1:9099/leader"
     # No Lease rules without the kubernetes backend: least privilege.
     role = find(docs, "Role")

@@ -181,9 +181,9 @@ def test_malformed_request_logs_no_traceback(leader: SidecarProcess, raw: bytes)
         pass
     sock.close()
     assert b" 400 " in answer and b"Traceback" not in answer
-    wait_until(lambda: "aiohttp.server" in leader.logs(), timeout=3)
+    wait_until(lambda: "sidecar.http" in leader.logs(), timeout=3)
     lines = [json.loads(line) for line in leader.logs().splitlines()
-             if '"aiohttp.server"' in line]
+             if '"sidecar.http"' in line]
     assert lines and all(line["level"] == "debug" and "exception" not in line
                          for line in lines), lines
     assert "Traceback" not in leader.logs()

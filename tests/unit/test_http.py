@@ -13,17 +13,17 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
-from unittest import mock
 
 import aiohttp
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import make_mocked_request
 
 from sidecar.publish.http import (
+    App,
     HttpServer,
     Limits,
     ReleaseOutcome,
+    Request,
+    Response,
     build_app,
     host_allowed,
     is_loopback,
@@ -56,7 +56,7 @@ def make_app(clock: FakeClock, released: list[str | None] | None = None,
 class Client:
     """The real HttpServer on 127.0.0.1:<free port> and an aiohttp client session."""
 
-    def __init__(self, app: web.Application, header_timeout: float = 5.0) -> None:
+    def __init__(self, app: App, header_timeout: float = 5.0) -> None:
         self.server = HttpServer(app, "127.0.0.1", 0, header_timeout=header_timeout)
         self.session: aiohttp.ClientSession | None = None
 
@@ -90,7 +90,7 @@ class Client:
 
 
 @asynccontextmanager
-async def client_for(app: web.Application,
+async def client_for(app: App,
                      header_timeout: float = 5.0) -> AsyncIterator[Client]:
     """``app`` served by a started :class:`Client`'s server; both closed after."""
     client = await Client(app, header_timeout).start()
@@ -255,16 +255,11 @@ def test_loopback_check():
     assert not is_loopback("garbage")
 
 
-async def post_from_a_non_loopback_peer(app: web.Application, path: str) -> web.StreamResponse:
-    """Call the POST handler of ``path`` with a request whose peer is 10.1.2.3: only
-    loopback addresses exist here, so the peer is a mock transport."""
-    handler = next(r.handler for r in app.router.routes()
-                   if r.method == "POST" and r.resource.canonical == path)
-    transport = mock.Mock()
-    transport.get_extra_info.side_effect = (
-        lambda key, default=None: ("10.1.2.3", 40000) if key == "peername" else default)
-    request = make_mocked_request("POST", path, app=app, transport=transport)
-    return await handler(request)
+async def post_from_a_non_loopback_peer(app: App, path: str) -> Response:
+    """Hand the app a ``POST path`` whose peer is 10.1.2.3: only loopback addresses exist
+    here, so the request is made by hand (the server fills ``remote`` from the socket)."""
+    host = f"127.0.0.1:{next(iter(app.limits.release_hosts), ('', 0))[1]}"
+    return await app.handle(Request("POST", path, headers={"host": host}, remote="10.1.2.3"))
 
 
 async def test_release_refused_from_a_non_loopback_peer():
@@ -465,11 +460,11 @@ async def test_malformed_requests_are_a_400_and_one_debug_line(
         raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
     app, _ = make_app(FakeClock())
     async with client_for(app) as client:
-        with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        with caplog.at_level(logging.DEBUG, logger="sidecar.http"):
             answer = await client.raw(raw)
         assert re.search(rb"HTTP/1\.[01] 400 ", answer), answer[:200]
         assert b"Traceback" not in answer
-        records = [r for r in caplog.records if r.name == "aiohttp.server"]
+        records = [r for r in caplog.records if r.name == "sidecar.http"]
         assert records, "the malformed request should be logged at debug"
         assert all(r.levelno == logging.DEBUG and r.exc_info is None for r in records)
         assert all("\n" not in r.getMessage() for r in records)

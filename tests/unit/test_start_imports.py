@@ -55,6 +55,9 @@ NEVER = {
     "importlib.metadata", "pkg_resources",  # version lookups: sidecar.__version__ is a str
     "kopf", "kubernetes", "yaml",  # the operator's; a JSON kubeconfig needs no YAML parser
     "sidecar.injector", "sidecar.operator",
+    # The apiserver client's: the HTTP endpoint is h11's, and the pod label, Events and
+    # the kubernetes backend import aiohttp with their first request, after this moment.
+    "aiohttp",
 }
 # Only on the backends that use them.
 ONLY_ON = {

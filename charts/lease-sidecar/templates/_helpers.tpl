@@ -124,8 +124,8 @@ dependency (found by this chart's annotation, so an alias works too). */}}
 
 {{/*
 lease-sidecar.container: the sidecar as a native sidecar, for a pod's initContainers.
-restartPolicy: Always makes it start before the app containers (once its startupProbe
-passes) and stop after them, so the app never runs without it and the lease is released
+restartPolicy: Always makes it start before the app containers (once its postStart hook
+or startupProbe has seen it answer) and stop after them, so the app never runs without it and the lease is released
 after the app has stopped.
 */}}
 {{- define "lease-sidecar.container" -}}
@@ -204,13 +204,27 @@ volumeMounts:
     mountPath: /tmp
 {{- /* Startup and liveness: /livez, the loop runs (a restart can help). Readiness:
 /healthz by default, which also fails while the sidecar can never lead (no credentials
-for the kubernetes backend), where a restart cannot help. */}}
+for the kubernetes backend), where a restart cannot help. The app containers start once
+the sidecar answers /livez: the kubelet starts them only after a native sidecar's
+postStart hook (or its startupProbe) has passed. */}}
+{{- if eq .Values.sidecar.startGate "postStart" }}
+lifecycle:
+  postStart:
+    exec:
+      command:
+        - /opt/lease-sidecar/bin/python
+        - -I
+        - -S
+        - -c
+        - {{ include "lease-sidecar.waitServing" . | quote }}
+{{- else }}
 startupProbe:
   httpGet:
     path: /livez
     port: lease-http
   periodSeconds: 1
-  failureThreshold: 30
+  failureThreshold: {{ .Values.sidecar.startTimeoutSeconds }}
+{{- end }}
 livenessProbe:
   httpGet:
     path: /livez
@@ -222,7 +236,7 @@ readinessProbe:
   httpGet:
     path: {{ .Values.sidecar.readinessProbePath }}
     port: lease-http
-  periodSeconds: 5
+  periodSeconds: {{ .Values.sidecar.readinessProbePeriodSeconds }}
   timeoutSeconds: 2
 {{- with .Values.sidecar.resources }}
 resources:
@@ -230,6 +244,25 @@ resources:
 {{- end }}
 securityContext:
   {{- toYaml .Values.sidecar.securityContext | nindent 2 }}
+{{- end }}
+
+{{/* lease-sidecar.waitServing: the postStart hook's program (the image's Python, no
+shell): wait until the sidecar answers GET /livez with 200 on its own port, at most
+sidecar.startTimeoutSeconds; failing, the kubelet restarts the container, as a failed
+startupProbe would. */}}
+{{- define "lease-sidecar.waitServing" -}}
+{{- $host := .Values.sidecar.listenAddress }}
+{{- if eq $host "0.0.0.0" }}{{ $host = "127.0.0.1" }}{{ else if eq $host "::" }}{{ $host = "::1" }}{{ end -}}
+import socket,sys,time
+end=time.monotonic()+{{ .Values.sidecar.startTimeoutSeconds }}
+while True:
+  try:
+    with socket.create_connection(({{ $host | quote }},{{ .Values.sidecar.port }}),2) as s:
+      s.sendall(b"GET /livez HTTP/1.0\r\nHost: localhost\r\n\r\n")
+      if s.makefile("rb").readline().split()[1:2]==[b"200"]: sys.exit(0)
+  except OSError: pass
+  if time.monotonic()>end: sys.exit("lease-sidecar: no answer from /livez in {{ .Values.sidecar.startTimeoutSeconds }} s")
+  time.sleep(0.05)
 {{- end }}
 
 {{- define "lease-sidecar.httpAddr" -}}

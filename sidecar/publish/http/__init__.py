@@ -1,6 +1,6 @@
-"""The HTTP endpoint (aiohttp): ``/leader``, ``/livez``, ``/healthz``, ``/readyz``,
-``/metrics``, ``/status``, ``POST /release``, ``POST /handover`` and ``POST /heartbeat``
-(the work watchdog's input).
+"""The HTTP endpoint (h11 on asyncio, see :mod:`.server` for why): ``/leader``,
+``/livez``, ``/healthz``, ``/readyz``, ``/metrics``, ``/status``, ``POST /release``,
+``POST /handover`` and ``POST /heartbeat`` (the work watchdog's input).
 
 ``/leader`` is answered from :meth:`LeaseState.claim` at request time. A blocking query
 (``?wait=SECONDS`` with ``If-None-Match``) parks the request until the answer's
@@ -9,16 +9,16 @@ renews do not end it, so applications need not poll hard and are not woken for n
 
 One job a module:
 
-- :mod:`.app`: the routes and their answers (:func:`build_app`);
+- :mod:`.app`: the routes and their answers (:func:`build_app`, :class:`App`);
 - :mod:`.longpoll`: ``GET /leader``, plain or blocking;
 - :mod:`.access`: who may ``POST`` (loopback, no ``Origin``, our own ``Host``);
 - :mod:`.limits`: the bounds on connections, waiters and request heads, and their metrics;
-- :mod:`.server`: the listening socket that enforces the connection bounds
-  (:class:`HttpServer`).
+- :mod:`.server`: the listening socket and HTTP/1.1 on it, which enforces the connection
+  and request-head bounds (:class:`HttpServer`).
 """
 
 from sidecar.publish.http.access import host_allowed, is_loopback, release_hosts
-from sidecar.publish.http.app import HeartbeatAnswer, ReleaseOutcome, build_app
+from sidecar.publish.http.app import App, HeartbeatAnswer, ReleaseOutcome, build_app
 from sidecar.publish.http.limits import (
     HEADER_TIMEOUT,
     MAX_CONNECTIONS,
@@ -29,10 +29,11 @@ from sidecar.publish.http.limits import (
     Limits,
 )
 from sidecar.publish.http.longpoll import MAX_WAIT
-from sidecar.publish.http.server import HttpServer
+from sidecar.publish.http.server import HttpServer, Request, Response
 
 __all__ = [
     "HEADER_TIMEOUT", "MAX_CONNECTIONS", "MAX_FIELD", "MAX_HEADERS", "MAX_LINE", "MAX_WAIT",
-    "MAX_WAITERS", "HeartbeatAnswer", "HttpServer", "Limits", "ReleaseOutcome", "build_app",
+    "MAX_WAITERS", "App", "HeartbeatAnswer", "HttpServer", "Limits", "ReleaseOutcome",
+    "Request", "Response", "build_app",
     "host_allowed", "is_loopback", "release_hosts",
 ]

@@ -42,7 +42,7 @@ def host_allowed(header: str | None, allowed: frozenset[tuple[str, int]]) -> boo
     return (host, port) in allowed or (is_loopback(host) and ("127.0.0.1", port) in allowed)
 
 
-def refusal(remote: str | None, headers: Mapping[str, str],
+def refusal(remote: str | None, headers: Mapping[str, str],  # lower-case names
             allowed: frozenset[tuple[str, int]], what: str) -> str | None:
     """Why ``what`` is refused to this request (the ``403``'s error), None if it is not.
 
@@ -51,8 +51,8 @@ def refusal(remote: str | None, headers: Mapping[str, str],
     """
     if not is_loopback(remote):
         return f"{what} is accepted only from loopback"
-    if "Origin" in headers:
+    if "origin" in headers:
         return f"{what} is refused to requests with an Origin header"
-    if not host_allowed(headers.get("Host"), allowed):
+    if not host_allowed(headers.get("host"), allowed):
         return f"{what} needs Host: localhost or 127.0.0.1 with this endpoint's port"
     return None

@@ -1,18 +1,19 @@
 """The routes and their answers (:func:`build_app`); the handlers read the lease states
-and call back into the runtime, they hold no state of their own."""
+and call back into the runtime, they hold no state of their own. Routing is an exact
+path, or a first segment and a ``{name}`` (``/leader/{name}``); ``HEAD`` is served
+wherever ``GET`` is; a known path with another method is ``405`` with ``Allow``."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
-
-from aiohttp import web
 
 from sidecar.publish.http import longpoll
 from sidecar.publish.http.access import refusal
-from sidecar.publish.http.limits import LIMITS, Limits
+from sidecar.publish.http.limits import Limits
+from sidecar.publish.http.server import Handler, HttpError, Request, Response
 from sidecar.state import LeaseState
 
 if TYPE_CHECKING:
@@ -24,18 +25,43 @@ Handover = Callable[[str | None, str | None], ReleaseOutcome]
 # "beat" with the JSON to answer, "not-leading" (409), "no-such-lease" (404).
 HeartbeatAnswer = tuple[Literal["beat", "not-leading", "no-such-lease"], dict[str, Any]]
 
-Handler = Callable[[web.Request], Awaitable[web.Response]]
 
-def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=json.dumps(data).encode(), status=status, headers=headers,
-                        content_type="application/json")
+
+class App:
+    """The routes: ``(method, path)`` to a handler, ``path`` either exact or
+    ``/<segment>/{name}``."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self._routes: dict[str, dict[str, Handler]] = {}
+
+    def add(self, method: str, path: str, handler: Handler) -> None:
+        self._routes.setdefault(path, {})[method] = handler
+
+    async def handle(self, request: Request) -> Response:
+        route = self._routes.get(request.path)
+        if route is None:
+            first, _, name = request.path[1:].partition("/")
+            route = self._routes.get(f"/{first}/{{name}}") if name and "/" not in name else None
+            if route is None:
+                raise HttpError(404, "404: Not Found")
+            request.name = name
+        handler = route.get("GET" if request.method == "HEAD" else request.method)
+        if handler is None:
+            allowed = sorted({*route, *(["HEAD"] if "GET" in route else [])})
+            raise HttpError(405, "405: Method Not Allowed", {"Allow": ",".join(allowed)})
+        return await handler(request)
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(json.dumps(data).encode(), status)
 
 
 def _probe(check: Callable[[], bool],
            cannot_lead: Callable[[], str | None] | None = None) -> Handler:
     """``200 {"ok": true}`` or ``503 {"ok": false}``; with ``cannot_lead``, also ``503``
     with its reason while this contender can never lead as configured."""
-    async def handler(request: web.Request) -> web.Response:
+    async def handler(request: Request) -> Response:
         reason = cannot_lead() if cannot_lead else None
         if reason:
             return _json({"ok": False, "reason": reason}, 503)
@@ -45,17 +71,17 @@ def _probe(check: Callable[[], bool],
 
 
 def _local_post(what: str, limits: Limits,
-                answer: Callable[..., web.Response], with_query: bool = False) -> Handler:
+                answer: Callable[..., Response], with_query: bool = False) -> Handler:
     """A ``POST`` that makes a leader step down or keep leading: ``403`` unless it comes
     from a process of this pod (see :mod:`.access`), else ``answer`` for the lease named
     in the path (None: the first)."""
-    async def handler(request: web.Request) -> web.Response:
+    async def handler(request: Request) -> Response:
         error = refusal(request.remote, request.headers, limits.release_hosts, what)
         if error is not None:
             return _json({"error": error}, 403)
         if with_query:
-            return answer(request.match_info.get("name"), request.query)
-        return answer(request.match_info.get("name"))
+            return answer(request.name, request.query)
+        return answer(request.name)
     return handler
 
 
@@ -75,16 +101,14 @@ def build_app(states: list[LeaseState],
               cannot_lead: Callable[[], str | None] | None = None,
               heartbeat: Callable[[str | None], HeartbeatAnswer] = _no_heartbeat,
               handover: Handover = _no_handover,
-              ) -> web.Application:
-    # No middleware: aiohttp already answers 404/405 as short text and an unexpected
-    # error as a bare 500 (the traceback goes to the log, never to the client), and any
-    # middleware costs a third of /leader's throughput.
-    app = web.Application()
-    app[longpoll.LEASES] = {s.lease: longpoll.ServedLease(s) for s in states}
-    app[LIMITS] = limits = limits or Limits()
+              ) -> App:
+    # 404/405 are short text and an unexpected error a bare 500 (the traceback goes to
+    # the log, never to the client): see .server.
+    app = App(limits := limits or Limits())
+    leases = {s.lease: longpoll.ServedLease(s) for s in states}
     registry: CollectorRegistry | None = None
 
-    async def metrics_handler(request: web.Request) -> web.Response:
+    async def metrics_handler(request: Request) -> Response:
         # The registry is built at the first scrape: prometheus_client would be a tenth
         # of the imports before the first /healthz, and the collectors read everything
         # off the states and limits when scraped, so a late registry misses nothing.
@@ -95,13 +119,12 @@ def build_app(states: list[LeaseState],
 
         if registry is None:
             registry = registry_for(states, limits)
-        return web.Response(body=generate_latest(registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
 
-    async def status_handler(request: web.Request) -> web.Response:
+    async def status_handler(request: Request) -> Response:
         return _json(status())
 
-    def released(name: str | None) -> web.Response:
+    def released(name: str | None) -> Response:
         outcome = release(name)
         if outcome == "no-such-lease":
             raise longpoll.no_such_lease(name)
@@ -112,7 +135,7 @@ def build_app(states: list[LeaseState],
                           "error": "this contender does not hold the lease"}, 409)
         return _json({"released": True, "at": time.time()}, 202)
 
-    def handed(name: str | None, query: Any) -> web.Response:
+    def handed(name: str | None, query: Any) -> Response:
         to = query.get("to") or None
         outcome = handover(name, to)
         if outcome == "no-such-lease":
@@ -123,7 +146,7 @@ def build_app(states: list[LeaseState],
                           + (" (or --to names this contender)" if to else "")}, 409)
         return _json({"handed_over": True, "to": to, "at": time.time()}, 202)
 
-    def beat(name: str | None) -> web.Response:
+    def beat(name: str | None) -> Response:
         outcome, answer = heartbeat(name)
         if outcome == "no-such-lease":
             raise longpoll.no_such_lease(name)
@@ -143,17 +166,16 @@ def build_app(states: list[LeaseState],
     livez = _probe(alive)
     healthz, readyz = _probe(alive, cannot_lead), _probe(ready, cannot_lead)
 
-    app.router.add_get("/leader", longpoll.leader, allow_head=True)
-    app.router.add_get("/leader/{name}", longpoll.leader, allow_head=True)
-    app.router.add_get("/livez", livez)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/status", status_handler)
-    app.router.add_post("/release", release_handler)
-    app.router.add_post("/release/{name}", release_handler)
-    app.router.add_post("/handover", handover_handler)
-    app.router.add_post("/handover/{name}", handover_handler)
-    app.router.add_post("/heartbeat", heartbeat_handler)
-    app.router.add_post("/heartbeat/{name}", heartbeat_handler)
+    async def leader_handler(request: Request) -> Response:
+        return await longpoll.leader(request, leases, limits)
+
+    for path, get in (("/livez", livez), ("/healthz", healthz), ("/readyz", readyz),
+                      ("/metrics", metrics_handler), ("/status", status_handler)):
+        app.add("GET", path, get)
+    for path in ("/leader", "/leader/{name}"):
+        app.add("GET", path, leader_handler)
+    for path, post in (("/release", release_handler), ("/handover", handover_handler),
+                       ("/heartbeat", heartbeat_handler)):
+        app.add("POST", path, post)
+        app.add("POST", path + "/{name}", post)
     return app

@@ -10,15 +10,14 @@ connect:
   the previous answer on a kept-alive connection), else the connection is closed; a
   client that goes away cancels its parked query at once;
 - request line and header sizes are capped, so a slow client cannot make us buffer much;
-- a malformed request gets aiohttp's ``400`` and one debug log line, not a traceback.
+- a malformed request gets a ``400`` and one debug log line (``sidecar.http``), not a
+  traceback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from aiohttp import web
 
 # An app's processes long-polling one sidecar number in the tens; these caps keep a
 # flood far below the chart's 128 Mi memory limit (bench/bench_http_limits.py).
@@ -48,7 +47,3 @@ class Limits:
     # "host:port" forms a POST /release may name in its Host header (set once bound).
     release_hosts: frozenset[tuple[str, int]] = frozenset()
     open_connections: Callable[[], int] = lambda: 0
-
-
-# Where the app keeps its Limits, for the handlers and for the server that runs it.
-LIMITS = web.AppKey("limits", Limits)

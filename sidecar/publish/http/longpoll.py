@@ -10,10 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from aiohttp import web
-
 from sidecar.publish import ClaimEncoder
-from sidecar.publish.http.limits import LIMITS, RETRY_AFTER, Limits
+from sidecar.publish.http.limits import RETRY_AFTER, Limits
+from sidecar.publish.http.server import HttpError, Request, Response
 from sidecar.state import Claim, Facts, Leadership, LeaseState
 
 MAX_WAIT = 300.0
@@ -47,31 +46,27 @@ class ServedLease:
         return self._tag
 
 
-# The app's leases by name, first lease first (``/leader`` without a name).
-LEASES = web.AppKey("leases", dict)
-
-
-def wait_seconds(request: web.Request) -> float:
+def wait_seconds(request: Request) -> float:
     raw = request.query.get("wait")
     if raw is None:
         return 0.0
     try:
         seconds = float(raw)
     except ValueError:
-        raise web.HTTPBadRequest(text="wait must be a number of seconds\n") from None
+        raise HttpError(400, "wait must be a number of seconds\n") from None
     if not 0 <= seconds <= MAX_WAIT:
-        raise web.HTTPBadRequest(text=f"wait must be between 0 and {MAX_WAIT:g}\n")
+        raise HttpError(400, f"wait must be between 0 and {MAX_WAIT:g}\n")
     return seconds
 
 
-def no_such_lease(name: str | None) -> web.HTTPNotFound:
-    return web.HTTPNotFound(text=f"no lease named {name!r}\n")
+def no_such_lease(name: str | None) -> HttpError:
+    return HttpError(404, f"no lease named {name!r}\n")
 
 
-async def leader(request: web.Request) -> web.Response:
-    """200 with the claim while leading, else 503 (the same JSON body)."""
-    leases: dict[str, ServedLease] = request.app[LEASES]
-    name = request.match_info.get("name")
+async def leader(request: Request, leases: dict[str, ServedLease], limits: Limits) -> Response:
+    """200 with the claim while leading, else 503 (the same JSON body). ``leases``: by
+    name, first lease first (``/leader`` without a name)."""
+    name = request.name
     served = leases.get(name) if name else next(iter(leases.values()))
     if served is None:
         raise no_such_lease(name)
@@ -80,13 +75,12 @@ async def leader(request: web.Request) -> web.Response:
     wait = wait_seconds(request) if request.query_string else 0.0
     headers = {"ETag": ""}
     if wait:
-        seen = request.headers.get("If-None-Match")
+        seen = request.headers.get("if-none-match")
         arrival = state.claim()
         current = served.etag(arrival)
         # Weak comparison (RFC 9110 for If-None-Match): a client that drops the W/ of
         # the tag it echoes still parks.
         if seen is None or seen.removeprefix("W/") == current.removeprefix("W/"):
-            limits: Limits = request.app[LIMITS]
             if limits.waiters >= limits.max_waiters:
                 # Full: answer now with what a query without wait gets. The claim is
                 # computed below, like any other, so it is never a made-up answer.
@@ -101,5 +95,4 @@ async def leader(request: web.Request) -> web.Response:
                     limits.waiters -= 1
     claim = state.claim()
     headers["ETag"] = served.etag(claim)
-    return web.Response(body=served.encoded(claim), status=200 if claim.leader else 503,
-                        headers=headers, content_type="application/json")
+    return Response(served.encoded(claim), 200 if claim.leader else 503, headers)
