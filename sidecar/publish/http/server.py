@@ -1,14 +1,15 @@
-"""The listening socket and HTTP/1.1 on it: ``h11`` (sans-I/O parsing and framing) under
-an asyncio protocol of our own, which also enforces the bounds of :mod:`.limits`.
+"""The listening socket and HTTP/1.1 on it: ``h11`` (sans-I/O) parses the requests under
+an asyncio protocol of our own, which writes the answers and enforces :mod:`.limits`.
 
 Why not ``aiohttp.web``: importing aiohttp took 200 to 260 ms of this machine's CPU (its
 package imports the client and builds two TLS contexts), most of the 300 ms budget from
-process start to the first ``/healthz`` 200; ``h11`` and this module import in a few ms.
-The sidecar serves a dozen small JSON routes and reads no request body, so what a web
-framework adds is a router (:mod:`.app`) and the connection handling here: keep-alive
-and pipelining (h11 frames them), the header timeout, the connection cap, the size caps
-on request heads, a ``400`` for garbage, cancelling a parked query whose client left.
-aiohttp stays the apiserver client (:mod:`sidecar.kubeapi`), imported only when used.
+process start to the first ``/healthz`` 200; ``h11`` imports in about 25 ms (``import
+sidecar.cli`` fell from about 240 to about 95 ms). The sidecar serves a dozen small JSON
+routes and reads no request body, so what it needs of a web framework is a router
+(:mod:`.app`) and the connection handling here: keep-alive and pipelining, the header
+timeout, the connection cap, size caps on request heads, a ``400`` for garbage,
+cancelling a parked query whose client left. aiohttp stays the apiserver client
+(:mod:`sidecar.kubeapi`), imported in a thread at its first call.
 """
 
 from __future__ import annotations
@@ -94,29 +95,34 @@ class App(Protocol):
     async def handle(self, request: Request) -> Response: ...
 
 
-_date: tuple[int, bytes] = (0, b"")
+_date: tuple[int, str] = (0, "")
 
 
-def _http_date() -> bytes:
+def _http_date() -> str:
     """The ``Date`` header, formatted once a second."""
     global _date
     now = int(time.time())
     if _date[0] != now:
-        _date = (now, time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(now)).encode())
+        _date = (now, time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(now)))
     return _date[1]
 
 
-def _raw(status: int, body: bytes, *extra: str) -> bytes:
-    """A whole answer that closes the connection, for when h11 has no request to answer."""
-    head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", *extra,
-            f"Content-Type: {'application/json' if body[:1] == b'{' else 'text/plain'}",
-            f"Content-Length: {len(body)}", "Connection: close"]
-    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+def _encode(response: Response, head_only: bool = False, close: bool = True) -> bytes:
+    """An answer's bytes. Written by hand rather than through h11's ``send``: the headers
+    are ours (no client text in them), and this is half the per-request cost it had."""
+    head = [f"HTTP/1.1 {response.status} {HTTPStatus(response.status).phrase}",
+            f"Content-Type: {response.content_type}",
+            f"Content-Length: {len(response.body)}", f"Date: {_http_date()}",
+            *(f"{name}: {value}" for name, value in response.headers.items())]
+    if close:
+        head.append("Connection: close")
+    encoded = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+    return encoded if head_only else encoded + response.body
 
 
-_BAD_RESPONSE = _raw(400, b"400: Bad Request")
-_FULL_RESPONSE = _raw(503, json.dumps({"error": "too many connections"}).encode(),
-                      f"Retry-After: {RETRY_AFTER}")
+_BAD_RESPONSE = HttpError(400, "400: Bad Request").response
+_FULL_RESPONSE = _encode(Response(json.dumps({"error": "too many connections"}).encode(),
+                                  503, {"Retry-After": str(RETRY_AFTER)}))
 
 
 def _too_large(event: h11.Request) -> str | None:
@@ -129,12 +135,28 @@ def _too_large(event: h11.Request) -> str | None:
     return None
 
 
+def _parser(data: bytes = b"") -> h11.Connection:
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+    if data:  # b"" would tell h11 the client closed
+        conn.receive_data(data)
+    return conn
+
+
+def _keep_alive(event: h11.Request) -> bool:
+    """HTTP/1.1 without ``Connection: close`` (h11's rule: no keep-alive for 1.0)."""
+    if event.http_version != b"1.1":
+        return False
+    return not any(name == b"connection" and b"close" in value.lower().split(b",")
+                   for name, value in event.headers)
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: requests in order, one answered at a time."""
 
     def __init__(self, server: HttpServer) -> None:
         self._server = server
-        self._h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        self._h11 = _parser()
+        self._answered = False  # this cycle's request was answered, its body may follow
         self._transport: asyncio.Transport | None = None
         self._remote: str | None = None
         self._task: asyncio.Task[None] | None = None  # the answer being made
@@ -185,19 +207,21 @@ class _Connection(asyncio.Protocol):
         """A malformed request is the client's fault: one debug line, a 400, closed."""
         log.debug("bad request from %s: %s", self._remote, " ".join(why.split())[:300])
         assert self._transport is not None
-        if self._task is None and self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            self._transport.write(_BAD_RESPONSE)
+        if self._task is None and not self._answered:
+            self._transport.write(_encode(_BAD_RESPONSE))
         self.close()
 
     def _pump(self) -> None:
         """Take what h11 has parsed as far as it goes without waiting for an answer."""
-        conn = self._h11
         while not self.closing:
-            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-                conn.start_next_cycle()
+            if self._answered and self._h11.their_state is h11.DONE:
+                # The next request: a fresh parser with what came after this one (h11
+                # cycles only through its own send, which the answers do not use).
+                self._h11, self._answered = _parser(self._h11.trailing_data[0]), False
                 self._close_in(self._server.header_timeout)
                 assert self._transport is not None
                 self._transport.resume_reading()
+            conn = self._h11
             try:
                 event = conn.next_event()
             except h11.RemoteProtocolError as exc:
@@ -240,30 +264,19 @@ class _Connection(asyncio.Protocol):
             # A bug of ours: its traceback goes to the log, never to the client.
             log.exception("error answering %s %s", request.method, path)
             response = HttpError(500, "500: Internal Server Error").response
-        self._write(response, head_only=request.method == "HEAD")
+        close = self._server.stopping or not _keep_alive(event)
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(_encode(response, request.method == "HEAD", close))
         self._task = None
         if self.closing:
             return
-        if self._h11.our_state is h11.MUST_CLOSE or self._server.stopping:
+        if close:
             self.close()
             return
+        self._answered = True
         if self._h11.their_state is not h11.DONE:
             self._close_in(LINGER)  # a body nobody reads: let it arrive for a moment
         self._pump()
-
-    def _write(self, response: Response, head_only: bool) -> None:
-        headers = [(b"Content-Type", response.content_type.encode()),
-                   (b"Content-Length", str(len(response.body)).encode()),
-                   (b"Date", _http_date()),
-                   *((k.encode(), v.encode()) for k, v in response.headers.items())]
-        conn = self._h11
-        data = conn.send(h11.Response(status_code=response.status, headers=headers,
-                                      reason=HTTPStatus(response.status).phrase.encode()))
-        if not head_only and response.body:
-            data += conn.send(h11.Data(data=response.body)) or b""
-        data += conn.send(h11.EndOfMessage()) or b""
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(data or b"")
 
 
 class _Refuse(asyncio.Protocol):
