@@ -257,8 +257,11 @@ def main() -> int:
     previous = json.loads(path.read_text()) if path.exists() else {}
     kept = sorted(set(previous) - set(results) - set(record.KEYS) - {"earlier_run"})
     if kept:
-        results["earlier_run"] = {"commit": previous.get("commit"),
-                                  "date": previous.get("date"), "sections": kept}
+        # Kept sections that an earlier file already kept keep that run's commit and date.
+        earlier = previous.get("earlier_run") or {}
+        source = earlier if set(kept) <= set(earlier.get("sections", ())) else previous
+        results["earlier_run"] = {"commit": source.get("commit"),
+                                  "date": source.get("date"), "sections": kept}
     record.write("lean.json", run, {**{k: previous[k] for k in kept}, **results})
     return 0
 
