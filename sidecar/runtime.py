@@ -87,12 +87,15 @@ class Sidecar:
 
     async def start(self) -> None:
         """Start publishing and contending; a start-up OSError becomes a ConfigError that
-        names the setting behind it (everything started so far is stopped first)."""
+        names the setting behind it. Whatever fails, everything started so far is stopped
+        first (the endpoint, which listens before the publishers start, included)."""
         try:
             await self._start()
-        except OSError as exc:
+        except Exception as exc:
             await self.stop()
-            raise start_error(self, exc) from None
+            if isinstance(exc, OSError):
+                raise start_error(self, exc) from None
+            raise
 
     async def _start(self) -> None:
         # Serving first: the publishers' tasks (the pod label's, the Events') then run

@@ -327,7 +327,9 @@ def test_the_command_is_told_its_lease(tmp_path):
     token = int(seen["LEASE_FENCING_TOKEN"])
     assert token == seen["file"]["fencing_token"] == seen["url"]["fencing_token"]
     assert seen["url"]["leader"] is True and seen["url"]["lease"] == "jobs"
-    # The expiry at start, in both forms; the live one in the file is no earlier.
+    # The expiry at start, in both forms; the file holds a live claim too. The file is
+    # rewritten every two thirds of a claim horizon (100 ms here), so the claim the child
+    # reads there may be one rewrite older than the one it was handed at start.
     assert seen["LEASE_VALID_UNTIL_MS"].isdigit()
     assert seen["LEASE_VALID_UNTIL"].endswith("Z")
-    assert seen["file"]["valid_until_ms"] >= int(seen["LEASE_VALID_UNTIL_MS"])
+    assert seen["file"]["valid_until_ms"] >= int(seen["LEASE_VALID_UNTIL_MS"]) - 100
