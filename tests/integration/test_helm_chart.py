@@ -87,12 +87,10 @@ def test_sidecar_is_a_native_sidecar_with_shared_dir_and_probes() -> None:
     assert env["LEASE_HTTP_ADDR"] == "0.0.0.0:8099"
     assert env["LEASE_STATE_DIR"] == "/run/lease"
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "lease-http"}
-    # The app containers wait for the sidecar's postStart hook (it waits for /livez);
-    # no startupProbe, whose success would cost the pod another kubelet pass (~1 s).
-    assert "startupProbe" not in sidecar
-    hook = sidecar["lifecycle"]["postStart"]["exec"]["command"]
-    assert hook[:4] == ["/opt/lease-sidecar/bin/python", "-I", "-S", "-c"]
-    assert '("127.0.0.1",8099)' in hook[4] and "GET /livez" in hook[4]
+    # The app containers wait until the startupProbe (/livez, every second) has passed;
+    # startGate=postStart (the hook below) is the faster opt-in.
+    assert "lifecycle" not in sidecar
+    assert sidecar["startupProbe"]["httpGet"] == {"path": "/livez", "port": "lease-http"}
     # Readiness of a native sidecar gates the pod: /healthz by default (see values.yaml),
     # which also fails while the sidecar can never lead; a restart would not help that.
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/healthz"
@@ -112,7 +110,19 @@ def test_sidecar_is_a_native_sidecar_with_shared_dir_and_probes() -> None:
     assert "$LEASE_LEADER_FILE" in app["args"][0]
 
 
-def test_start_gate_startup_probe_instead_of_the_post_start_hook() -> None:
+def test_start_gate_post_start_hook() -> None:
+    docs = documents(template("r", "apps", ["example.enabled=true",
+                                            "sidecar.startGate=postStart"]).stdout)
+    sidecar = find(docs, "Deployment", "-example")["spec"]["template"]["spec"][
+        "initContainers"][0]
+    # No startupProbe, whose success costs the pod another kubelet pass (~0.8 s).
+    assert "startupProbe" not in sidecar
+    hook = sidecar["lifecycle"]["postStart"]["exec"]["command"]
+    assert hook[:4] == ["/opt/lease-sidecar/bin/python", "-I", "-S", "-c"]
+    assert '("127.0.0.1",8099)' in hook[4] and "GET /livez" in hook[4]
+
+
+def test_start_gate_startup_probe_settings() -> None:
     docs = documents(template("r", "apps", [
         "example.enabled=true", "sidecar.startGate=startupProbe",
         "sidecar.startTimeoutSeconds=45", "sidecar.readinessProbePeriodSeconds=1"]).stdout)
@@ -126,7 +136,7 @@ def test_start_gate_startup_probe_instead_of_the_post_start_hook() -> None:
 
 def _post_start_hook(port: int, timeout: int) -> list[str]:
     docs = documents(template("r", "apps", [
-        "example.enabled=true", f"sidecar.port={port}",
+        "example.enabled=true", f"sidecar.port={port}", "sidecar.startGate=postStart",
         f"sidecar.startTimeoutSeconds={timeout}"]).stdout)
     sidecar = find(docs, "Deployment", "-example")["spec"]["template"]["spec"][
         "initContainers"][0]
@@ -172,7 +182,7 @@ def test_values_reach_the_sidecar_env() -> None:
         "example.enabled=true", "lease.backend=sqlserver", "lease.dsnSecret.name=mssql",
         r"lease.name=sweeps\,reports", "lease.role=worker", "lease.duration=30s",
         "sidecar.listenAddress=::", "sidecar.port=9099",
-        "sidecar.readinessProbePath=/readyz",
+        "sidecar.readinessProbePath=/readyz", "sidecar.startGate=postStart",
     ]).stdout)
     pod = find(docs, "Deployment", "-example")["spec"]["template"]["spec"]
     env = env_map(pod["initContainers"][0])

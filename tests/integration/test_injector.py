@@ -238,8 +238,11 @@ def test_opted_in_pod_is_stored_with_the_sidecar(env: Env) -> None:
     # ServiceAccount admission re-ran after the webhook and gave the injected sidecar the
     # API token that the kubernetes backend and the lease-role label need.
     assert "/var/run/secrets/kubernetes.io/serviceaccount" in mounts
-    # The app containers wait for the chart's postStart hook (it waits for /livez).
-    assert sidecar["lifecycle"] == want["lifecycle"] and "startupProbe" not in sidecar
+    # The app containers wait for the chart's start gate (its startupProbe by default).
+    assert sidecar.get("lifecycle") == want.get("lifecycle")
+    # (the apiserver fills in the probe's defaults: scheme, thresholds, timeout)
+    assert sidecar["startupProbe"]["httpGet"]["path"] == want["startupProbe"]["httpGet"]["path"]
+    assert sidecar["startupProbe"]["periodSeconds"] == want["startupProbe"]["periodSeconds"]
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["lease-state"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Mi"}
     assert "lease-sidecar-tmp" in volumes
