@@ -93,6 +93,46 @@ async def test_a_takeover_committed_during_our_acquire_is_never_read_as_ours(
     assert (await store.read(name)).owner == "b"
 
 
+async def test_the_sweep_neither_waits_nor_holds_a_row_while_we_wait(
+        pg_dsn: str, make_store) -> None:
+    """Contenders of two names that swept each other's expired rows and then waited on
+    their own row deadlocked (the stress test, under load). The sweep now runs only after
+    our upsert has settled, and skips rows other transactions hold."""
+    store = make_store()
+    ours, expired, held_expired = fresh(), fresh(), fresh()
+    conn, transaction = await takeover_in_open_transaction(pg_dsn, ours)
+    await store.acquire(expired, "gone", 0.3)  # after b's sweep, which would take it
+    await asyncio.sleep(0.6)
+    probe = await asyncpg.connect(pg_dsn)
+    try:
+        pending = asyncio.ensure_future(store.acquire(ours, "a", LONG))
+        await asyncio.sleep(0.5)
+        assert not pending.done()  # waits on b's row lock ...
+        async with probe.transaction():  # ... holding no other row meanwhile
+            locked = await probe.fetch(
+                'SELECT lease_name FROM "lease"."leases" WHERE lease_name = $1 '
+                "FOR UPDATE NOWAIT", expired)
+            assert [r[0] for r in locked] == [expired]
+        await transaction.commit()
+        lost = await asyncio.wait_for(pending, 5.0)
+        assert lost is None or not lost.won
+
+        await store.acquire(held_expired, "gone", 0.3)
+        await asyncio.sleep(0.6)
+
+        async with probe.transaction():  # someone else holds an expired row: skipped
+            await probe.execute('SELECT 1 FROM "lease"."leases" WHERE lease_name = $1 '
+                                "FOR UPDATE", held_expired)
+            won = await asyncio.wait_for(store.acquire(fresh(), "a", LONG), 5.0)
+            assert won is not None and won.won
+        replica_view = make_store(replica=True)
+        assert await replica_view.read(expired) is None  # swept by the first acquire
+        assert (await replica_view.read(held_expired)).owner == "gone"  # skipped, still there
+    finally:
+        await probe.close()
+        await conn.close()
+
+
 # -- schema -------------------------------------------------------------------------------
 async def test_schema_cli_applies_idempotently_and_prints_ddl(pg, pg_dsn: str) -> None:
     for _ in range(2):

@@ -64,6 +64,8 @@ def test_acquire_is_one_batch_of_sweep_then_locked_merge_with_output() -> None:
     assert kinds.index(exp.Delete) < kinds.index(exp.Merge)
     sweep = one(tree, exp.Delete)
     assert conditions(sweep.args["where"]) == {"ExpiresAtUtc <= SYSDATETIMEOFFSET()"}
+    # Skips rows others hold rather than waiting on them while holding rows of its own.
+    assert [v.name for h in sweep.this.args["hints"] for v in h.expressions] == ["READPAST"]
 
     merge = one(tree, exp.Merge)
     hints = merge.this.args["hints"]

@@ -135,6 +135,12 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
         # and the INSERT run on the same snapshot, so if the sweep deleted the very row
         # the upsert conflicts with, the outcome would hang on execution order. Our own
         # expired row is instead taken over by the upsert's WHERE (expired → take over).
+        # The sweep must never wait while it holds a row: contenders of two names that
+        # sweep each other's expired rows and then wait on their own row deadlock (seen
+        # under stress; PostgreSQL breaks it after a second with an error). So it starts
+        # only once the upsert has settled — reading ``won`` forces that, and the upsert's
+        # wait is then the only one, taken while we hold nothing — and it skips rows
+        # another transaction has locked (they are someone's upsert or sweep anyway).
         # When we lose, the last SELECT reads the row so the caller learns who holds it,
         # flagged ``won = false``: that read sees the statement's snapshot, which can
         # predate a rival's takeover that ON CONFLICT waited for, so only ``won`` decides.
@@ -142,10 +148,7 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
         # acquire comes only from a contender that does not hold the lease, so a live row
         # naming us belongs to a second process with our identity (see rowlease). The
         # CROSS JOIN forces the NOTIFY for swept rows to be evaluated.
-        self.acquire = Statement(f"""WITH sweep AS (
-    DELETE FROM {t} WHERE expires_at <= now() AND lease_name <> CAST(:name AS varchar)
-    RETURNING lease_name
-), won AS (
+        self.acquire = Statement(f"""WITH won AS (
     INSERT INTO {t} AS l (lease_name, owner_instance_id, acquired_at, renewed_at,
                           expires_at, version)
     VALUES (CAST(:name AS varchar), CAST(:owner AS varchar), now(), now(),
@@ -158,6 +161,13 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
         version = excluded.version
     WHERE l.expires_at <= now()
     RETURNING {raw}
+), sweep AS (
+    DELETE FROM {t} WHERE lease_name IN (
+        SELECT lease_name FROM {t}
+        WHERE expires_at <= now() AND lease_name <> CAST(:name AS varchar)
+          AND (SELECT count(*) FROM won) >= 0
+        FOR UPDATE SKIP LOCKED)
+    RETURNING lease_name
 ), woken AS (
     SELECT count(pg_notify('{self.channel}', lease_name)) AS n FROM sweep
 )
@@ -255,11 +265,13 @@ END;"""
         # row goes to @won; when we lose, the live row is read instead, so one result set
         # names the holder; ``Won`` says which, so the store never mistakes a read row
         # for a win. As in the PostgreSQL acquire, a live row is never refreshed, not
-        # even one naming us.
+        # even one naming us. READPAST: the sweep skips rows others hold instead of
+        # waiting on them while it holds rows of its own (the deadlock the PostgreSQL
+        # sweep had under stress).
         self.acquire = Statement(f"""SET NOCOUNT ON;
 DECLARE @won TABLE (OwnerInstanceId NVARCHAR({MAX_IDENTITY}), ExpiresAtUtc DATETIMEOFFSET(7),
                     RowVersion BINARY(8));
-DELETE FROM {t} WHERE ExpiresAtUtc <= SYSDATETIMEOFFSET();
+DELETE FROM {t} WITH (READPAST) WHERE ExpiresAtUtc <= SYSDATETIMEOFFSET();
 MERGE {t} WITH (UPDLOCK, HOLDLOCK, ROWLOCK) AS target
 USING (SELECT :name AS LeaseName, :owner AS OwnerInstanceId) AS source
 ON target.LeaseName = source.LeaseName
