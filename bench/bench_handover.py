@@ -13,7 +13,10 @@ of them picked at random, and the time from the request to the named standby's f
 ``200`` on ``GET /leader`` is taken (:mod:`testkit.handover`). A poller on every sidecar
 (~10 ms) counts overlapping claims (must be 0) and gives the leaderless gap: from the
 end of the old leader's last claim to the named standby's first. Target: the named
-standby leads within two claim horizons + one round trip. On the same apiserver the
+standby leads within two claim horizons + one round trip; the round trip is measured in
+the same run (:func:`round_trips`: the backend's own acquire, 20 times, its p99 is the
+bound's) and each backend's count of trials within the bound is printed. On the same
+apiserver the
 kubernetes variant runs again with a client-go elector as the named target
 (:func:`clientgo_trials`). Prints a table and writes ``bench/results/handover.json``.
 """
@@ -40,7 +43,8 @@ if TYPE_CHECKING:
     from testkit.testbed.kube import ControlPlane
 
 
-def kubernetes_trials(workdir: Path, trials: int) -> tuple[Run, ClientGoRun]:
+def kubernetes_trials(workdir: Path, trials: int
+                      ) -> tuple[Run, ClientGoRun, list[float]]:
     """Three sidecars in Pod objects on a real apiserver whose CoordinatedLeaderElection
     gate is on (without it the apiserver drops ``spec.preferredHolder``); then, on the
     same apiserver, a client-go elector as the named target (:func:`clientgo_trials`)."""
@@ -60,11 +64,57 @@ def kubernetes_trials(workdir: Path, trials: int) -> tuple[Run, ClientGoRun]:
         duration = float(FAST[FAST.index("--lease-duration") + 1].rstrip("s"))
         run = run_trials("kubernetes", "", workdir, trials, cli_every=0, procs=procs,
                          lease="jobs", lease_duration=duration)
+        trips = round_trips({"backend": "kubernetes", "identity": "round-trip"},
+                            environ={"KUBECONFIG": str(cp.kubeconfig),
+                                     "POD_NAMESPACE": namespace})
         go_dir = workdir / "clientgo"
         go_dir.mkdir()
-        return run, clientgo_trials(cp, go_dir, trials, duration)
+        return run, clientgo_trials(cp, go_dir, trials, duration), trips
     finally:
         cp.stop()
+
+
+def round_trips(flags: dict[str, str], samples: int = 20,
+                environ: dict[str, str] | None = None) -> list[float]:
+    """The "one round trip" of the bound, measured in the same run: the backend's own
+    acquire of a free lease (what the named standby sends), through the sidecar's
+    backend code, ``samples`` times on fresh names (each released after)."""
+    import asyncio
+    import os
+
+    from sidecar.base.clock import SystemClock
+    from sidecar.config import load
+    from sidecar.lease import create_backend
+
+    async def measure() -> list[float]:
+        backend = create_backend(load(flags, env=environ or {}), SystemClock())
+        seconds = []
+        try:
+            for i in range(samples):
+                lease = backend.lease(f"round-trip-{i}")
+                begun = time.perf_counter()
+                grant = await lease.try_acquire()
+                seconds.append(time.perf_counter() - begun)
+                assert grant.held, f"round trip {i}: the free lease was not granted"
+                await lease.release()
+        finally:
+            await backend.close()
+        return seconds
+
+    saved = dict(os.environ)
+    os.environ.update(environ or {})  # the kubernetes client reads KUBECONFIG from here
+    try:
+        return asyncio.run(measure())
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def within_bound(run: Run, horizon: float, trip: dict[str, float]) -> int:
+    """Trials whose named standby led within 2 claim horizons + one round trip (the
+    round trip's p99 in this run)."""
+    bound = 2 * horizon + trip["p99_ms"] / 1000
+    return sum(1 for t in run.trials if t.seconds <= bound)
 
 
 @dataclass
@@ -161,7 +211,7 @@ def main() -> int:
                 here = Path(workdir) / backend
                 here.mkdir()
                 if backend == "kubernetes":
-                    run, clientgo = kubernetes_trials(here, opts.trials)
+                    run, clientgo, trips = kubernetes_trials(here, opts.trials)
                     results["kubernetes-clientgo-target"] = {
                         **summary(clientgo.seconds),
                         "leaderless_gap": summary(clientgo.gaps) if clientgo.gaps else None,
@@ -176,6 +226,12 @@ def main() -> int:
                     where = str(here / "leases.db") if backend == "sqlite" else dsn
                     assert where is not None
                     run = run_trials(backend, where, here, opts.trials, cli_every=0)
+                    trips = round_trips({"backend": backend, "dsn": where,
+                                         "identity": "round-trip", "ensure_schema": "true"
+                                         if backend == "postgres-row" else "false"})
+                horizon = 0.25 if backend == "kubernetes" else CLAIM_HORIZON
+                trip = summary(trips)
+                inside = within_bound(run, horizon, trip)
                 times = [t.seconds for t in run.trials]
                 gaps = [t.gap for t in run.trials if t.gap is not None]
                 results[backend] = {
@@ -184,13 +240,17 @@ def main() -> int:
                     "overlapping_claims": run.overlaps,
                     "claims_seen": run.claims,
                     "named_standby_led": len(run.trials),
+                    "round_trip": trip,
+                    "within_bound": inside,
                     "timeline": [t.timeline for t in run.trials]}
                 gap = summary(gaps) if gaps else {"p50_ms": float("nan"),
                                                   "p99_ms": float("nan")}
                 print(f"{backend:13} request->named leads p50 {summary(times)['p50_ms']:6.1f} "
                       f"p99 {summary(times)['p99_ms']:6.1f} ms; leaderless gap p50 "
                       f"{gap['p50_ms']:6.1f} p99 {gap['p99_ms']:6.1f} ms; "
-                      f"overlaps {run.overlaps}", flush=True)
+                      f"overlaps {run.overlaps}; round trip p50 {trip['p50_ms']:5.1f} p99 "
+                      f"{trip['p99_ms']:5.1f} ms; within 2 horizons + 1 round trip "
+                      f"{inside}/{len(run.trials)}", flush=True)
     finally:
         if server is not None:
             server.destroy()

@@ -297,11 +297,16 @@ def handover(r: Row) -> list[str]:
         if not x:
             continue
         horizon = horizons.get(backend.split("-clientgo")[0], horizons.get("others"))
+        # Results from before the bench measured the round trip have no such field.
+        trip = x.get("round_trip")
         rows.append([labels.get(backend, f"`{backend}`"), f"{horizon:g} ms", p50_p99(x),
                      p50_p99(x["leaderless_gap"]), x["overlapping_claims"],
-                     f"{x['named_standby_led']} of {x['n']}"])
+                     f"{x['named_standby_led']} of {x['n']}",
+                     p50_p99(trip) if trip else "—",
+                     f"{x['within_bound']} of {x['n']}" if trip else "—"])
     return table(["backend", "claim horizon", "request → named standby leads, p50 / p99",
-                  "leaderless gap, p50 / p99", "overlapping claims", "named standby led"],
+                  "leaderless gap, p50 / p99", "overlapping claims", "named standby led",
+                  "round trip, p50 / p99", "within 2 horizons + round trip p99"],
                  rows, right=2)
 
 

@@ -47,6 +47,7 @@ from typing import Any
 
 from sidecar.base.names import object_name_problem, prefixed
 from sidecar.config import ROLES, parse_names
+from sidecar.publish.pod_label import GROUP_LABEL, group_value
 
 OPT_IN_LABEL = "lease-sidecar/inject"
 INJECTED_ANNOTATION = "lease-sidecar/injected"
@@ -188,14 +189,19 @@ def already_injected(pod: dict[str, Any], spec: InjectionSpec) -> bool:
     return spec.container_name in names
 
 
+def key_prefix(spec: InjectionSpec) -> str:
+    """The sidecar's key prefix: as in :func:`sidecar.config.load`, an empty variable
+    counts as unset (only the ``--key-prefix`` flag can make it empty)."""
+    return spec.env("LEASE_KEY_PREFIX") or DEFAULT_KEY_PREFIX
+
+
 def check_names(value: str, spec: InjectionSpec) -> None:
     """``ValueError`` unless the sidecar would accept ``value`` as its LEASE_NAME and,
     with a name-limited Role, that Role grants every Lease it names."""
     names = parse_names(value)
     if spec.env("LEASE_BACKEND") != "kubernetes":
         return
-    env_prefix = spec.env("LEASE_KEY_PREFIX")
-    prefix = DEFAULT_KEY_PREFIX if env_prefix is None else env_prefix
+    prefix = key_prefix(spec)
     for name in names:
         problem = object_name_problem(prefix, name)
         if problem:
@@ -209,6 +215,20 @@ def check_names(value: str, spec: InjectionSpec) -> None:
                 f"the release's Role does not grant the Lease {lease!r} (it grants "
                 f"{', '.join(spec.lease_objects) or 'none'}): add {name!r} to the chart "
                 f"value rbac.leaseNames, or set rbac.anyLease=true")
+
+
+def group_label(spec: InjectionSpec, overrides: dict[str, str]) -> str | None:
+    """The ``lease-sidecar/group`` label the sidecar will give its pod, so the pod has it
+    from creation: a rolling update deletes an old pod as soon as a new one is Ready,
+    which can be before the new sidecar's first label write, and a leader handing over
+    to the youngest Ready pod finds the group's pods by this label. None where the
+    sidecar keeps no pod label or its names are not literal values."""
+    if (spec.env("LEASE_POD_LABEL") or DEFAULT_POD_LABEL) == "off":
+        return None
+    names = overrides.get("LEASE_NAME") or spec.env("LEASE_NAME")
+    if not names:
+        return None
+    return group_value(prefixed(key_prefix(spec), parse_names(names)[0]))
 
 
 def needs_api(spec: InjectionSpec, overrides: dict[str, str]) -> str | None:
@@ -403,4 +423,7 @@ def inject(pod: dict[str, Any], spec: InjectionSpec) -> bool:
     metadata = pod.setdefault("metadata", {})
     annotations = metadata.get("annotations") or {}
     metadata["annotations"] = {**annotations, INJECTED_ANNOTATION: spec.container_name}
+    group = group_label(spec, overrides)
+    if group is not None:
+        metadata["labels"] = {**(metadata.get("labels") or {}), GROUP_LABEL: group}
     return True

@@ -87,10 +87,11 @@ def test_sidecar_is_a_native_sidecar_with_shared_dir_and_probes() -> None:
     assert env["LEASE_HTTP_ADDR"] == "0.0.0.0:8099"
     assert env["LEASE_STATE_DIR"] == "/run/lease"
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "lease-http"}
-    # The app containers wait until the startupProbe (/livez, every second) has passed;
-    # startGate=postStart (the hook below) is the faster opt-in.
-    assert "lifecycle" not in sidecar
-    assert sidecar["startupProbe"]["httpGet"] == {"path": "/livez", "port": "lease-http"}
+    # The app containers wait until the postStart hook has seen /livez answer (below);
+    # startGate=startupProbe is the slower alternative.
+    assert "startupProbe" not in sidecar
+    assert sidecar["lifecycle"]["postStart"]["exec"]["command"][0] == (
+        "/opt/lease-sidecar/bin/python")
     # Readiness of a native sidecar gates the pod: /healthz by default (see values.yaml),
     # which also fails while the sidecar can never lead; a restart would not help that.
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/healthz"
@@ -108,6 +109,28 @@ def test_sidecar_is_a_native_sidecar_with_shared_dir_and_probes() -> None:
         app["volumeMounts"])
     assert env_map(app)["LEASE_LEADER_FILE"] == "/run/lease/leader"
     assert "$LEASE_LEADER_FILE" in app["args"][0]
+
+
+@pytest.mark.parametrize(("values", "key"), [
+    ([], "lease-sidecar.default"),
+    (["lease.name=sweeps\\,reports", "lease.keyPrefix=team-a"], "team-a.sweeps"),
+    (["lease.keyPrefix="], "lease-sidecar.default"),  # empty: the sidecar's default
+    ([f"lease.name={'n' * 70}"], f"lease-sidecar.{'n' * 70}"),  # too long: hashed
+])
+def test_example_pods_carry_their_group_label_from_creation(values: list[str],
+                                                             key: str) -> None:
+    """The label the sidecar's pod label publisher writes, already in the pod template
+    (injected pods get it from the injector): a rollout deletes an old pod once a new one
+    is Ready, which can be before the new sidecar's first write."""
+    from sidecar.publish.pod_label import GROUP_LABEL, group_value
+
+    docs = documents(template("r", "apps", ["example.enabled=true", *values]).stdout)
+    labels = find(docs, "Deployment", "-example")["spec"]["template"]["metadata"]["labels"]
+    assert labels[GROUP_LABEL] == group_value(key)
+    off = documents(template("r", "apps", ["example.enabled=true",
+                                           "lease.podLabel=off"]).stdout)
+    assert GROUP_LABEL not in find(off, "Deployment", "-example")["spec"]["template"][
+        "metadata"]["labels"]
 
 
 def test_start_gate_post_start_hook() -> None:

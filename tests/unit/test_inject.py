@@ -415,3 +415,34 @@ def test_the_names_checked_come_from_the_chart_spec() -> None:
     assert inject(copy.deepcopy(pod), spec) is True
     pod["spec"]["containers"][1]["ports"] = [{"containerPort": 9000}]
     assert "uses port 9000" in _refused(pod, spec)
+
+
+def _spec_with(**env: str) -> InjectionSpec:
+    data = {"container": copy.deepcopy(SPEC.container), "volumes": SPEC.volumes,
+            "appMount": SPEC.app_mount, "appEnv": SPEC.app_env}
+    data["container"]["env"] += [{"name": k, "value": v} for k, v in env.items()]
+    return InjectionSpec.from_json(data)
+
+
+@pytest.mark.parametrize("env", [{}, {"LEASE_KEY_PREFIX": "team-a"}, {"LEASE_KEY_PREFIX": ""},
+                                 {"LEASE_POD_LABEL": "on"}])
+def test_the_pod_carries_its_group_label_from_creation(env: dict[str, str]) -> None:
+    """The label the sidecar's pod label publisher would write (the first lease name's
+    key), so a leader handing over to the youngest Ready pod finds a new pod that is
+    Ready before its sidecar's first label write."""
+    from sidecar.config import load
+    from sidecar.publish.pod_label import GROUP_LABEL, group_value
+
+    pod = _pod(labels={"lease-sidecar/inject": "true", "app": "web"},
+               **{"lease-sidecar/name": "sweeps,reports"})
+    inject(pod, _spec_with(**env))
+    settings = load({"names": "sweeps,reports", "dsn": "/tmp/l.db"}, env=env)
+    assert pod["metadata"]["labels"] == {
+        "lease-sidecar/inject": "true", "app": "web",
+        GROUP_LABEL: group_value(settings.store.key(settings.name))}
+
+
+def test_no_group_label_where_the_sidecar_keeps_no_pod_label() -> None:
+    pod = _pod()
+    inject(pod, _spec_with(LEASE_POD_LABEL="off"))
+    assert pod["metadata"]["labels"] == {"lease-sidecar/inject": "true"}

@@ -120,6 +120,25 @@ dependency (found by this chart's annotation, so an alias works too). */}}
 {{- include (printf "%s.body" $template) $ctx }}
 {{- end }}
 
+{{/* lease-sidecar.groupLabel: the lease-sidecar/group label the sidecar gives its pod
+(sidecar.publish.pod_label.group_value of the first lease's key; an empty keyPrefix means
+the default, as an empty LEASE_KEY_PREFIX does), for a pod template the chart renders
+itself, so the pod has it from creation as injected pods do (docs/kubernetes.md#how-the-
+sidecar-starts). Nothing with podLabel off. */}}
+{{- define "lease-sidecar.groupLabel" -}}
+{{- if ne .Values.lease.podLabel "off" }}
+{{- $name := splitList "," .Values.lease.name | first | trim }}
+{{- $key := printf "%s.%s" (.Values.lease.keyPrefix | default "lease-sidecar") $name }}
+{{- if regexMatch "^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$" $key }}
+lease-sidecar/group: {{ $key | quote }}
+{{- else }}
+{{- $head := regexReplaceAll "[^A-Za-z0-9_.-]" $key "-" | trunc 50 | trimAll "-_." }}
+{{- $digest := sha256sum $key | trunc 12 }}
+lease-sidecar/group: {{ ternary (printf "%s-%s" $head $digest) $digest (ne $head "") | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "lease-sidecar.stateDir" -}}/run/lease{{- end }}
 
 {{/*
