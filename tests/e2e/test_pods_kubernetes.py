@@ -337,9 +337,10 @@ def test_a_sidecar_without_a_token_is_not_ready_and_not_restarted(app: App) -> N
                                 f"involvedObject.name={name}")["items"]
         probes = [e["message"] for e in events if e["reason"] == "Unhealthy"]
         # Readiness fails with the reason; liveness never does. The start gate (the
-        # chart's postStart hook on /livez) passed: the sidecar container is running.
+        # chart's postStart hook: /livez answers) passed: no FailedPostStartHook.
         assert any(m.startswith("Readiness probe failed") for m in probes), probes
         assert not [m for m in probes if m.startswith("Liveness probe failed")], probes
+        assert not [e for e in events if e["reason"] == "FailedPostStartHook"], events
         logs = c.kubectl("-n", ns, "logs", name, "-c", ps.SIDECAR).stdout
         lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
         said = [x for x in lines if "credentials" in x["msg"]]

@@ -87,11 +87,12 @@ def test_sidecar_is_a_native_sidecar_with_shared_dir_and_probes() -> None:
     assert env["LEASE_HTTP_ADDR"] == "0.0.0.0:8099"
     assert env["LEASE_STATE_DIR"] == "/run/lease"
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "lease-http"}
-    # The app containers wait until the postStart hook has seen /livez answer (below);
-    # startGate=startupProbe is the slower alternative.
+    # The app containers wait for the sidecar's postStart hook (it waits for /livez); no
+    # startupProbe, whose success would cost the pod another kubelet pass (~0.8 s).
     assert "startupProbe" not in sidecar
-    assert sidecar["lifecycle"]["postStart"]["exec"]["command"][0] == (
-        "/opt/lease-sidecar/bin/python")
+    hook = sidecar["lifecycle"]["postStart"]["exec"]["command"]
+    assert hook[:4] == ["/opt/lease-sidecar/bin/python", "-I", "-S", "-c"]
+    assert '("127.0.0.1",8099)' in hook[4] and "GET /livez" in hook[4]
     # Readiness of a native sidecar gates the pod: /healthz by default (see values.yaml),
     # which also fails while the sidecar can never lead; a restart would not help that.
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/healthz"
@@ -133,18 +134,6 @@ def test_example_pods_carry_their_group_label_from_creation(values: list[str],
         "metadata"]["labels"]
 
 
-def test_start_gate_post_start_hook() -> None:
-    docs = documents(template("r", "apps", ["example.enabled=true",
-                                            "sidecar.startGate=postStart"]).stdout)
-    sidecar = find(docs, "Deployment", "-example")["spec"]["template"]["spec"][
-        "initContainers"][0]
-    # No startupProbe, whose success costs the pod another kubelet pass (~0.8 s).
-    assert "startupProbe" not in sidecar
-    hook = sidecar["lifecycle"]["postStart"]["exec"]["command"]
-    assert hook[:4] == ["/opt/lease-sidecar/bin/python", "-I", "-S", "-c"]
-    assert '("127.0.0.1",8099)' in hook[4] and "GET /livez" in hook[4]
-
-
 def test_start_gate_startup_probe_settings() -> None:
     docs = documents(template("r", "apps", [
         "example.enabled=true", "sidecar.startGate=startupProbe",
@@ -159,7 +148,7 @@ def test_start_gate_startup_probe_settings() -> None:
 
 def _post_start_hook(port: int, timeout: int) -> list[str]:
     docs = documents(template("r", "apps", [
-        "example.enabled=true", f"sidecar.port={port}", "sidecar.startGate=postStart",
+        "example.enabled=true", f"sidecar.port={port}",
         f"sidecar.startTimeoutSeconds={timeout}"]).stdout)
     sidecar = find(docs, "Deployment", "-example")["spec"]["template"]["spec"][
         "initContainers"][0]
@@ -205,7 +194,7 @@ def test_values_reach_the_sidecar_env() -> None:
         "example.enabled=true", "lease.backend=sqlserver", "lease.dsnSecret.name=mssql",
         r"lease.name=sweeps\,reports", "lease.role=worker", "lease.duration=30s",
         "sidecar.listenAddress=::", "sidecar.port=9099",
-        "sidecar.readinessProbePath=/readyz", "sidecar.startGate=postStart",
+        "sidecar.readinessProbePath=/readyz",
     ]).stdout)
     pod = find(docs, "Deployment", "-example")["spec"]["template"]["spec"]
     env = env_map(pod["initContainers"][0])
