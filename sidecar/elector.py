@@ -22,6 +22,7 @@ one per retry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
@@ -185,13 +186,20 @@ class Elector:
             await self._sleep_or_wake(self._retry_delay(), watch_lease=True)
             return
         # A failed call: back off, but not past a change the backend's wake-up channel
-        # (a Kubernetes watch) shows once it is back. One renew interval first, so a
-        # backend whose wait returns at once while it is down cannot spin.
+        # (a Kubernetes watch) shows once it is back. The wait for a change starts now,
+        # so a change during the first renew interval counts too; that interval is slept
+        # in full, so a backend whose wait returns at once while it is down cannot spin.
         delay = self._retry_delay()
         floor = min(delay, self.timing.renew_interval)
-        await self._sleep_or_wake(floor, watch_lease=False)
-        if delay > floor and not self._wake.is_set():
-            await self._sleep_or_wake(delay - floor, watch_lease=True)
+        change = asyncio.ensure_future(self.lease.wait_for_change(delay))
+        try:
+            await self._sleep_or_wake(floor, watch_lease=False)
+            if delay > floor and not self._wake.is_set() and not change.done():
+                await first_of(self._wake.wait(), change, timeout=delay - floor)
+        finally:
+            change.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await change
 
     async def _stand_aside(self, other: str) -> None:
         """The acquire won while a hand-over names another standby: a wait queued in the

@@ -221,6 +221,43 @@ async def test_unreachable_backend_logs_once_per_change(caplog):
     assert back.unreachable_for_s >= 0
 
 
+class WatchedFailingLease(FakeLease):
+    """Fails every call; like a Kubernetes watch, ``wait_for_change`` returns only for a
+    change made after it was called."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock, fail=True)
+        self._changed = asyncio.Event()
+
+    def change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_for_change(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+
+async def test_a_change_during_the_first_renew_interval_of_a_backoff_ends_it():
+    """Backing off after failures, the standby sleeps one renew interval in full, but a
+    change its watch shows in that interval still ends the backoff when it is over (the
+    CI run that found this: a Lease created in that interval was seen 3 s later)."""
+    timing = Timing(lease_duration=3.0, renew_interval=0.3, renew_deadline=1.5,
+                    safety_margin=0.1, claim_horizon=0.05)
+    clock = FakeClock()
+    lease = WatchedFailingLease(clock)
+    state = LeaseState(lease="default", identity="me", role="all",
+                       claim_horizon=timing.claim_horizon, clock=clock)
+    elector = Elector(lease, state, timing, "me")
+    elector._failures = 8  # backed off to the lease duration: 2.4 to 3.6 s
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    loop.call_later(0.05, lease.change)
+    await elector._acquire_once()
+    took = loop.time() - started
+    assert timing.renew_interval * 0.8 <= took < 1.5, took  # the floor, not the backoff
+
+
 async def test_standby_reports_the_holder():
     clock = FakeClock()
     lease = FakeLease(clock, grant=False)
