@@ -196,6 +196,14 @@ def test_waits_for_ctrl_c(pod_cluster):
 '''
 
 
+def _sigint_raises() -> None:
+    """In the child before it execs: SIGINT back to its default, so Python turns it into
+    KeyboardInterrupt. A shell that runs this suite in the background (``cmd &`` without
+    job control) starts it with SIGINT ignored, and Python keeps an ignored SIGINT
+    ignored: the child would sleep through the Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_an_interrupted_test_run_restores_the_host(cluster_host_free: None,
                                                    tmp_path: Path) -> None:
     """Ctrl-C in the middle of a test: pytest's session teardown stops the cluster."""
@@ -206,7 +214,7 @@ def test_an_interrupted_test_run_restores_the_host(cluster_host_free: None,
         [sys.executable, "-m", "pytest", "-s", "-q", "-p", "no:cacheprovider",
          "-p", "tests.testbed.cluster_fixtures", "--rootdir", str(tmp_path), str(test_file)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_sigint_raises,
     )
     assert proc.stdout is not None
     lines = []
@@ -218,6 +226,11 @@ def test_an_interrupted_test_run_restores_the_host(cluster_host_free: None,
     during = host_facts()
     assert during["processes"] and BRIDGE in during["links"]  # type: ignore[operator]  # links is a set
     os.kill(proc.pid, signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # it did not stop: leave no cluster for the next test
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert "KeyboardInterrupt" in out, out[-2000:]
     assert_restored(before, during, host_facts())
