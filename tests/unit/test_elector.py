@@ -21,11 +21,11 @@ FAST = Timing(lease_duration=1.0, renew_interval=0.01, renew_deadline=0.5,
               safety_margin=0.1, claim_horizon=0.05)
 
 
-def make(clock: FakeClock, lease: FakeLease, sink=None):
+def make(clock: FakeClock, lease: FakeLease, sink=None, timing: Timing = FAST):
     state = LeaseState(lease="default", identity="me", role="all",
-                       claim_horizon=FAST.claim_horizon, clock=clock)
+                       claim_horizon=timing.claim_horizon, clock=clock)
     publisher = RecordingPublisher(sink=sink, clock=clock)
-    return Elector(lease, state, FAST, "me", [publisher]), state, publisher
+    return Elector(lease, state, timing, "me", [publisher]), state, publisher
 
 
 async def claiming(clock: FakeClock, lease: FakeLease, sink=None):
@@ -246,9 +246,7 @@ async def test_a_change_during_the_first_renew_interval_of_a_backoff_ends_it():
                     safety_margin=0.1, claim_horizon=0.05)
     clock = FakeClock()
     lease = WatchedFailingLease(clock)
-    state = LeaseState(lease="default", identity="me", role="all",
-                       claim_horizon=timing.claim_horizon, clock=clock)
-    elector = Elector(lease, state, timing, "me")
+    elector, _, _ = make(clock, lease, timing=timing)
     elector._failures = 8  # backed off to the lease duration: 2.4 to 3.6 s
     loop = asyncio.get_running_loop()
     started = loop.time()
