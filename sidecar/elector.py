@@ -9,8 +9,10 @@ why each exists, and what the sidecar does not promise). Here, concretely:
 - a voluntary step-down unpublishes, waits until the last claim handed out has expired
   (``state.issued_until``, never past the validity), then releases;
 - a new term's first claim waits ``max(claim_horizon, grant.claim_delay)`` from the
-  acquire's *reply*; a long ``claim_delay`` is slept in renew intervals with renews
-  between, so the term never outlasts its validity while it waits;
+  acquire's *reply* — only ``grant.claim_delay`` when the backend proves the previous
+  term was released after its claims had run out (``grant.previous_claims_ended``); a
+  long ``claim_delay`` is slept in renew intervals with renews between, so the term
+  never outlasts its validity while it waits;
 - a lease lost without a step-down (a refused renew, a dropped session) stops the claims
   at once; the claims already handed out are bounded by the backend's own rules.
 
@@ -53,9 +55,12 @@ class Elector:
     def __init__(self, lease: Lease, state: LeaseState, timing: Timing, identity: str,
                  publishers: Sequence[Publisher] = (),
                  sits_out: Callable[[], str | None] | None = None,
-                 shutdown_successor: Callable[[], Awaitable[str | None]] | None = None
-                 ) -> None:
+                 shutdown_successor: Callable[[], Awaitable[str | None]] | None = None,
+                 work_stopped: Callable[[], Awaitable[None]] | None = None) -> None:
         self.lease = lease
+        # Returns once the work our claims started has stopped (``exec``'s command): a
+        # release follows it, so a release record never speaks too early.
+        self._work_stopped = work_stopped
         # Why this contender must not campaign now (LEASE_APP_READY_URL), None: it may.
         self._sits_out = sits_out
         # Who should lead after us when we stop (sidecar.rollout); None: nobody named.
@@ -221,20 +226,24 @@ class Elector:
         # Validity counts from the send time (the earliest the grant can have been
         # decided); the first claim waits one horizon from the *reply* (the latest it can
         # have been decided), since an acquire may wait in the server for the release.
-        delay = max(self.timing.claim_horizon, grant.claim_delay)
+        # No horizon where the backend's release record shows the previous holder waited
+        # out its own claims before it released (our step-down below does).
+        horizon = 0.0 if grant.previous_claims_ended else self.timing.claim_horizon
+        delay = max(horizon, grant.claim_delay)
         self._release_requested = False  # asked of an earlier term, which has ended
         self._handover = None
         self.state.update(
             "acquired", holding=True, released=False, claim_from=replied + delay,
             valid_until=sent + grant.valid_for, fencing_token=grant.fencing_token,
             holder=self.identity, reason="holding")
-        log.info("acquired lease", extra={**self._fields(grant.fencing_token),
-                                          "claim_delay_ms": round(delay * 1000, 1)})
-        # The previous holder's last claims may still run for up to one horizon (longer
-        # after a server restart or promotion). The timing rules fit one horizon and a
-        # renew interval into the validity; a longer backend delay is slept in renew
-        # intervals with a renew after each, so the term does not run out of validity
-        # before its first claim.
+        log.info("acquired lease", extra={
+            **self._fields(grant.fencing_token), "claim_delay_ms": round(delay * 1000, 1),
+            "previous_claims_ended": grant.previous_claims_ended})
+        # Unless recorded as over, the previous holder's last claims may still run for
+        # up to one horizon (longer after a server restart or promotion). The timing
+        # rules fit one horizon and a renew interval into the validity; a longer backend
+        # delay is slept in renew intervals with a renew after each, so the term does not
+        # run out of validity before its first claim.
         first_claim = replied + delay
         while (left := first_claim - self._clock.monotonic()) > 0:
             if left <= max(self.timing.renew_interval, self.timing.claim_horizon):
@@ -298,16 +307,19 @@ class Elector:
         # still run (at most one horizon, never past the lease's validity).
         outstanding = self.state.issued_until
         # A hand-over's hint is written while the publishers are told and the last
-        # claim runs out, not before: the named standby then leads two claim horizons
-        # after the request, plus the release's and its acquire's round trips (the
-        # hint's own round trips, and the advisory lock's queue, cost nothing more).
-        # Only a release hands over: the hint is dropped on a loss.
+        # claim runs out, not before: the named standby then leads one claim horizon
+        # after the request, plus the release's and its acquire's round trips, where the
+        # backend records the release (else one horizon more: its own wait). The hint's
+        # own round trips, and the advisory lock's queue, cost nothing more. Only a
+        # release hands over: the hint is dropped on a loss.
         naming = asyncio.ensure_future(self._name_successor(named=release))
         waited = 0.0
         try:
             await self._notify()
             if release:
                 waited = await self._claims_expired(outstanding)
+            if release and self._work_stopped is not None:
+                await self._work_stopped()
         finally:
             # Before the release, so that standbys see the hint before the free lease.
             await asyncio.shield(naming)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sidecar import watchdog
@@ -51,13 +52,18 @@ class Sidecar:
 
     ``takes_release`` lets a caller answer ``POST /release`` of a lease first: given the
     lease's name, it returns True when it took the request (``exec`` ends its command,
-    then releases), False to let the elector step down at once.
+    then releases), False to let the elector step down at once. ``work_stopped`` (given
+    the lease's name) returns once the work a claim started has stopped: every release
+    waits for it, after the claims have run out (``exec``'s command may outlive its
+    last claim by its grace).
     """
 
     def __init__(self, settings: Settings,
-                 takes_release: Callable[[str], bool] | None = None) -> None:
+                 takes_release: Callable[[str], bool] | None = None,
+                 work_stopped: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.settings = settings
         self._takes_release = takes_release
+        self._work_stopped = work_stopped
         self.clock = SystemClock()
         self.state_dir = resolve_state_dir(settings)
         self.states = [
@@ -121,7 +127,9 @@ class Sidecar:
             elector = Elector(self.backend.lease(state.lease), state, self.settings.timing,
                               self.settings.identity, self.publishers,
                               sits_out=readiness.why_not if readiness else None,
-                              shutdown_successor=successor)
+                              shutdown_successor=successor,
+                              work_stopped=functools.partial(self._work_stopped, state.lease)
+                              if self._work_stopped is not None else None)
             self.electors[state.lease] = elector
             self._tasks.append(asyncio.create_task(elector.run(), name=f"elector-{state.lease}"))
             if self.settings.work_stall_after is not None:

@@ -88,7 +88,15 @@ async def run(settings: Settings, cmd: list[str], acquire_timeout: float | None)
         with contextlib.suppress(ValueError, OSError, RuntimeError):
             loop.add_signal_handler(sig, on_signal)
     release = _JobRelease(settings.name)
-    sidecar = Sidecar(settings, takes_release=release)
+    # Set while no command runs. A release waits for it: the command may outlive the
+    # last claim by its grace, and a release tells the next holder the work is over.
+    no_job = asyncio.Event()
+    no_job.set()
+
+    async def job_stopped(lease: str) -> None:
+        await no_job.wait()
+
+    sidecar = Sidecar(settings, takes_release=release, work_stopped=job_stopped)
     await sidecar.start()
     state = sidecar.states[0]
     deadline = loop.time() + acquire_timeout if acquire_timeout is not None else None
@@ -107,12 +115,19 @@ async def run(settings: Settings, cmd: list[str], acquire_timeout: float | None)
                 log.warning("lease not acquired in time", extra={"lease": state.lease})
                 return EXIT_NOT_ACQUIRED
             await first_of(state.wait_for_change(state.facts.version, 0.05), stop.wait())
-        job = await exec_supervise.Job.start(cmd, state.facts.valid_until, settings.exec_grace,
-                                        settings.timing.safety_margin, _job_env(sidecar, state))
+        no_job.clear()
+        try:
+            job = await exec_supervise.Job.start(
+                cmd, state.facts.valid_until, settings.exec_grace,
+                settings.timing.safety_margin, _job_env(sidecar, state))
+        except BaseException:
+            no_job.set()
+            raise
         release.job_running = True
         log.info("started command", extra={"lease": state.lease, "pid": job.pid,
                                            "fencing_token": state.facts.fencing_token})
         exited = asyncio.ensure_future(job.wait())
+        exited.add_done_callback(lambda _: no_job.set())
         stopping: str | None = None
         # Poll the claim at a fraction of the horizon: a claim can lapse with no state
         # change at all (a renew that hangs until the validity runs out).

@@ -46,6 +46,13 @@ class Grant:
     # holder may claim longer than one claim horizon (a server that just restarted or
     # was just promoted: sidecar.lease.pg_timeline).
     claim_delay: float = 0.0
+    # With ``held`` true: the acquire replaced a term that its holder ended with a
+    # release *recorded* in the lease (see :meth:`Lease.release`), so all of that term's
+    # claims had run out before this acquire was sent: the first claim need not wait a
+    # claim horizon (``claim_delay`` still applies). False wherever the backend cannot
+    # prove it: a lease deleted, cleared or edited by hand, run out, released by
+    # client-go or an older version, or a backend that keeps no record.
+    previous_claims_ended: bool = False
     # With ``held`` false: the holder is asked to end its term cooperatively (Kubernetes'
     # ``preferredHolder``), so it steps down as on SIGTERM — unpublish, wait out its
     # claims, then ``release`` — instead of just stopping.
@@ -95,7 +102,13 @@ class Lease(Protocol):
 
     async def try_renew(self) -> Grant: ...
 
-    async def release(self) -> None: ...
+    async def release(self) -> None:
+        """Give the lease back. The elector calls it only once every claim of the term
+        has run out (or none was handed out), so a backend may record the release in the
+        lease, in the same write, for the next acquire to find (``previous_claims_ended``):
+        a record that the next holder can tie to *this* term, so that a release by anyone
+        else, or a hand edit, never passes for one."""
+        ...
 
     async def describe(self) -> Holder: ...
 

@@ -14,7 +14,12 @@ statements; this module holds the rules that are the same everywhere:
 - renew only touches a row we own that has not expired, by the database's clock, and
   (PostgreSQL) still carries the version of our last write: after a promotion a row that
   is missing or older than our last write means the lease is lost (fail closed);
-- release deletes only a row we own;
+- release ends only our row of this term. Where the store keeps a release record
+  (PostgreSQL, SQLite) it expires the row in place and marks it released on that row's
+  own version, and the next acquire that takes that very row over reports it
+  (``Grant.previous_claims_ended``: the elector releases only once our claims have run
+  out, so the next holder need not wait a claim horizon). A row deleted or edited by
+  hand, swept, or released by an older version carries no such record;
 - a server-assigned version that only grows is the fencing token;
 - optionally, an acquisition counts only once a read replica shows the same version.
 
@@ -62,6 +67,9 @@ class Row:
     # From a won acquire: seconds from the reply before the first claim (a server that
     # may have been promoted while an earlier holder still claimed; Grant.claim_delay).
     claim_delay: float = 0.0
+    # From a won acquire: the row taken over carried the release record of its own
+    # term (Grant.previous_claims_ended).
+    previous_claims_ended: bool = False
 
 
 class Refused(BackendError):
@@ -84,7 +92,10 @@ class RowStore(Protocol):
         the store checks it); ``None`` when it is not ours any more."""
         ...
 
-    async def release(self, name: str, owner: str) -> None: ...
+    async def release(self, name: str, owner: str, version: int) -> None:
+        """End our row of the term whose last write has ``version``, recording the
+        release where the store can (see the module doc)."""
+        ...
 
     async def read(self, name: str) -> Row | None: ...
 
@@ -95,9 +106,11 @@ class RowStore(Protocol):
     async def close(self) -> None: ...
 
 
-def _release_to(store: RowStore) -> Callable[[str, str, str, str, float], Awaitable[None]] | None:
-    """The store's optional ``release_to(name, owner, hint, successor, bound)``: release
-    and write the hand-over hint in one commit (:meth:`.sqlite.store.SqliteStore.release_to`)."""
+def _release_to(store: RowStore
+                ) -> Callable[[str, str, int, str, str, float], Awaitable[None]] | None:
+    """The store's optional ``release_to(name, owner, version, hint, successor, bound)``:
+    release and write the hand-over hint in one commit
+    (:meth:`.sqlite.store.SqliteStore.release_to`)."""
     method = getattr(store, "release_to", None)
     return method if callable(method) else None
 
@@ -160,14 +173,15 @@ class RowLease:
         if not row.won:
             return self._same_identity(row, sent)
         if self._replica and not await self._replica_confirms(row.version):
-            await self._store.release(self._key, self._owner)
+            await self._store.release(self._key, self._owner, row.version)
             return Grant(held=False, holder=None, reason="replica did not confirm in time")
         self._token = self._version = row.version
         self._successor = None  # named in an earlier term that ended without a release
         self._own_row_until = sent + self._duration + self._margin
         self._duplicate_warned = False
         return Grant(held=True, valid_for=self._valid_for, fencing_token=self._token,
-                     holder=self._owner, claim_delay=row.claim_delay)
+                     holder=self._owner, claim_delay=row.claim_delay,
+                     previous_claims_ended=row.previous_claims_ended)
 
     def _same_identity(self, row: Row, sent: float) -> Grant:
         """A live row names us, but we do not hold the lease: wait for it to expire."""
@@ -203,14 +217,18 @@ class RowLease:
                      holder=self._owner)
 
     async def release(self) -> None:
+        version = self._version
         self._token = self._version = None
         successor, self._successor = self._successor, None
+        if version is None:
+            return  # nothing held: nothing of ours to end
         release_to = _release_to(self._store)
         with contextlib.suppress(Refused):
             if successor is not None and release_to is not None:
-                await release_to(self._key, self._owner, self._key + HINT_SUFFIX, *successor)
+                await release_to(self._key, self._owner, version, self._key + HINT_SUFFIX,
+                                 *successor)
             else:
-                await self._store.release(self._key, self._owner)
+                await self._store.release(self._key, self._owner, version)
 
     async def describe(self) -> Holder:
         row = await self._store.read(self._key)
@@ -235,7 +253,7 @@ class RowLease:
         hint = self._key + HINT_SUFFIX
         earlier = await self._store.read(hint)
         if earlier is not None and earlier.owner != identity:
-            await self._store.release(hint, earlier.owner)
+            await self._store.release(hint, earlier.owner, earlier.version)
         await self._store.acquire(hint, identity, bound)
 
     async def handing_to_other(self) -> str | None:

@@ -105,8 +105,10 @@ class KubeLease:
                     f"no larger fencing token fits this Lease object (leaseTransitions "
                     f"{current.transitions}, limit {TOKEN_COUNT_LIMIT - 1}); delete the "
                     "Lease so that it is created anew"))
-            wanted = replace(current, holder=self._identity, duration=self._duration,
-                             transitions=count, acquire_time=now, renew_time=now)
+            # The release record goes: it speaks of the term this write ends.
+            wanted = replace(current.recording_release(False), holder=self._identity,
+                             duration=self._duration, transitions=count, acquire_time=now,
+                             renew_time=now)
         # Before the write: the watch may deliver our own write before its reply does.
         highest = self._highest
         try:
@@ -129,7 +131,10 @@ class KubeLease:
         self.lost.clear()
         self._preferred_at_start = written.preferred_holder
         grant = self._holding(written)
-        return replace(grant, claim_delay=self._observer.claim_delay())
+        # ``current`` is exactly the object this write replaced (the write is guarded by
+        # its resourceVersion), so its release record speaks of the term before ours.
+        return replace(grant, claim_delay=self._observer.claim_delay(),
+                       previous_claims_ended=current is not None and current.claims_ended)
 
     async def try_renew(self) -> Grant:
         mine = self._mine
@@ -174,7 +179,9 @@ class KubeLease:
     async def release(self) -> None:
         """Give the lease back as client-go's ``ReleaseOnCancel`` does: holder ``""``,
         ``leaseDurationSeconds`` 1, ``acquireTime`` = ``renewTime`` = now, the count
-        kept; standbys of either kind take over at once."""
+        kept; standbys of either kind take over at once. The same write records the
+        release (:data:`.record.RELEASED_ANNOTATION`): the elector releases only once
+        our claims have run out."""
         mine, self._mine = self._mine, None
         if mine is None or self._ended:
             return
@@ -183,7 +190,7 @@ class KubeLease:
         for _ in range(2):
             now = micro_time(self._clock.wall())
             released = replace(base, holder="", duration=1, transitions=mine.transitions,
-                               acquire_time=now, renew_time=now)
+                               acquire_time=now, renew_time=now).recording_release(True)
             try:
                 self._observe(await api.replace(self._object, released))
                 return

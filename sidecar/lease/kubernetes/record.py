@@ -38,6 +38,15 @@ past that, so a hint left behind by a holder that never clears it (client-go kee
 metadata) goes stale by itself instead of holding a later release back. The field wins
 where the apiserver keeps it.
 
+A release by this sidecar — written only once the holder's claims have all run out —
+also sets the annotation :data:`RELEASED_ANNOTATION` to the ended term's fencing token.
+The next acquire reads the object it replaces (its write is guarded by that object's
+``resourceVersion``), and finds the record true only if the object is released and the
+token is that of the term the object still counts: then its first claim need not wait
+a claim horizon (``Grant.previous_claims_ended``). Our acquire removes the annotation, so
+it never outlives the release it records; client-go keeps it but counts a new term, so
+a later release or hand edit never matches it.
+
 Every other field is someone else's and survives every write of ours: each write is the
 object as last read (or as the apiserver returned our previous write) with only those
 five fields changed — labels, annotations, ownerReferences, ``spec.preferredHolder``,
@@ -53,7 +62,7 @@ a renew never re-creates an object deleted by hand (Leases allow create-on-updat
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -63,6 +72,8 @@ TOKEN_COUNT_LIMIT = 1 << TOKEN_COUNT_BITS
 # spec.preferredHolder's stand-in where the apiserver drops the field (see the module doc).
 HINT_ANNOTATION = "lease-sidecar/preferred-holder"
 HINT_UNTIL_ANNOTATION = "lease-sidecar/preferred-until"
+# The release record: the fencing token of the term released after its claims ran out.
+RELEASED_ANNOTATION = "lease-sidecar/released-term"
 
 
 def micro_time(wall: float) -> str:
@@ -88,6 +99,8 @@ class Record:
     preferred_holder: str = ""
     # metadata.creationTimestamp as Unix seconds: the fencing token's high part.
     created: int = 0
+    # The release record's token (RELEASED_ANNOTATION), "" when there is none.
+    released_term: str = ""
     # The whole object as the apiserver sent it: a write starts from it, so every field
     # we do not own goes back unchanged. Empty for an object we are about to create.
     source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -102,6 +115,8 @@ class Record:
                    acquire_time=spec.get("acquireTime"), renew_time=spec.get("renewTime"),
                    preferred_holder=spec.get("preferredHolder") or _hinted(obj),
                    created=_unix_seconds(obj["metadata"].get("creationTimestamp")),
+                   released_term=str((obj["metadata"].get("annotations") or {}).get(
+                       RELEASED_ANNOTATION) or ""),
                    source=obj)
 
     def token(self, transitions: int | None = None) -> int:
@@ -116,6 +131,26 @@ class Record:
         ``leaseDurationSeconds`` 1. A releasing holder has stopped claiming; a holder
         cleared any other way (by hand) may still be claiming."""
         return not self.holder and self.duration <= 1
+
+    @property
+    def claims_ended(self) -> bool:
+        """Released by a sidecar whose release record names the term this object counts:
+        that holder's claims had all run out before the release."""
+        return self.released and self.released_term == str(self.token())
+
+    def recording_release(self, record: bool) -> Record:
+        """This record with the release record set to its own term (``record``) or
+        removed (every other write of ours)."""
+        term = str(self.token()) if record else ""
+        if term == self.released_term:
+            return self
+        source = copy.deepcopy(self.source)
+        annotations = source.setdefault("metadata", {}).setdefault("annotations", {})
+        if term:
+            annotations[RELEASED_ANNOTATION] = term
+        else:
+            annotations.pop(RELEASED_ANNOTATION, None)
+        return replace(self, released_term=term, source=source)
 
     @property
     def never_held(self) -> bool:

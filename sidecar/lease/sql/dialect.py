@@ -57,9 +57,10 @@ class Statement:
 class Dialect:
     """What a :class:`~sidecar.lease.sql.store.SqlRowStore` needs from a dialect.
 
-    ``acquire`` returns the row's columns plus a last ``won`` column: true when this
+    ``acquire`` returns the row's columns plus a ``won`` column: true when this
     statement inserted the row or took an expired one over, false when it only read a
-    live row.
+    live row; where ``acquire_reports_release``, then a column that is true when the row
+    taken over carried the release record of its own term (``Row.previous_claims_ended``).
     """
 
     schema: str
@@ -77,6 +78,9 @@ class Dialect:
     checkpoint: Statement | None = None
     # The acquire's row ends with the server's timeline (after ``won``), won or lost.
     acquire_reports_timeline = False
+    # The release keeps the row, expired, with the release record in ``metadata``, and
+    # the acquire reports whether the row it took over carried it (after ``won``).
+    acquire_reports_release = False
 
     def timeline_of(self, version: int) -> int | None:
         """The server timeline a version was drawn on; None where versions carry none."""
@@ -103,6 +107,7 @@ class PostgresDialect(Dialect):
 
     checkpoint = Statement(pg_timeline.CHECKPOINT)
     acquire_reports_timeline = True
+    acquire_reports_release = True
 
     def __init__(self, schema: str = "lease", table: str = "leases") -> None:
         self.schema = validate_identifier("schema", schema)
@@ -118,7 +123,12 @@ class PostgresDialect(Dialect):
                    f"AND c < {pg_timeline.COUNTER_LIMIT} THEN (t << "
                    f"{pg_timeline.COUNTER_BITS}) + c END "
                    f"FROM (SELECT {pg_timeline.TIMELINE} AS t, nextval('{seq}') AS c) v)")
-        # ``metadata`` belongs to the design's table; the sidecar leaves it NULL.
+        # ``metadata`` (a column of the design's table) holds the release record:
+        # ``released:<version>`` once a holder released that term after its claims ran
+        # out; the acquire that takes such a row over writes ``after-release``, any other
+        # acquire NULL. The record names the version it was written on, so it only counts
+        # for that very row: a takeover, a renew or a re-insert draws a new version.
+        released = "'released:' || l.version"
         self._ddl = f"""CREATE SCHEMA IF NOT EXISTS "{schema}";
 CREATE SEQUENCE IF NOT EXISTS {seq};
 CREATE TABLE IF NOT EXISTS {t} (
@@ -147,7 +157,9 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
         # Only a live row is taken over or reported — never refreshed, ours included:
         # acquire comes only from a contender that does not hold the lease, so a live row
         # naming us belongs to a second process with our identity (see rowlease). The
-        # CROSS JOIN forces the NOTIFY for swept rows to be evaluated.
+        # CROSS JOIN forces the NOTIFY for swept rows to be evaluated. The release
+        # record is judged on the row the upsert itself locked and replaced (``l``), not
+        # on the statement's snapshot, which may be older.
         self.acquire = Statement(f"""WITH won AS (
     INSERT INTO {t} AS l (lease_name, owner_instance_id, acquired_at, renewed_at,
                           expires_at, version)
@@ -158,9 +170,10 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
         acquired_at = excluded.acquired_at,
         renewed_at = excluded.renewed_at,
         expires_at = excluded.expires_at,
-        version = excluded.version
+        version = excluded.version,
+        metadata = CASE WHEN l.metadata = {released} THEN 'after-release' END
     WHERE l.expires_at <= now()
-    RETURNING {raw}
+    RETURNING {raw}, metadata
 ), sweep AS (
     DELETE FROM {t} WHERE lease_name IN (
         SELECT lease_name FROM {t}
@@ -171,10 +184,11 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
 ), woken AS (
     SELECT count(pg_notify('{self.channel}', lease_name)) AS n FROM sweep
 )
-SELECT {row}, won, {pg_timeline.TIMELINE} FROM (
-    SELECT {raw}, true AS won FROM won
+SELECT {row}, won, after_release, {pg_timeline.TIMELINE} FROM (
+    SELECT {raw}, true AS won, coalesce(metadata = 'after-release', false) AS after_release
+    FROM won
     UNION ALL
-    SELECT {raw}, false FROM {t}
+    SELECT {raw}, false, false FROM {t}
     WHERE lease_name = CAST(:name AS varchar) AND expires_at > now()
       AND NOT EXISTS (SELECT 1 FROM won)
 ) AS r CROSS JOIN woken""")
@@ -189,9 +203,14 @@ SET renewed_at = now(), expires_at = now() + {duration},
 WHERE lease_name = CAST(:name AS varchar) AND owner_instance_id = CAST(:owner AS varchar)
   AND version = CAST(:version AS int8) AND expires_at > now()
 RETURNING {row}""")
+        # Release expires our row of this term (its version) in place and records the
+        # release; the elector calls it only once our claims have run out. (Other names'
+        # acquires sweep it like any expired row; the next holder then inserts afresh
+        # and, finding no record, waits one claim horizon.)
         self.release = Statement(f"""WITH gone AS (
-    DELETE FROM {t}
+    UPDATE {t} AS l SET expires_at = least(l.expires_at, now()), metadata = {released}
     WHERE lease_name = CAST(:name AS varchar) AND owner_instance_id = CAST(:owner AS varchar)
+      AND version = CAST(:version AS int8)
     RETURNING lease_name
 )
 SELECT pg_notify('{self.channel}', lease_name) FROM gone""")

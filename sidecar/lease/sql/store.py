@@ -87,13 +87,17 @@ class SqlRowStore:
             # Won or lost, the server's timeline is one this process has now seen.
             *columns, timeline = columns
             self._timelines.saw(int(timeline), asyncio.get_running_loop().time())
+        after_release = False
+        if self.dialect.acquire_reports_release:
+            *columns, after_release = columns
         *columns, won = columns
         # Only ``won`` says we hold it: a row we only read may name us (a second process
         # with our identity); RowLease tells those apart.
         row = replace(self.dialect.decode(tuple(columns)), won=_flag(won))
         if not row.won:
             return row
-        return replace(row, claim_delay=await self._claim_delay(row.version, duration))
+        return replace(row, claim_delay=await self._claim_delay(row.version, duration),
+                       previous_claims_ended=_flag(after_release))
 
     async def _claim_delay(self, version: int, duration: float) -> float:
         """How long a holder of the version's timeline waits before its first claim: a
@@ -122,8 +126,9 @@ class SqlRowStore:
             self._timelines.saw(timeline, asyncio.get_running_loop().time())
         return row
 
-    async def release(self, name: str, owner: str) -> None:
-        await self.driver.fetch(self.dialect.release, {"name": name, "owner": owner})
+    async def release(self, name: str, owner: str, version: int) -> None:
+        await self.driver.fetch(self.dialect.release,
+                                {"name": name, "owner": owner, "version": version})
 
     async def read(self, name: str) -> Row | None:
         # A standby reads the hand-over hint before its first acquire: provision first

@@ -12,6 +12,7 @@ import os
 import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -54,8 +55,12 @@ INSERT OR IGNORE INTO {table}_version (id, value) VALUES (1, 0);
 # another process (or to our previous term) and must run out first. An acquire that
 # finds the lease held writes nothing, so it commits without touching the disk:
 # standbys look on every commit they see, and a sync per look slowed every holder's
-# renew on a busy disk. (``metadata`` is left NULL.)
+# renew on a busy disk. ``metadata`` holds the release record (as on PostgreSQL,
+# :mod:`sidecar.lease.sql.dialect`): ``released:<version>`` on a row its holder released
+# once its claims had run out; the acquire reads it before its sweep removes the row.
 _SWEEP = "DELETE FROM {table} WHERE expires_at <= {now}"
+_RECORDED = ("SELECT 1 FROM {table} WHERE name = :name AND expires_at <= {now} "
+             "AND metadata = 'released:' || version")
 _INSERT = (
     "UPDATE {table}_version SET value = value + 1 WHERE id = 1",
     """INSERT INTO {table} (name, owner, acquired_at, renewed_at, expires_at, version)
@@ -68,7 +73,9 @@ _FLOOR = "UPDATE {table}_version SET value = :floor WHERE id = 1 AND value < :fl
 _RENEW = """UPDATE {table} SET renewed_at = {now}, expires_at = {now} + :duration
             WHERE name = :name AND owner = :owner AND expires_at > {now}
             RETURNING owner, version, expires_at"""
-_RELEASE = "DELETE FROM {table} WHERE name = :name AND owner = :owner"
+_RELEASE = ("UPDATE {table} SET expires_at = min(expires_at, {now}), "
+            "metadata = 'released:' || version "
+            "WHERE name = :name AND owner = :owner AND version = :version")
 _RELEASE_ANY = "DELETE FROM {table} WHERE name = :name"
 _READ = "SELECT owner, version, expires_at FROM {table} WHERE name = :name AND expires_at > {now}"
 
@@ -169,6 +176,7 @@ class SqliteStore:
             # one consistent state; it is the "one round trip" of a server backend.
             conn.execute("BEGIN IMMEDIATE")
             try:
+                recorded = conn.execute(self._sql(_RECORDED), params).fetchone() is not None
                 conn.execute(self._sql(_SWEEP))
                 found = conn.execute(self._sql(_READ), params).fetchone()
                 # The hand-over hint is looked at in this transaction, not only by the
@@ -200,6 +208,7 @@ class SqliteStore:
             row = _row(found, won=inserted and found is not None and int(found[1]) == drawn)
             if row is not None and row.won:
                 self._guard.record_token(row.version)
+                row = replace(row, previous_claims_ended=recorded)
             return row
 
         return await self._run(work)
@@ -212,12 +221,12 @@ class SqliteStore:
         return await self._run(
             lambda conn: _row(conn.execute(self._sql(_RENEW), params).fetchone()))
 
-    async def release(self, name: str, owner: str) -> None:
-        await self._run(lambda conn: conn.execute(self._sql(_RELEASE),
-                                                  {"name": name, "owner": owner}))
+    async def release(self, name: str, owner: str, version: int) -> None:
+        await self._run(lambda conn: conn.execute(
+            self._sql(_RELEASE), {"name": name, "owner": owner, "version": version}))
 
-    async def release_to(self, name: str, owner: str, hint: str, successor: str,
-                         bound: float) -> None:
+    async def release_to(self, name: str, owner: str, version: int, hint: str,
+                         successor: str, bound: float) -> None:
         """Release our row and write the hand-over hint row ``hint`` (owned by
         ``successor``, live for ``bound`` seconds) in one commit: standbys see the free
         lease and the hint at once, and the hand-over waits for one commit (a few disk
@@ -230,7 +239,8 @@ class SqliteStore:
                 for statement in _INSERT:
                     conn.execute(self._sql(statement),
                                  {"name": hint, "owner": successor, "duration": bound})
-                conn.execute(self._sql(_RELEASE), {"name": name, "owner": owner})
+                conn.execute(self._sql(_RELEASE),
+                             {"name": name, "owner": owner, "version": version})
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
