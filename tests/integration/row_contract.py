@@ -102,14 +102,36 @@ class RowStoreContract:
         assert await store.renew(name, "a", LONG, renewed.version) is None, \
             "renewed an expired row"
 
-    async def test_release_only_by_the_owner(self, store: SqlRowStore) -> None:
+    async def test_release_only_by_the_owner_of_that_term(self, store: SqlRowStore) -> None:
         name = fresh()
-        await store.acquire(name, "a", LONG)
-        await store.release(name, "b")
+        held = await store.acquire(name, "a", LONG)
+        await store.release(name, "b", held.version)
+        await store.release(name, "a", held.version - 1)  # an older term of ours
         assert (await store.read(name)).owner == "a"
-        await store.release(name, "a")
+        await store.release(name, "a", held.version)
         assert await store.read(name) is None
         assert (await store.acquire(name, "b", LONG)).owner == "b"
+
+    async def test_only_the_acquire_right_after_a_release_finds_its_record(
+            self, store: SqlRowStore) -> None:
+        """The release record (Grant.previous_claims_ended) counts for the term it was
+        written on only: not after an expiry, nor once another term came between."""
+        if not store.dialect.acquire_reports_release:
+            pytest.skip(f"{type(store.dialect).__name__} keeps no release record")
+        name = fresh()
+        first = await store.acquire(name, "a", LONG)
+        assert first.won and not first.previous_claims_ended  # nothing was there
+        await store.release(name, "a", first.version)
+        after = await store.acquire(name, "b", SHORT)
+        assert after.won and after.owner == "b" and after.previous_claims_ended
+        await asyncio.sleep(SHORT + 0.4)  # b's term runs out, unreleased
+        expired = await store.acquire(name, "c", LONG)
+        assert expired.won and not expired.previous_claims_ended
+        await store.release(name, "c", expired.version - 1)  # not c's last write
+        assert (await store.acquire(name, "d", LONG)).owner == "c"
+        await store.release(name, "c", expired.version)
+        again = await store.acquire(name, "d", LONG)
+        assert again.won and again.previous_claims_ended
 
     async def test_an_expired_row_is_taken_over_with_a_larger_version(
             self, store: SqlRowStore) -> None:
@@ -122,7 +144,7 @@ class RowStoreContract:
         assert new is not None and new.owner == "b" and new.version > old.version
         assert await store.renew(name, "a", LONG, old.version) is None
 
-    async def test_the_token_grows_across_holders_even_though_release_deletes(
+    async def test_the_token_grows_across_holders_and_releases(
             self, store: SqlRowStore) -> None:
         name = fresh()
         versions = []
@@ -130,7 +152,7 @@ class RowStoreContract:
             row = await store.acquire(name, owner, LONG)
             assert row is not None and row.owner == owner
             versions.append(row.version)
-            await store.release(name, owner)
+            await store.release(name, owner, row.version)
         assert versions == sorted(set(versions))
 
     async def test_acquire_sweeps_other_expired_rows(self, make_store: MakeStore) -> None:

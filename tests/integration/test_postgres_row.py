@@ -224,14 +224,14 @@ async def until_listening(store: SqlRowStore) -> None:
 async def test_release_and_sweep_wake_a_listening_standby(make_store) -> None:
     holder, standby = make_store(), make_store()
     name = fresh()
-    await holder.acquire(name, "a", LONG)
+    held = await holder.acquire(name, "a", LONG)
     await standby.acquire(name, "b", LONG)
     await until_listening(standby)
 
     waiting = asyncio.ensure_future(standby.wait_for_release(30.0))
     await asyncio.sleep(0.2)
     assert not waiting.done()
-    await holder.release(name, "a")
+    await holder.release(name, "a", held.version)
     await asyncio.wait_for(waiting, 5.0)  # woken by NOTIFY, not by its 30 s timeout
 
     # An expired row swept by someone's acquire also wakes standbys.
@@ -248,12 +248,38 @@ async def test_release_and_sweep_wake_a_listening_standby(make_store) -> None:
 async def test_a_notify_between_acquire_and_wait_is_not_lost(make_store) -> None:
     holder, standby = make_store(), make_store()
     name = fresh()
-    await holder.acquire(name, "a", LONG)
+    held = await holder.acquire(name, "a", LONG)
     await until_listening(standby)
     await standby.acquire(name, "b", LONG)
-    await holder.release(name, "a")
+    await holder.release(name, "a", held.version)
     await asyncio.sleep(0.2)  # the NOTIFY arrives before the standby starts waiting
     await asyncio.wait_for(standby.wait_for_release(30.0), 5.0)
+
+
+@pytest.mark.parametrize("edit", [
+    "DELETE FROM lease.leases WHERE lease_name = $1",
+    "UPDATE lease.leases SET expires_at = now() WHERE lease_name = $1",
+    # A record that does not name the row's own version (written by hand) is none.
+    "UPDATE lease.leases SET expires_at = now(), metadata = 'released:' || (version - 1) "
+    "WHERE lease_name = $1",
+])
+async def test_a_lease_ended_by_hand_carries_no_release_record(
+        make_store, pg_dsn: str, edit: str) -> None:
+    """Deleted or expired by hand (after an earlier recorded release, whose record
+    the term in between replaced): the next holder must wait one claim horizon."""
+    store = make_store()
+    name = fresh()
+    first = await store.acquire(name, "a", LONG)
+    await store.release(name, "a", first.version)
+    second = await store.acquire(name, "b", LONG)
+    assert second.won and second.previous_claims_ended
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        await conn.execute(edit, name)
+    finally:
+        await conn.close()
+    third = await store.acquire(name, "c", LONG)
+    assert third.won and third.owner == "c" and not third.previous_claims_ended
 
 
 async def test_the_listener_reconnects_quietly(pg, pg_dsn: str, make_store) -> None:
@@ -267,11 +293,11 @@ async def test_the_listener_reconnects_quietly(pg, pg_dsn: str, make_store) -> N
     await asyncio.sleep(0.3)
     assert not standby.driver.is_listening(standby.dialect.channel)
     await until_listening(standby)  # reconnects quietly
-    await holder.acquire(name, "a", LONG)
+    held = await holder.acquire(name, "a", LONG)
     await standby.acquire(name, "b", LONG)
     waiting = asyncio.ensure_future(standby.wait_for_release(30.0))
     await asyncio.sleep(0.2)
-    await holder.release(name, "a")
+    await holder.release(name, "a", held.version)
     await asyncio.wait_for(waiting, 5.0)
 
 

@@ -408,6 +408,50 @@ async def test_a_backend_claim_delay_longer_than_the_horizon_is_honoured():
     assert state.facts.claim_from == pytest.approx(replied + 0.06)  # not just the horizon
 
 
+@pytest.mark.parametrize(("claim_delay", "first_claim_after"), [(0.0, 0.0), (0.02, 0.02)])
+async def test_a_recorded_release_spares_the_horizon_but_not_the_claim_delay(
+        claim_delay, first_claim_after):
+    """The backend proved the previous term's claims had run out: no horizon wait, yet
+    a backend's own delay (a promotion) still counts."""
+    clock = FakeClock()
+    lease = FakeLease(clock)
+
+    async def after_release() -> Grant:
+        lease.calls.append(("acquire", clock.now))
+        return Grant(held=True, valid_for=10.0, fencing_token=8, claim_delay=claim_delay,
+                     previous_claims_ended=True)
+
+    lease.try_acquire = after_release
+    elector, state, publisher = make(clock, lease)
+    await drive(clock, asyncio.create_task(elector._acquire_once()))
+    replied = lease.calls[0][1]
+    assert state.facts.claim_from == pytest.approx(replied + first_claim_after)
+    assert first_claim_after < FAST.claim_horizon
+    assert publisher.events
+
+
+async def test_a_release_waits_for_the_work_to_stop_after_the_claims():
+    """``exec``: the command may outlive the last claim by its grace; the release (and
+    the record in it) comes only once it has stopped."""
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    stopped = asyncio.Event()
+    state = LeaseState(lease="default", identity="me", role="all",
+                       claim_horizon=FAST.claim_horizon, clock=clock)
+    elector = Elector(lease, state, FAST, "me", [], work_stopped=stopped.wait)
+    await elector._acquire_once()
+    clock.advance(FAST.claim_horizon)
+    assert state.claim().leader
+    elector.request_release()
+    task = asyncio.create_task(elector._renew_once())
+    clock.advance(1.0)  # every claim has long run out
+    await asyncio.sleep(0.1)
+    assert "release" not in [what for what, _ in lease.calls]
+    stopped.set()
+    await until(lambda: "release" in [what for what, _ in lease.calls])
+    await stop(task)
+
+
 async def test_a_claim_delay_longer_than_the_validity_keeps_the_term_alive():
     """After a server restart the first acquirer waits out the old holder's renew
     deadline; before, it sent no renew meanwhile and its term ran out of validity

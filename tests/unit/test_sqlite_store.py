@@ -40,13 +40,43 @@ async def test_one_holder_reentrant_and_owner_filtered(contenders):
     again = await a.try_acquire()  # re-entrant: same term, same token
     assert again.held and again.fencing_token == first.fencing_token
     assert not (await b.try_renew()).held  # renew only touches one's own row
-    await b.release()  # release only deletes one's own row
+    await b.release()  # release only ends one's own row
     assert (await a.describe()).holder == "a"
     assert (await a.try_renew()).held
     await a.release()
     assert (await a.describe()).holder is None
     taken = await b.try_acquire()
     assert taken.held and taken.fencing_token > first.fencing_token
+
+
+@pytest.mark.parametrize("edit", [
+    None,
+    "DELETE FROM leases WHERE name = 'p.job'",
+    "UPDATE leases SET expires_at = 0 WHERE name = 'p.job'",
+    "UPDATE leases SET expires_at = 0, metadata = 'released:' || (version - 1) "
+    "WHERE name = 'p.job'",
+])
+async def test_only_a_release_of_the_term_taken_over_is_reported(tmp_path, edit):
+    """The release record lets the next holder skip its claim horizon
+    (``previous_claims_ended``); a term ended by hand leaves none, even right after a
+    recorded release of the term before."""
+    path = str(tmp_path / "l.db")
+    store = SqliteStore(path, "leases")
+    try:
+        a, b, c = lease(store, "a"), lease(store, "b"), lease(store, "c")
+        assert not (await a.try_acquire()).previous_claims_ended
+        await a.release()
+        after = await b.try_acquire()
+        assert after.held and after.previous_claims_ended
+        if edit is None:
+            await b.release()
+        else:
+            with sqlite3.connect(path) as conn:
+                conn.execute(edit)
+        third = await c.try_acquire()
+        assert third.held and third.previous_claims_ended == (edit is None)
+    finally:
+        await store.close()
 
 
 async def test_expired_row_is_taken_over_with_a_larger_token(tmp_path):
