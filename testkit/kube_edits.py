@@ -51,6 +51,9 @@ def published_token(proc: SidecarProcess) -> int:
 Edit = Callable[[ControlPlane, str, SidecarProcess, SidecarProcess], None]
 EDITS: dict[str, Edit] = {
     "holder-cleared": lambda cp, ns, holder, standby: patch(cp, ns, {"holderIdentity": None}),
+    # Looks like a release (as client-go's and ours), but carries no release record.
+    "released-by-hand": lambda cp, ns, holder, standby: patch(
+        cp, ns, {"holderIdentity": None, "leaseDurationSeconds": 1}),
     "holder-to-standby": lambda cp, ns, holder, standby: patch(
         cp, ns, {"holderIdentity": standby.identity}),
     "duration-1s": lambda cp, ns, holder, standby: patch(cp, ns, {"leaseDurationSeconds": 1}),

@@ -19,9 +19,12 @@ The guard ends the whole tree — SIGTERM, then SIGKILL after the grace — when
 - the command itself exits (what it left running is part of the job).
 
 SIGKILL comes at ``stop + grace``, but never later than ``valid_until + safety margin``:
-by this host's clock the lease cannot pass to another contender before that instant, and
-that contender waits one claim horizon more before it publishes (``exec`` starts its
-command only then), so the SIGKILL lands before any other holder's command can start.
+by this host's clock the lease cannot run out for another contender before that instant,
+and that contender waits one claim horizon more before it publishes (``exec`` starts its
+command only then), so the SIGKILL lands before any other holder's command can start. A
+release, which can pass the lease sooner (and spare the next holder its horizon), waits
+for the job to exit while the supervisor lives (``work_stopped`` in
+:mod:`sidecar.cli.exec_command`).
 
 Both the guard and the supervisor are *child subreapers* (``prctl``): a descendant
 whose parent dies is re-parented to the nearest one instead of PID 1, so "no children

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sidecar.lease.kubernetes.record import RELEASED_ANNOTATION
 from testkit.clientgo_support import GoElector
 from testkit.kube_support import (
     Recorder,
@@ -122,6 +123,16 @@ def test_sigterm_releases_and_a_standby_leads_within_a_second(
         recorder.stop()
     assert took < 1.0, f"standby led {took:.3f}s after SIGTERM (lease is 3s)"
     assert_next_term(control_plane, kube_namespace, new, token)
+    # The release recorded the ended term, so the new holder claimed without waiting a
+    # horizon of its own; its write removed the record.
+    acquired = [json.loads(line) for line in new.logs().splitlines()
+                if '"acquired lease"' in line]
+    assert acquired and acquired[-1]["previous_claims_ended"] is True, acquired
+    assert acquired[-1]["claim_delay_ms"] == 0.0, acquired
+    annotations = json.loads(control_plane.kubectl(
+        "-n", kube_namespace, "get", "lease", "lease-sidecar.jobs", "-o", "json"
+    ).stdout)["metadata"].get("annotations") or {}
+    assert RELEASED_ANNOTATION not in annotations
 
 
 def test_sigkill_is_taken_over_after_about_the_lease_duration(

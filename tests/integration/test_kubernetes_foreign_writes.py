@@ -66,7 +66,7 @@ def assert_safe(trial: Trial) -> None:
         assert trial.token_after > max(trial.tokens_before), trial
 
 
-@pytest.mark.parametrize("edit", ["holder-cleared", "holder-to-standby"])
+@pytest.mark.parametrize("edit", ["holder-cleared", "released-by-hand", "holder-to-standby"])
 def test_a_hand_edit_that_ends_the_term_never_gives_two_leaders(
     control_plane: ControlPlane, kube_namespace: str, trio: list[SidecarProcess], edit: str
 ) -> None:
