@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -265,3 +266,10 @@ class ClaimRecorder:
         ordered = sorted(self.tokens)
         return [(a, b) for a, b in itertools.pairwise(ordered)
                 if b[2] < a[2] or (b[1] != a[1] and b[2] == a[2])]
+
+
+def released_rows(conn: sqlite3.Connection) -> list[bool]:
+    """Per lease row: released by its holder (expired, with the release record)."""
+    return [bool(r) for (r,) in conn.execute(
+        "SELECT metadata = 'released:' || version AND expires_at <= "
+        "(julianday('now') - 2440587.5) * 86400.0 FROM leases")]

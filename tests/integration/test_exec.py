@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit.support import SidecarProcess, wait_until
+from testkit.support import SidecarProcess, released_rows, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -152,7 +152,7 @@ def test_release_ends_every_worker_before_exec_exits(tmp_path, job):
         assert_job_ended(runner, started, log, births)
         assert "stopping command" in runner.logs()
     with sqlite3.connect(tmp_path / "leases.db") as conn:
-        assert conn.execute("SELECT count(*) FROM leases").fetchone() == (0,)
+        assert released_rows(conn) == [True]  # released, with the release record
 
 
 def test_a_worker_that_left_the_process_group_is_ended_too(tmp_path, job):
@@ -217,7 +217,7 @@ def test_exec_exits_with_the_command_and_ends_what_it_left_running(tmp_path, job
     finally:
         runner.stop()
     with sqlite3.connect(tmp_path / "leases.db") as conn:
-        assert conn.execute("SELECT count(*) FROM leases").fetchone() == (0,)
+        assert released_rows(conn) == [True]  # released, with the release record
 
 
 def test_a_killed_guard_is_covered_by_exec(tmp_path, job):

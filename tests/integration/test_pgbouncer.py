@@ -541,7 +541,7 @@ async def test_row_driver_finds_the_pooler_and_keeps_listen_off(
     try:
         await direct.apply_schema()
         assert direct.driver.pooled is False
-        await pooled.acquire("n", "a", 5.0)
+        held = await pooled.acquire("n", "a", 5.0)
         assert pooled.driver.pooled is True
         started = time.monotonic()
         await pooled.wait_for_release(0.3)  # polls: sleeps the whole time
@@ -551,7 +551,7 @@ async def test_row_driver_finds_the_pooler_and_keeps_listen_off(
         await direct.wait_for_release(0.05)
         waiting = asyncio.ensure_future(direct.wait_for_release(30.0))
         await asyncio.sleep(0.3)
-        await pooled.release("n", "a")
+        await pooled.release("n", "a", held.version)
         await asyncio.wait_for(waiting, 5.0)
     finally:
         await direct.close()

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, serving, wait_until
+from testkit.support import (
+    ClaimRecorder,
+    SidecarProcess,
+    get_json,
+    one_leader,
+    released_rows,
+    serving,
+    wait_until,
+)
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -108,7 +116,7 @@ def test_exec_releases_when_the_command_exits_and_mirrors_its_code(tmp_path: Pat
     assert runner.proc.wait(timeout=15) == 7
     runner.stop()
     with sqlite3.connect(db) as conn:
-        assert conn.execute("SELECT count(*) FROM leases").fetchone() == (0,)
+        assert released_rows(conn) == [True]  # released, with the release record
 
 
 @pytest.mark.parametrize(("args", "named"), [
