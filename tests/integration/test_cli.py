@@ -299,17 +299,18 @@ def test_expired_lease_exists_but_is_free(holder: SidecarProcess, tmp_path: Path
     assert document["leases"][0]["fencing_token"] == token
 
 
-def test_released_lease_has_no_row_and_is_unknown(holder: SidecarProcess,
-                                                  tmp_path: Path) -> None:
-    """SIGTERM releases, and release deletes the row: nothing is left to show."""
+def test_released_lease_exists_but_is_free(holder: SidecarProcess, tmp_path: Path) -> None:
+    """SIGTERM releases: the row stays, expired at the release (with the release record
+    for the next holder), so the lease is shown free at once with its last term's token."""
+    token = leader_body(holder, "jobs")["fencing_token"]
     holder.signal(signal.SIGTERM)
     assert holder.proc.wait(10) == 0  # type: ignore[union-attr]  # the fixture started it
     db = str(tmp_path / "leases.db")
-    listing = cli("status", "--dsn", db)
+    listing = cli("status", "--dsn", db, "--name", "jobs")
     assert listing.returncode == 0, listing.stderr
-    assert listing.stdout == ""
-    assert "no leases under key prefix 'lease-sidecar'" in listing.stderr
-    assert cli("status", "--dsn", db, "--name", "jobs").returncode == 3
+    row = table(listing.stdout)[0]
+    assert row["HOLDER"] == "-" and row["FENCING TOKEN"] == str(token)
+    assert parse_time(row["EXPIRES"]) <= time.time()
 
 
 def test_status_on_a_missing_database_creates_nothing(tmp_path: Path) -> None:
