@@ -30,7 +30,8 @@ from testkit.support import (
     wait_until,
 )
 
-# A 2 s lease; 100 ms claim horizon: the hand-over's floor is two horizons.
+# A 2 s lease; 100 ms claim horizon: the hand-over's floor is one horizon where the
+# release is on record, two on the advisory lock.
 LEASE_DURATION = 2.0
 CLAIM_HORIZON = 0.1
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
