@@ -137,8 +137,11 @@ def _go() -> str | None:
 def _apiserver() -> str | None:
     from testkit.testbed import gobuild
 
-    built = all(gobuild.binary_path(t, gobuild.resolve_version(t)).exists()
-                for t in ("kube-apiserver", "etcd"))
+    # Look only: resolving the Kubernetes version builds it when nothing is cached, and
+    # listing what this host can run must not start a half-hour build.
+    built = all(any(gobuild.binary_path(tool, version).exists()
+                    for version in gobuild.candidate_versions(tool))
+                for tool in ("kube-apiserver", "etcd"))
     return None if built else _go()
 
 

@@ -324,9 +324,12 @@ class Elector:
             # Before the release, so that standbys see the hint before the free lease.
             await asyncio.shield(naming)
         if release:
+            # A term given back before its first claim (a stop during its wait) cannot
+            # vouch for the claims of the term before it: no release record then.
+            record = self._clock.monotonic() >= self.state.facts.claim_from
             try:
                 async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
-                    await self.lease.release()
+                    await self.lease.release(record=record)
             except Exception as exc:
                 log.warning("release failed; the lease frees itself after its TTL",
                             extra={**self._fields(token), "error": str(exc)})

@@ -102,12 +102,14 @@ class Lease(Protocol):
 
     async def try_renew(self) -> Grant: ...
 
-    async def release(self) -> None:
+    async def release(self, record: bool = False) -> None:
         """Give the lease back. The elector calls it only once every claim of the term
-        has run out (or none was handed out), so a backend may record the release in the
-        lease, in the same write, for the next acquire to find (``previous_claims_ended``):
-        a record that the next holder can tie to *this* term, so that a release by anyone
-        else, or a hand edit, never passes for one."""
+        has run out (or none was handed out). ``record`` True: the term also reached its
+        first claim, so no claim of an *earlier* term can still run either; a backend may
+        then record the release in the lease, in the same write, for the next acquire
+        to find (``previous_claims_ended``) — a record that the next holder can tie to
+        *this* term, so that a release by anyone else, or a hand edit, never passes for
+        one. False (a term given back before its first claim): write no record."""
         ...
 
     async def describe(self) -> Holder: ...

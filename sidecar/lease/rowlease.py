@@ -92,9 +92,10 @@ class RowStore(Protocol):
         the store checks it); ``None`` when it is not ours any more."""
         ...
 
-    async def release(self, name: str, owner: str, version: int) -> None:
-        """End our row of the term whose last write has ``version``, recording the
-        release where the store can (see the module doc)."""
+    async def release(self, name: str, owner: str, version: int,
+                      record: bool = False) -> None:
+        """End our row of the term whose last write has ``version``; with ``record``,
+        record the release where the store can (see the module doc)."""
         ...
 
     async def read(self, name: str) -> Row | None: ...
@@ -107,8 +108,9 @@ class RowStore(Protocol):
 
 
 def _release_to(store: RowStore
-                ) -> Callable[[str, str, int, str, str, float], Awaitable[None]] | None:
-    """The store's optional ``release_to(name, owner, version, hint, successor, bound)``:
+                ) -> Callable[[str, str, int, bool, str, str, float], Awaitable[None]] | None:
+    """The store's optional
+    ``release_to(name, owner, version, record, hint, successor, bound)``:
     release and write the hand-over hint in one commit
     (:meth:`.sqlite.store.SqliteStore.release_to`)."""
     method = getattr(store, "release_to", None)
@@ -216,7 +218,7 @@ class RowLease:
         return Grant(held=True, valid_for=self._valid_for, fencing_token=self._token,
                      holder=self._owner)
 
-    async def release(self) -> None:
+    async def release(self, record: bool = False) -> None:
         version = self._version
         self._token = self._version = None
         successor, self._successor = self._successor, None
@@ -225,10 +227,10 @@ class RowLease:
         release_to = _release_to(self._store)
         with contextlib.suppress(Refused):
             if successor is not None and release_to is not None:
-                await release_to(self._key, self._owner, version, self._key + HINT_SUFFIX,
-                                 *successor)
+                await release_to(self._key, self._owner, version, record,
+                                 self._key + HINT_SUFFIX, *successor)
             else:
-                await self._store.release(self._key, self._owner, version)
+                await self._store.release(self._key, self._owner, version, record)
 
     async def describe(self) -> Holder:
         row = await self._store.read(self._key)

@@ -121,15 +121,18 @@ class RowStoreContract:
         name = fresh()
         first = await store.acquire(name, "a", LONG)
         assert first.won and not first.previous_claims_ended  # nothing was there
-        await store.release(name, "a", first.version)
+        await store.release(name, "a", first.version, record=True)
         after = await store.acquire(name, "b", SHORT)
         assert after.won and after.owner == "b" and after.previous_claims_ended
+        await store.release(name, "b", after.version)  # released, but without a record
+        unrecorded = await store.acquire(name, "b", SHORT)
+        assert unrecorded.won and not unrecorded.previous_claims_ended
         await asyncio.sleep(SHORT + 0.4)  # b's term runs out, unreleased
         expired = await store.acquire(name, "c", LONG)
         assert expired.won and not expired.previous_claims_ended
-        await store.release(name, "c", expired.version - 1)  # not c's last write
+        await store.release(name, "c", expired.version - 1, record=True)  # not c's last write
         assert (await store.acquire(name, "d", LONG)).owner == "c"
-        await store.release(name, "c", expired.version)
+        await store.release(name, "c", expired.version, record=True)
         again = await store.acquire(name, "d", LONG)
         assert again.won and again.previous_claims_ended
 

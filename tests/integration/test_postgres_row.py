@@ -270,7 +270,7 @@ async def test_a_lease_ended_by_hand_carries_no_release_record(
     store = make_store()
     name = fresh()
     first = await store.acquire(name, "a", LONG)
-    await store.release(name, "a", first.version)
+    await store.release(name, "a", first.version, record=True)
     second = await store.acquire(name, "b", LONG)
     assert second.won and second.previous_claims_ended
     conn = await asyncpg.connect(pg_dsn)

@@ -36,6 +36,7 @@ class FakeLease:
     fail: bool = False
     token: int = 7
     calls: list[tuple[str, float]] = field(default_factory=list)
+    records: list[bool] = field(default_factory=list)  # release(record=...) per release
     lost: asyncio.Event | None = None
 
     async def _call(self, what: str) -> Grant:
@@ -55,8 +56,9 @@ class FakeLease:
     async def try_renew(self) -> Grant:
         return await self._call("renew")
 
-    async def release(self) -> None:
+    async def release(self, record: bool = False) -> None:
         self.calls.append(("release", self.clock.now))
+        self.records.append(record)
 
     async def describe(self) -> Holder:
         return Holder(holder="me")

@@ -70,10 +70,10 @@ class MemoryLease:
             return Grant(held=False, holder=record.holder, reason="expired or taken over")
         return self._granted(record)
 
-    async def release(self) -> None:
-        record = self._record()
-        if record.holder == self._identity:
-            record.holder = None
+    async def release(self, record: bool = False) -> None:
+        kept = self._record()  # no release record here: every new term waits its horizon
+        if kept.holder == self._identity:
+            kept.holder = None
             async with self._store.changed:
                 self._store.changed.notify_all()
 

@@ -430,6 +430,22 @@ async def test_a_recorded_release_spares_the_horizon_but_not_the_claim_delay(
     assert publisher.events
 
 
+async def test_only_a_term_that_reached_its_first_claim_releases_on_record():
+    """A term stopped during its horizon wait cannot vouch for the claims of the term
+    before it: its release writes no record. One that claimed, released, does."""
+    clock = FakeClock()
+    lease = FakeLease(clock)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    assert state.facts.holding and not state.claim().leader  # still waiting its horizon
+    await drive(clock, asyncio.create_task(elector.shutdown()))
+    assert lease.records == [False]
+
+    elector, state, _ = await claiming(clock, lease)
+    await drive(clock, asyncio.create_task(elector.shutdown()))
+    assert lease.records == [False, True]
+
+
 async def test_a_release_waits_for_the_work_to_stop_after_the_claims():
     """``exec``: the command may outlive the last claim by its grace; the release (and
     the record in it) comes only once it has stopped."""

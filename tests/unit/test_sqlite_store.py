@@ -51,6 +51,7 @@ async def test_one_holder_reentrant_and_owner_filtered(contenders):
 
 @pytest.mark.parametrize("edit", [
     None,
+    "unrecorded",  # a release asked to write no record (a term ended before its claims)
     "DELETE FROM leases WHERE name = 'p.job'",
     "UPDATE leases SET expires_at = 0 WHERE name = 'p.job'",
     "UPDATE leases SET expires_at = 0, metadata = 'released:' || (version - 1) "
@@ -65,10 +66,12 @@ async def test_only_a_release_of_the_term_taken_over_is_reported(tmp_path, edit)
     try:
         a, b, c = lease(store, "a"), lease(store, "b"), lease(store, "c")
         assert not (await a.try_acquire()).previous_claims_ended
-        await a.release()
+        await a.release(record=True)
         after = await b.try_acquire()
         assert after.held and after.previous_claims_ended
         if edit is None:
+            await b.release(record=True)
+        elif edit == "unrecorded":
             await b.release()
         else:
             with sqlite3.connect(path) as conn:

@@ -176,12 +176,11 @@ class KubeLease:
                 return Grant(held=False, reason="lost the race while renewing")
         return self._holding(written)
 
-    async def release(self) -> None:
+    async def release(self, record: bool = False) -> None:
         """Give the lease back as client-go's ``ReleaseOnCancel`` does: holder ``""``,
         ``leaseDurationSeconds`` 1, ``acquireTime`` = ``renewTime`` = now, the count
-        kept; standbys of either kind take over at once. The same write records the
-        release (:data:`.record.RELEASED_ANNOTATION`): the elector releases only once
-        our claims have run out."""
+        kept; standbys of either kind take over at once. With ``record`` the same write
+        records the release (:data:`.record.RELEASED_ANNOTATION`)."""
         mine, self._mine = self._mine, None
         if mine is None or self._ended:
             return
@@ -190,7 +189,7 @@ class KubeLease:
         for _ in range(2):
             now = micro_time(self._clock.wall())
             released = replace(base, holder="", duration=1, transitions=mine.transitions,
-                               acquire_time=now, renew_time=now).recording_release(True)
+                               acquire_time=now, renew_time=now).recording_release(record)
             try:
                 self._observe(await api.replace(self._object, released))
                 return

@@ -157,7 +157,7 @@ class AdvisoryLease:
                 return Grant(held=False, reason="the session no longer holds the lock")
             return self._held()
 
-    async def release(self) -> None:
+    async def release(self, record: bool = False) -> None:
         await self._settle_waiter()
         async with self._busy:
             await self._unlock()

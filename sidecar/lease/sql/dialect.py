@@ -203,12 +203,13 @@ SET renewed_at = now(), expires_at = now() + {duration},
 WHERE lease_name = CAST(:name AS varchar) AND owner_instance_id = CAST(:owner AS varchar)
   AND version = CAST(:version AS int8) AND expires_at > now()
 RETURNING {row}""")
-        # Release expires our row of this term (its version) in place and records the
-        # release; the elector calls it only once our claims have run out. (Other names'
+        # Release expires our row of this term (its version) in place and, when asked
+        # (:meth:`sidecar.lease.Lease.release`), records the release. (Other names'
         # acquires sweep it like any expired row; the next holder then inserts afresh
         # and, finding no record, waits one claim horizon.)
         self.release = Statement(f"""WITH gone AS (
-    UPDATE {t} AS l SET expires_at = least(l.expires_at, now()), metadata = {released}
+    UPDATE {t} AS l SET expires_at = least(l.expires_at, now()),
+        metadata = CASE WHEN CAST(:record AS int4) = 1 THEN {released} END
     WHERE lease_name = CAST(:name AS varchar) AND owner_instance_id = CAST(:owner AS varchar)
       AND version = CAST(:version AS int8)
     RETURNING lease_name

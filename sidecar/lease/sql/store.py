@@ -126,9 +126,10 @@ class SqlRowStore:
             self._timelines.saw(timeline, asyncio.get_running_loop().time())
         return row
 
-    async def release(self, name: str, owner: str, version: int) -> None:
-        await self.driver.fetch(self.dialect.release,
-                                {"name": name, "owner": owner, "version": version})
+    async def release(self, name: str, owner: str, version: int,
+                      record: bool = False) -> None:
+        await self.driver.fetch(self.dialect.release, {
+            "name": name, "owner": owner, "version": version, "record": int(record)})
 
     async def read(self, name: str) -> Row | None:
         # A standby reads the hand-over hint before its first acquire: provision first

@@ -74,7 +74,7 @@ _RENEW = """UPDATE {table} SET renewed_at = {now}, expires_at = {now} + :duratio
             WHERE name = :name AND owner = :owner AND expires_at > {now}
             RETURNING owner, version, expires_at"""
 _RELEASE = ("UPDATE {table} SET expires_at = min(expires_at, {now}), "
-            "metadata = 'released:' || version "
+            "metadata = CASE WHEN :record THEN 'released:' || version END "
             "WHERE name = :name AND owner = :owner AND version = :version")
 _RELEASE_ANY = "DELETE FROM {table} WHERE name = :name"
 _READ = "SELECT owner, version, expires_at FROM {table} WHERE name = :name AND expires_at > {now}"
@@ -221,12 +221,13 @@ class SqliteStore:
         return await self._run(
             lambda conn: _row(conn.execute(self._sql(_RENEW), params).fetchone()))
 
-    async def release(self, name: str, owner: str, version: int) -> None:
-        await self._run(lambda conn: conn.execute(
-            self._sql(_RELEASE), {"name": name, "owner": owner, "version": version}))
+    async def release(self, name: str, owner: str, version: int,
+                      record: bool = False) -> None:
+        await self._run(lambda conn: conn.execute(self._sql(_RELEASE), {
+            "name": name, "owner": owner, "version": version, "record": int(record)}))
 
-    async def release_to(self, name: str, owner: str, version: int, hint: str,
-                         successor: str, bound: float) -> None:
+    async def release_to(self, name: str, owner: str, version: int, record: bool,
+                         hint: str, successor: str, bound: float) -> None:
         """Release our row and write the hand-over hint row ``hint`` (owned by
         ``successor``, live for ``bound`` seconds) in one commit: standbys see the free
         lease and the hint at once, and the hand-over waits for one commit (a few disk
@@ -239,8 +240,8 @@ class SqliteStore:
                 for statement in _INSERT:
                     conn.execute(self._sql(statement),
                                  {"name": hint, "owner": successor, "duration": bound})
-                conn.execute(self._sql(_RELEASE),
-                             {"name": name, "owner": owner, "version": version})
+                conn.execute(self._sql(_RELEASE), {"name": name, "owner": owner,
+                                                   "version": version, "record": int(record)})
                 conn.execute("COMMIT")
             except BaseException:
                 conn.execute("ROLLBACK")
