@@ -1,5 +1,6 @@
 """On SIGTERM in a pod, hand the lease to the youngest Ready pod of the group
-(``LEASE_SHUTDOWN_HANDOVER=youngest-ready``, opt-in).
+(``LEASE_SHUTDOWN_HANDOVER=youngest-ready``; the chart sets it where the pod label is
+kept).
 
 In a rolling update the leader's pod is replaced; a plain release lets any standby win,
 often an old pod that is itself replaced seconds later, so leadership moves several

@@ -643,4 +643,26 @@ def test_app_ready_containers_reach_the_sidecar_env() -> None:
     container = next(c for c in find(default, "Deployment", "-example")["spec"]["template"]
                      ["spec"]["initContainers"] if c["name"] == "lease-sidecar")
     assert "LEASE_APP_READY_CONTAINERS" not in env_map(container)
-    assert "LEASE_SHUTDOWN_HANDOVER" not in env_map(container)
+    assert env_map(container)["LEASE_SHUTDOWN_HANDOVER"] == "youngest-ready"  # auto
+
+
+@pytest.mark.parametrize(("values", "rendered"), [
+    ([], "youngest-ready"),
+    (["lease.podLabel=on"], "youngest-ready"),
+    (["lease.podLabel=off"], None),  # auto: no label, so no group to pick from
+    (["lease.shutdownHandover=off"], None),
+], ids=["default", "label-on", "label-off", "off"])
+def test_shutdown_handover_auto_follows_the_pod_label(values: list[str],
+                                                       rendered: str | None) -> None:
+    docs = documents(template("r", "ns", ["example.enabled=true", *values]).stdout)
+    container = next(c for c in find(docs, "Deployment", "-example")["spec"]["template"]
+                     ["spec"]["initContainers"] if c["name"] == "lease-sidecar")
+    assert env_map(container).get("LEASE_SHUTDOWN_HANDOVER") == rendered
+
+
+def test_shutdown_handover_youngest_ready_without_the_pod_label_fails_to_render() -> None:
+    proc = template("r", "ns", ["lease.podLabel=off", "lease.shutdownHandover=youngest-ready"],
+                    check=False)
+    assert proc.returncode != 0
+    assert "lease.shutdownHandover=youngest-ready" in proc.stderr
+    assert "needs lease.podLabel auto or on" in proc.stderr
