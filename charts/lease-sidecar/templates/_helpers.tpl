@@ -195,8 +195,6 @@ env:
   {{- $handover := .Values.lease.shutdownHandover | default "auto" }}
   {{- if eq $handover "auto" }}
   {{- $handover = ternary "off" "youngest-ready" (eq .Values.lease.podLabel "off") }}
-  {{- else if and (eq $handover "youngest-ready") (eq .Values.lease.podLabel "off") }}
-  {{- fail "lease.shutdownHandover=youngest-ready finds the group's pods by their lease-role label: it needs lease.podLabel auto or on (or set lease.shutdownHandover off or auto)" }}
   {{- end }}
   {{- if ne $handover "off" }}
   - name: LEASE_SHUTDOWN_HANDOVER
