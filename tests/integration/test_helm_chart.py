@@ -651,7 +651,9 @@ def test_app_ready_containers_reach_the_sidecar_env() -> None:
     (["lease.podLabel=on"], "youngest-ready"),
     (["lease.podLabel=off"], None),  # auto: no label, so no group to pick from
     (["lease.shutdownHandover=off"], None),
-], ids=["default", "label-on", "label-off", "off"])
+    # An identity of one's own: youngest-ready needs the pod name as identity.
+    (["sidecar.extraEnv[0].name=LEASE_IDENTITY", "sidecar.extraEnv[0].value=x"], None),
+], ids=["default", "label-on", "label-off", "off", "own-identity"])
 def test_shutdown_handover_auto_follows_the_pod_label(values: list[str],
                                                        rendered: str | None) -> None:
     docs = documents(template("r", "ns", ["example.enabled=true", *values]).stdout)

@@ -194,7 +194,13 @@ env:
   {{- end }}
   {{- $handover := .Values.lease.shutdownHandover | default "auto" }}
   {{- if eq $handover "auto" }}
-  {{- $handover = ternary "off" "youngest-ready" (eq .Values.lease.podLabel "off") }}
+  {{- /* youngest-ready needs the pod label and the pod name as identity: auto picks it
+  only where both hold (an identity of one's own in sidecar.extraEnv turns it off). */}}
+  {{- $ownIdentity := false }}
+  {{- range .Values.sidecar.extraEnv }}
+  {{- if eq .name "LEASE_IDENTITY" }}{{ $ownIdentity = true }}{{ end }}
+  {{- end }}
+  {{- $handover = ternary "off" "youngest-ready" (or (eq .Values.lease.podLabel "off") $ownIdentity) }}
   {{- end }}
   {{- if ne $handover "off" }}
   - name: LEASE_SHUTDOWN_HANDOVER
