@@ -662,9 +662,15 @@ def test_shutdown_handover_auto_follows_the_pod_label(values: list[str],
     assert env_map(container).get("LEASE_SHUTDOWN_HANDOVER") == rendered
 
 
-def test_shutdown_handover_youngest_ready_without_the_pod_label_fails_to_render() -> None:
-    proc = template("r", "ns", ["lease.podLabel=off", "lease.shutdownHandover=youngest-ready"],
+@pytest.mark.parametrize(("values", "message"), [
+    (["lease.podLabel=off"], "needs lease.podLabel auto or on"),
+    (["sidecar.extraEnv[0].name=LEASE_IDENTITY", "sidecar.extraEnv[0].value=x"],
+     "needs the pod name as identity"),
+], ids=["label-off", "own-identity"])
+def test_shutdown_handover_youngest_ready_that_cannot_work_fails_to_render(
+        values: list[str], message: str) -> None:
+    proc = template("r", "ns", [*values, "lease.shutdownHandover=youngest-ready"],
                     check=False)
     assert proc.returncode != 0
     assert "lease.shutdownHandover=youngest-ready" in proc.stderr
-    assert "needs lease.podLabel auto or on" in proc.stderr
+    assert message in proc.stderr

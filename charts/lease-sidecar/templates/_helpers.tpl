@@ -141,6 +141,28 @@ lease-sidecar/group: {{ ternary (printf "%s-%s" $head $digest) $digest (ne $head
 
 {{- define "lease-sidecar.stateDir" -}}/run/lease{{- end }}
 
+{{/* lease-sidecar.shutdownHandover: LEASE_SHUTDOWN_HANDOVER as the sidecar gets it, "off"
+or "youngest-ready". youngest-ready finds the group's pods by their labels and names a
+pod as the successor, so it needs the pod label and the pod name as identity: auto picks
+it only where both hold, and an explicit youngest-ready where one does not fails (called
+by templates/validate.yaml too, so every render checks it). */}}
+{{- define "lease-sidecar.shutdownHandover" -}}
+{{- $handover := .Values.lease.shutdownHandover | default "auto" }}
+{{- $ownIdentity := false }}
+{{- range .Values.sidecar.extraEnv }}
+{{- if eq .name "LEASE_IDENTITY" }}{{ $ownIdentity = true }}{{ end }}
+{{- end }}
+{{- $labelOff := eq .Values.lease.podLabel "off" }}
+{{- if eq $handover "auto" }}
+{{- $handover = ternary "off" "youngest-ready" (or $labelOff $ownIdentity) }}
+{{- else if and (eq $handover "youngest-ready") $labelOff }}
+{{- fail "lease.shutdownHandover=youngest-ready finds the group's pods by their labels: it needs lease.podLabel auto or on (or set lease.shutdownHandover to off or auto)" }}
+{{- else if and (eq $handover "youngest-ready") $ownIdentity }}
+{{- fail "lease.shutdownHandover=youngest-ready names a pod as the successor: it needs the pod name as identity, not LEASE_IDENTITY in sidecar.extraEnv (or set lease.shutdownHandover to off or auto)" }}
+{{- end }}
+{{- $handover }}
+{{- end }}
+
 {{/*
 lease-sidecar.container: the sidecar as a native sidecar, for a pod's initContainers.
 restartPolicy: Always makes it start before the app containers (once its postStart hook
@@ -192,16 +214,7 @@ env:
   - name: LEASE_APP_READY_CONTAINERS
     value: {{ join "," . | quote }}
   {{- end }}
-  {{- $handover := .Values.lease.shutdownHandover | default "auto" }}
-  {{- if eq $handover "auto" }}
-  {{- /* youngest-ready needs the pod label and the pod name as identity: auto picks it
-  only where both hold (an identity of one's own in sidecar.extraEnv turns it off). */}}
-  {{- $ownIdentity := false }}
-  {{- range .Values.sidecar.extraEnv }}
-  {{- if eq .name "LEASE_IDENTITY" }}{{ $ownIdentity = true }}{{ end }}
-  {{- end }}
-  {{- $handover = ternary "off" "youngest-ready" (or (eq .Values.lease.podLabel "off") $ownIdentity) }}
-  {{- end }}
+  {{- $handover := include "lease-sidecar.shutdownHandover" . }}
   {{- if ne $handover "off" }}
   - name: LEASE_SHUTDOWN_HANDOVER
     value: {{ $handover | quote }}
