@@ -10,7 +10,8 @@ out is a wake-up. Nothing changes leadership meanwhile, so every wake-up is one 
 waiter did not need (target: 0 per minute; only the ``wait`` timeouts return).
 Handover phase: each round parks a waiter on both sidecars, ``POST /release`` to the
 leader, and measures how long the leader's waiter takes to hear "not leader" and how
-long after its first claim (``since`` + one horizon) the standby's waiter hears
+long after its first claim (``since`` + the claim delay its "acquired lease" log line
+gives: one horizon, or none after a recorded release) the standby's waiter hears
 "leader".
 
 ``--source DIR`` runs the sidecars from another checkout (``git archive <commit> | tar
@@ -20,6 +21,7 @@ long after its first claim (``since`` + one horizon) the standby's waiter hears
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import tempfile
@@ -43,6 +45,15 @@ def renews(proc: SidecarProcess) -> float:
     found = re.search(r'^(?:lease_sidecar_)?renew_duration_seconds_count\{lease="default",'
                       r'outcome="held"\} (\S+)$', text, re.M)
     return float(found.group(1)) if found else float("nan")
+
+
+def claim_delay(proc: SidecarProcess) -> float:
+    """Seconds from the acquire to the first claim of the sidecar's latest term, from its
+    "acquired lease" log line (none after a release recorded as over; one horizon
+    otherwise, and in versions whose line does not say)."""
+    delays = [json.loads(line).get("claim_delay_ms") for line in proc.logs().splitlines()
+              if '"acquired lease"' in line]
+    return HORIZON if not delays or delays[-1] is None else delays[-1] / 1000
 
 
 class Waiter(threading.Thread):
@@ -133,7 +144,7 @@ def one_handover(leader: SidecarProcess, standby: SidecarProcess) -> tuple[float
     status, answered = results["leader"]
     assert status == 503, status
     body, answered_wall = results["standby"]
-    claim_from = datetime.fromisoformat(body["since"]).timestamp() + HORIZON
+    claim_from = datetime.fromisoformat(body["since"]).timestamp() + claim_delay(standby)
     return (answered - asked) * 1000, (answered_wall - claim_from) * 1000
 
 

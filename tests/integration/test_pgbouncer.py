@@ -24,7 +24,12 @@ import asyncpg
 import pytest
 
 from sidecar.lease.postgres_advisory.lease import AdvisoryLease
-from sidecar.lease.postgres_advisory.session import POOLER, pooler_evidence
+from sidecar.lease.postgres_advisory.session import (
+    POOLER,
+    Connector,
+    close,
+    pooler_evidence,
+)
 from sidecar.lease.postgres_advisory.sql import MARKER_SETTING, lock_id
 from sidecar.settings import StoreSettings
 from testkit import support
@@ -251,6 +256,35 @@ async def test_a_lone_holder_on_a_transaction_pool_finds_it_by_itself(
         assert lease.lost.is_set() and not (await lease.try_renew()).held
     finally:
         await backend.close()
+
+
+async def test_the_probe_waits_for_the_lease_statement_in_flight(
+        pg_dsn: str, pgbouncer: StartBouncer) -> None:
+    """Seen in CI on a loaded machine: a heartbeat in flight while the probe after a grant
+    ran kept the lease's server session busy; the probe was handed another one, clean,
+    found nothing, and the lone holder led on unwarned. The probe now runs its statement
+    while the lease's statements are held back, so the pooler hands it our session. The
+    statement in flight here is a 0.3 s sleep on the lease's own connection."""
+    bouncer = pgbouncer("transaction", 5)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    connector = Connector(dsn, "probe-race", settings(dsn, "probe-race").timing)
+    session = await connector.open()
+    try:
+        assert session.proxied
+        quiet = asyncio.Lock()
+        in_flight = asyncio.Event()
+
+        async def lease_statement() -> None:
+            async with quiet:
+                in_flight.set()
+                await session.conn.fetchval("select pg_sleep(0.3)")
+
+        statement = asyncio.create_task(lease_statement())
+        await in_flight.wait()
+        assert await connector.hands_out_used_sessions(session, quiet) is True
+        await statement
+    finally:
+        await close(session.conn)
 
 
 async def test_prepared_statement_errors_betray_the_pooler(pg_dsn: str,

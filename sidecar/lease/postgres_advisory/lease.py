@@ -139,6 +139,7 @@ class AdvisoryLease:
                 return self._gone()
             session = self._link.session
             assert session is not None
+            self._start_probe(session)
             try:
                 ours, holds, _ = await session.conn.fetchrow(HOLDS, *self._halves,
                                                           session.marker)
@@ -288,29 +289,37 @@ class AdvisoryLease:
                 await expiry
 
     def _start_probe(self, session: Session, again: bool = False) -> None:
-        """Behind a proxy, probe a session once when it opens (``again``: after a grant)."""
-        if not session.proxied or (session.probed and not again):
+        """Behind a proxy, probe a session when it opens, after each grant (``again``) and,
+        while the last probe could not tell, at the lease's next statement."""
+        if not session.proxied:
             return
-        if self._probe is not None and not self._probe.done():
+        if again:
+            session.probe_due = True  # a probe running now reruns when it is done
+        if not session.probe_due or (self._probe is not None and not self._probe.done()):
             return
-        session.probed = True
         self._probe = asyncio.create_task(self._probe_pooler(session),
                                           name=f"pg-advisory-probe-{self.name}")
 
     async def _probe_pooler(self, session: Session) -> None:
-        """Behind a proxy, when a session opens and after a grant: does a fresh connection
-        get a server session of its own, as session pooling promises? Runs beside the
-        lease's statements, not before them: the checks in every lock statement, not this
-        probe, keep claims apart."""
-        if await self._db.hands_out_used_sessions(session):
-            # Once the lease's own statement is done: cutting the connection while a
-            # statement runs makes a transaction pooler close the server session it ran
-            # on, which may be the one holding another sidecar's lock (freed early,
-            # before that holder's claims end).
-            async with self._busy:
-                self.pooler_seen("a fresh connection was handed a server session that "
-                                 "already carried a connection's marker: a transaction "
-                                 "pooler, or a session pool without a server reset")
+        """Behind a proxy: does a fresh connection get a server session of its own, as
+        session pooling promises? Runs beside the lease's statements, not before them: the
+        checks in every lock statement, not this probe, keep claims apart."""
+        while session.probe_due and not self.pooler and not session.conn.is_closed():
+            session.probe_due = False
+            verdict = await self._db.hands_out_used_sessions(session, self._busy)
+            if verdict is None:
+                session.probe_due = True  # asked again at the next statement, not in a loop
+                return
+            if verdict:
+                # Once the lease's own statement is done: cutting the connection while a
+                # statement runs makes a transaction pooler close the server session it
+                # ran on, which may be the one holding another sidecar's lock (freed
+                # early, before that holder's claims end).
+                async with self._busy:
+                    self.pooler_seen("a fresh connection was handed a server session that "
+                                     "already carried a connection's marker: a transaction "
+                                     "pooler, or a session pool without a server reset")
+                return
 
     def _check(self, session: Session, ours: bool, already: bool) -> Grant | None:
         """The refusal when a lock statement did not run on our own, clean session."""

@@ -106,8 +106,9 @@ class Session:
     # survives its statement's error: the session may hold the lock although we were
     # told no.
     maybe_holds: bool = False
-    # A fresh connection has checked, once, that this session is not handed around.
-    probed: bool = False
+    # A fresh connection is to check that this session is not handed around: when it
+    # opens, after each grant, and again after a check that could not tell.
+    probe_due: bool = True
 
 
 class Connector:
@@ -149,32 +150,40 @@ class Connector:
             raise self.error("cannot apply session settings", exc) from None
         return Session(conn, marker, int(pid), proxied=conn.get_server_pid() != pid)
 
-    async def hands_out_used_sessions(self, session: Session) -> bool:
+    async def hands_out_used_sessions(self, session: Session,
+                                      quiet: asyncio.Lock) -> bool | None:
         """Does a fresh connection get a server session that already carries a marker?
+        None: it could not tell (no connection, or no answer in time).
 
-        Asked behind a proxy once per session and after every grant. The lock
-        statements' checks need a second client to share or swap a session before they
-        can see anything; a sidecar left alone on a transaction pool (its rivals refused
-        and exited) would otherwise lead on, unwarned, and standbys whose lock waits keep
-        landing on their own pooled sessions would never meet the session a killed
-        holder left with the lock. A transaction pooler hands this fresh connection a
-        pooled session — by default the one released last, ours — still carrying our
-        marker (or another client's); where it opens a new one instead, the probe's own
-        marker stays on it and the pooler, which reuses the session released last, hands
-        it to our next statement, whose check fails. A session pooler gives the probe a
-        new or reset session and never hands it to us, or makes the probe wait for one
-        (a timeout here, which says nothing: False).
+        The lock statements' checks need a second client to share or swap a session before
+        they can see anything; a sidecar left alone on a transaction pool (its rivals
+        refused and exited) would otherwise lead on, unwarned, and standbys whose lock
+        waits keep landing on their own pooled sessions would never meet the session a
+        killed holder left with the lock. The probe's statement runs while the lease's own
+        statements are held back (``quiet``, the lease's lock): the server session the lease
+        used last is then idle, and a transaction pooler, which by default hands out the
+        session released last, gives it to the probe, still carrying our marker (or
+        another client's). Where it opens a new one instead, the probe's own marker stays
+        on it, and the pooler hands that session, now the one released last, to our next
+        statement, whose check fails. Without ``quiet`` a heartbeat in flight kept our
+        session busy, the probe got another, and our session, released after it, came
+        back to us: nothing seen, ever (seen in CI on a loaded machine). A session pooler
+        gives the probe a new or reset session and never hands it to us, or makes it wait
+        for one: the wait, which holds the lease's statements back, is cut at one renew
+        interval, and says nothing (None).
         """
         try:
             conn = await asyncpg.connect(
                 self.dsn, timeout=self.timeout, statement_cache_size=0,
                 server_settings={"application_name": self._application_name})
         except (*DB_ERRORS, ValueError):
-            return False
+            return None
         try:
-            marker, pid, _ = await conn.fetchrow(PROBE, timeout=self.timeout)
+            async with quiet:
+                marker, pid, _ = await conn.fetchrow(
+                    PROBE, timeout=min(self.timeout, self._timing.renew_interval))
         except DB_ERRORS:
-            return False
+            return None
         finally:
             await close(conn)
         return bool(pid == session.backend_pid or marker)
