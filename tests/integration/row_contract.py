@@ -217,3 +217,26 @@ class RowStoreContract:
         await a.release()
         taken = await b.try_acquire()
         assert taken.held and taken.fencing_token > held.fencing_token
+
+    async def test_the_named_successor_ends_the_hint_once_it_holds_the_lease(
+            self, make_store: MakeStore) -> None:
+        """Seen in real pods (postgres-row): the hint of a hand-over lived out its bound (a
+        lease duration) after the named standby had won, and the other standbys, who
+        stand aside while a hint names someone else, did so through that term, deaf to
+        wake-ups; a leader deleted within that time was replaced only at their next retry
+        (a renew interval late, 6 of 10 times). The winner now ends the hint."""
+        name = fresh()
+        holder, other, named = (
+            RowLease(make_store(), "n", name, owner, duration=LONG, safety_margin=1.0)
+            for owner in ("a", "b", "c"))
+        assert (await holder.try_acquire()).held
+        await holder.hand_to("c", LONG)
+        await holder.release(record=True)
+        assert await other.handing_to_other() == "c"  # b stands aside
+        assert await named.handing_to_other() is None  # c, not holding yet, leaves it
+        assert await other.handing_to_other() == "c"
+        assert (await named.try_acquire()).held
+        assert await named.handing_to_other() is None  # the elector's look after the win
+        assert await other.handing_to_other() is None  # gone: nobody stands aside now
+        assert not (await other.try_acquire()).held  # held by c, as usual
+        assert (await named.try_renew()).held

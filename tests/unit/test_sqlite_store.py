@@ -167,6 +167,9 @@ async def test_a_standby_that_looked_before_the_hand_over_does_not_take_the_leas
         assert (await other.describe()).holder is None  # it wrote no row of its own
         taken = await named.try_acquire()
         assert taken.held
+        assert await other.handing_to_other() == "c"
+        assert await named.handing_to_other() is None  # the elector's look after the win
+        assert await other.handing_to_other() is None  # it ended the hint
         assert not (await other.try_acquire()).held  # held now, as usual
         # The hint never stands in the way of its own successor's renew and release.
         assert (await named.try_renew()).held
