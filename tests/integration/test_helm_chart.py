@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -628,22 +629,24 @@ def test_leader_service_refuses_a_selector_that_would_reach_other_pods(
     assert message in proc.stderr
 
 
+def example_sidecar_env(values: list[str]) -> dict[str, Any]:
+    """The env of the sidecar the chart injects into its example Deployment."""
+    docs = documents(template("r", "ns", ["example.enabled=true", *values]).stdout)
+    container = next(c for c in find(docs, "Deployment", "-example")["spec"]["template"]
+                     ["spec"]["initContainers"] if c["name"] == "lease-sidecar")
+    return env_map(container)
+
+
 def test_app_ready_containers_reach_the_sidecar_env() -> None:
-    docs = documents(template("r", "ns", [
-        "example.enabled=true", "lease.appReadyContainers={app,worker}",
-        "lease.appUnreadyAfter=5s", "lease.shutdownHandover=youngest-ready"]).stdout)
-    deployment = find(docs, "Deployment", "-example")
-    container = next(c for c in deployment["spec"]["template"]["spec"]["initContainers"]
-                     if c["name"] == "lease-sidecar")
-    env = env_map(container)
+    env = example_sidecar_env([
+        "lease.appReadyContainers={app,worker}", "lease.appUnreadyAfter=5s",
+        "lease.shutdownHandover=youngest-ready"])
     assert env["LEASE_APP_READY_CONTAINERS"] == "app,worker"
     assert env["LEASE_APP_UNREADY_AFTER"] == "5s"
     assert env["LEASE_SHUTDOWN_HANDOVER"] == "youngest-ready"
-    default = documents(template("r", "ns", ["example.enabled=true"]).stdout)
-    container = next(c for c in find(default, "Deployment", "-example")["spec"]["template"]
-                     ["spec"]["initContainers"] if c["name"] == "lease-sidecar")
-    assert "LEASE_APP_READY_CONTAINERS" not in env_map(container)
-    assert env_map(container)["LEASE_SHUTDOWN_HANDOVER"] == "youngest-ready"  # auto
+    default = example_sidecar_env([])
+    assert "LEASE_APP_READY_CONTAINERS" not in default
+    assert default["LEASE_SHUTDOWN_HANDOVER"] == "youngest-ready"  # auto
 
 
 @pytest.mark.parametrize(("values", "rendered"), [
@@ -656,10 +659,7 @@ def test_app_ready_containers_reach_the_sidecar_env() -> None:
 ], ids=["default", "label-on", "label-off", "off", "own-identity"])
 def test_shutdown_handover_auto_follows_the_pod_label(values: list[str],
                                                        rendered: str | None) -> None:
-    docs = documents(template("r", "ns", ["example.enabled=true", *values]).stdout)
-    container = next(c for c in find(docs, "Deployment", "-example")["spec"]["template"]
-                     ["spec"]["initContainers"] if c["name"] == "lease-sidecar")
-    assert env_map(container).get("LEASE_SHUTDOWN_HANDOVER") == rendered
+    assert example_sidecar_env(values).get("LEASE_SHUTDOWN_HANDOVER") == rendered
 
 
 @pytest.mark.parametrize(("values", "message"), [
