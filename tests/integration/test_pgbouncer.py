@@ -12,6 +12,7 @@ processes, real signals and every sidecar's ``GET /leader`` sampled on one clock
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import signal
@@ -285,6 +286,36 @@ async def test_the_probe_waits_for_the_lease_statement_in_flight(
         await statement
     finally:
         await close(session.conn)
+
+
+async def test_closing_a_standby_ends_its_wait_before_its_queued_probe(
+        pg_dsn: str, pgbouncer: StartBouncer) -> None:
+    """The probe after a standby's connect waits for the lease's statements, and the
+    in-server wait is one of them (up to the elector's retry delay). Closing waited for the
+    probe first, up to its timeout, and then cut it off; now the wait ends first and the
+    queued probe runs to its end."""
+    bouncer = pgbouncer("session", 5)
+    dsn = bouncer.dsn_for(dbname(pg_dsn))
+    a, b = advisory(dsn, "c-a"), advisory(dsn, "c-b")
+    try:
+        la, lb = a.lease("jobs"), b.lease("jobs")
+        assert (await la.try_acquire()).held
+        wait = asyncio.create_task(lb.wait_for_change(30.0))
+        await asyncio.sleep(0.5)  # the wait is in the server; the probe queued behind it
+        assert lb._waiter is not None and not lb._waiter.done()
+        probe = lb._probe
+        assert probe is not None and not probe.done()
+        started = time.monotonic()
+        await b.close()
+        elapsed = time.monotonic() - started
+        assert probe.done() and not probe.cancelled(), "the probe was cut off"
+        assert elapsed < Connector(dsn, "c-b", settings(dsn, "c-b").timing).timeout
+        wait.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await wait
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_prepared_statement_errors_betray_the_pooler(pg_dsn: str,

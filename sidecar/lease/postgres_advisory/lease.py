@@ -232,6 +232,14 @@ class AdvisoryLease:
 
     async def close(self) -> None:
         await self._end_hint()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            # Ending the session ends the in-server wait (and frees a lock it may just
+            # have been granted) instead of letting it run out its lock_timeout. First:
+            # a probe queued behind the wait (it waits for the lease's statements) would
+            # otherwise hold the shutdown up to its own timeout.
+            self._link.drop()
+            await waiter
         if self._probe is not None:
             # A probe cut off mid-statement makes a transaction pooler close the server
             # session it ran on, which may be the one a killed holder left holding the
@@ -240,12 +248,6 @@ class AdvisoryLease:
             self._probe.cancel()
             with contextlib.suppress(BaseException):
                 await self._probe
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            # Ending the session ends the in-server wait (and frees a lock it may just
-            # have been granted) instead of letting it run out its lock_timeout.
-            self._link.drop()
-            await waiter
         with contextlib.suppress(BackendError):
             await self.release()
         async with self._busy:
