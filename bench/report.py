@@ -10,8 +10,10 @@ A block in any page (README.md, DEVELOPMENT.md, docs/*.md) is
     <!-- /bench -->
 
 where NAME is a key of ``TABLES``. Each table ends with the line that says which file,
-commit, date and trial count it describes; a results file written before files named
-their commit (``bench/record.py``) is marked stale rather than given invented metadata.
+commit, date and trial count it describes. A results file that names no commit (written
+before ``bench/record.py`` recorded one), names uncommitted code (``+dirty``) or that no
+table shows is refused: ``bench/results`` holds results of committed code that the docs
+show, and nothing else (runs of earlier code are in the git history).
 """
 
 from __future__ import annotations
@@ -502,12 +504,6 @@ TABLES: dict[str, Table] = {
 def provenance(name: str, t: Table, r: Row) -> str:
     """The line under every table: which file, commit, date and trial count."""
     where = f"`bench/results/{t.source}`"
-    rerun = f"`python -m bench run {t.bench}`"
-    if "commit" not in r:
-        return (f"*{where}: **stale**: written before results files named their commit, "
-                f"date and load; re-run with {rerun}.*")
-    commit = r["commit"]
-    short = commit[:7] + ("+dirty" if commit.endswith("+dirty") else "")
     start, end = r.get("loadavg_at_start"), r.get("loadavg_at_end")
     load = f"load average {start[0]:g} → {end[0]:g}" if start and end else "load not recorded"
     kept = r.get("earlier_run") or {}
@@ -517,8 +513,8 @@ def provenance(name: str, t: Table, r: Row) -> str:
         earlier = (f" ({', '.join(f'`{x}`' for x in kept['sections'])} from an earlier run, "
                    f"{when})")
     trials = f"{r['trials']} trial{'' if r['trials'] == 1 else 's'}"
-    return (f"*{where}: commit `{short}`, {r['date'][:10]}, {trials}, "
-            f"{r['cores']} cores, {load}{earlier}; {rerun}.*")
+    return (f"*{where}: commit `{r['commit'][:7]}`, {r['date'][:10]}, {trials}, "
+            f"{r['cores']} cores, {load}{earlier}; `python -m bench run {t.bench}`.*")
 
 
 def overview(results: Path) -> str:
@@ -526,18 +522,32 @@ def overview(results: Path) -> str:
     rows = []
     for source in sorted({t.source for t in TABLES.values()}):
         path = results / source
-        r = json.loads(path.read_text()) if path.exists() else None
-        if r is None:
+        if not path.exists():
             rows.append([f"`{source}`", "missing", "", "", ""])
-        elif "commit" not in r:
-            rows.append([f"`{source}`", "**stale** (no commit recorded)", "", "", ""])
-        else:
-            commit = r["commit"]
-            rows.append([f"`{source}`", f"`{commit[:7]}`" + ("+dirty" if commit.endswith(
-                "+dirty") else ""), r["date"][:10], r["trials"],
-                f"{r['loadavg_at_start'][0]:g} → {r['loadavg_at_end'][0]:g}"])
+            continue
+        r = json.loads(path.read_text())
+        rows.append([f"`{source}`", f"`{r['commit'][:7]}`", r["date"][:10], r["trials"],
+                     f"{r['loadavg_at_start'][0]:g} → {r['loadavg_at_end'][0]:g}"])
     return "\n".join(table(["results file", "commit", "date", "trials", "load average"],
                            rows, right=3)) + "\n"
+
+
+def unvouched(results: Path) -> list[str]:
+    """Results files the docs cannot stand behind, each with what to do about it."""
+    shown = {t.source: t.bench for t in TABLES.values()}
+    problems = []
+    for path in sorted(results.glob("*.json")):
+        if path.name not in shown:
+            problems.append(f"{path.name}: no table shows it (delete it, or give it a table)")
+            continue
+        commit = json.loads(path.read_text()).get("commit")
+        rerun = f"python -m bench run {shown[path.name]}"
+        if not commit:
+            problems.append(f"{path.name}: names no commit; re-run it: {rerun}")
+        elif commit.endswith("+dirty"):
+            problems.append(f"{path.name}: measured uncommitted code ({commit}); commit, "
+                            f"then re-run it: {rerun}")
+    return problems
 
 
 def render(name: str, results: Path) -> str:
@@ -586,6 +596,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pages", nargs="*", type=Path,
                         help="default: README.md, DEVELOPMENT.md, docs/**/*.md")
     args = parser.parse_args(argv)
+    if problems := unvouched(args.results):
+        print(f"results files in {args.results} the docs cannot show:\n  "
+              + "\n  ".join(problems), file=sys.stderr)
+        return 1
     stale = []
     for page in args.pages or pages():
         text = page.read_text()

@@ -66,13 +66,29 @@ def test_no_page_types_a_table_of_percentiles_outside_a_generated_block():
     assert not typed, "figures belong in a <!-- bench:NAME --> block:\n" + "\n".join(typed)
 
 
-def test_every_table_names_its_file_and_commit_or_says_it_is_stale():
+def test_every_table_names_its_file_and_commit():
     for page in pages():
         for name, body in BLOCK.findall(page.read_text()):
             if name == "files":  # the overview: one row per file
                 continue
-            assert (("`bench/results/" in body and (" commit `" in body or "**stale**" in body))
+            assert (("`bench/results/" in body and " commit `" in body)
                     or body.startswith("*Not measured yet")), (page, name)
+
+
+def test_a_results_file_the_docs_cannot_stand_behind_is_refused(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    measured = json.loads((REPO / "bench" / "results" / "handover.json").read_text())
+    (results / "handover.json").write_text(json.dumps(measured))
+    (results / "core.json").write_text(json.dumps({"sigterm": {}}))  # written before commits
+    (results / "exec.json").write_text(json.dumps({**measured, "commit": "abc+dirty"}))
+    (results / "core-before.json").write_text(json.dumps(measured))  # no table shows it
+    done = report("--check", "--results", str(results), str(tmp_path / "none.md"))
+    assert done.returncode == 1
+    assert "core.json: names no commit; re-run it: python -m bench run core" in done.stderr
+    assert "exec.json: measured uncommitted code (abc+dirty)" in done.stderr
+    assert "core-before.json: no table shows it" in done.stderr
+    assert "handover.json" not in done.stderr
 
 
 def test_the_pictures_are_drawn_from_the_results_files(tmp_path):
@@ -84,8 +100,11 @@ def test_the_pictures_are_drawn_from_the_results_files(tmp_path):
         (results / name).write_text((REPO / "bench" / "results" / name).read_text())
     trial = {"old_last_claim_until": 0.1, "old_stepped_down": 0.11, "new_acquired": 0.12,
              "new_first_claim": 0.22}
+    metadata = {k: v for k, v in json.loads((results / "rollout.json").read_text()).items()
+                if k in ("commit", "date", "cores", "loadavg_at_start", "loadavg_at_end",
+                         "trials")}
     (results / "handover.json").write_text(json.dumps(
-        {"sqlite": {"timeline": [trial, {**trial, "new_first_claim": 3.0}]}}))
+        {**metadata, "sqlite": {"timeline": [trial, {**trial, "new_first_claim": 3.0}]}}))
     page = tmp_path / "page.md"
     page.write_text("no blocks here\n")
     done = subprocess.run([sys.executable, "-m", "bench.report", "--results", str(results),
