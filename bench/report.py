@@ -457,7 +457,8 @@ def chaos(r: Row) -> list[str]:
                     "max leaderless gap ms", "bound ms", "takeovers", "p50 takeover ms",
                     "p99 takeover ms"], rows),
             "", f"Verdict: {verdict}; {r['faults_injected']:,} faults, "
-                f"{r['restarts']} sidecar restarts, `{r['command']}`."]
+                f"{r['restarts']} sidecar restarts, "
+                f"`{r['command'].replace(f'{REPO}/', '')}`."]  # the same on every machine
 
 
 @dataclass(frozen=True)
