@@ -91,10 +91,7 @@ def _fail(message: str, code: int = EXIT_BAD_SETTINGS) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     if given[:1] == ["operator"]:
-        # Imported only here: kopf and the kubernetes client never load in the sidecar.
-        from sidecar.operator.__main__ import main as operator
-
-        return operator(given[1:])
+        return _operator(given[1:])
     args = _parser().parse_args(given)
     flags = vars(args)
     try:
@@ -131,6 +128,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc), code=EXIT_FAILED)
     except ValueError as exc:  # a value found unusable where it is used; it names itself
         return _fail(str(exc))
+
+
+# What ``lease-sidecar operator`` imports that the sidecar's own install lacks (the
+# ``injector`` extra): kopf, the kubernetes client, cryptography.
+OPERATOR_MODULES = ("kopf", "kubernetes", "cryptography")
+
+
+def _operator(argv: list[str]) -> int:
+    """``lease-sidecar operator``: its flags (and ``--help``) need nothing extra; running it
+    needs the ``injector`` extra, whose absence is one line, never a traceback."""
+    from sidecar.injector import flags
+
+    flags.operator_parser().parse_args(argv)  # --help and a bad flag end here
+    try:
+        # Imported only here: kopf and the kubernetes client never load in the sidecar.
+        from sidecar.operator.__main__ import main as operator
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in OPERATOR_MODULES:
+            raise
+        return _fail(f"operator: needs the injector extra (pip install "
+                     f"'lease-sidecar[injector]', or the operator image): no module "
+                     f"{exc.name!r}")
+    return operator(argv)
 
 
 def _acquire_timeout(text: str | None) -> float | None:

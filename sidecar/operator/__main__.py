@@ -16,7 +16,7 @@ import kopf
 from sidecar.base import jsonlog
 from sidecar.config import parse_addr
 from sidecar.injector import __main__ as injector
-from sidecar.injector import webhook
+from sidecar.injector import flags, webhook
 from sidecar.kubeapi import KubeClient, KubeError
 from sidecar.operator.reconciler import Reconciler, register
 
@@ -24,15 +24,10 @@ log = logging.getLogger("sidecar.operator")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = injector.parser_for(
-        prog="lease-sidecar operator", spec_required=False,
-        text="Inject the lease sidecar into opted-in Pods and keep their lease-role "
-             "labels true.")
-    parser.add_argument("--namespace", action="append", default=[],
-                        help="keep the labels in this namespace (repeatable; default: all)")
+    parser = flags.operator_parser()
     args = parser.parse_args(argv)
     if args.spec:
-        injector.check(parser, args)
+        flags.check(parser, args)
     jsonlog.setup(args.log_level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
