@@ -467,6 +467,255 @@ def chaos(r: Row) -> list[str]:
                 f"{r['restarts']} sidecar restarts, "
                 f"`{checkout_free(r['command'])}`."]
 
+# -- tables from several files -------------------------------------------------------------
+BACKENDS = ("sqlite", "postgres", "postgres-row", "kubernetes")
+
+
+def seconds(value: float) -> str:
+    """A setting read from a results file, as the docs write durations: 250 ms, 3 s."""
+    return f"{value * 1000:g} ms" if value < 1 else f"{value:g} s"
+
+
+def _timing(r: Row) -> str:
+    parts = [f"{label} {seconds(r[key])}" for key, label in
+             (("lease_duration_s", "lease"), ("renew_interval_s", "renew interval"),
+              ("claim_horizon_s", "claim horizon")) if r.get(key)]
+    return ", ".join(parts)
+
+
+HANDOVER_SOURCES = (("core.json", "core"), ("postgres_advisory.json", "postgres_advisory"),
+                    ("postgres_row.json", "postgres_row"), ("kubernetes.json", "kubernetes"),
+                    ("handover.json", "handover"), ("pods-kubernetes.json", "pods"),
+                    ("pods-postgres.json", "pods_postgres"),
+                    ("pods-postgres-row.json", "pods_postgres_row"))
+
+
+def handover_answer(f: dict[str, Row]) -> list[str]:
+    """How long a hand-over takes, per backend and per way of ending a term: each cell
+    from the benchmark that measures it, with the timing that benchmark ran at."""
+    core, adv, row, kube, hand = (f.get(x) or {} for x in (
+        "core.json", "postgres_advisory.json", "postgres_row.json", "kubernetes.json",
+        "handover.json"))
+    row_term = next((h for h in row.get("sigterm_handover", [])
+                     if h.get("claim_horizon_s") == 0.25), None)
+    sigterm = {"sqlite": (core.get("sigterm_handover") or {}).get("claim"),
+               "postgres": adv.get("sigterm_handover_claim"), "postgres-row": row_term,
+               "kubernetes": kube.get("sigterm_published_claim_sidecar")}
+    sigkill = {"sqlite": (core.get("sigkill_takeover") or {}).get("claim"),
+               "postgres": adv.get("sigkill_published_claim"), "postgres-row": None,
+               "kubernetes": kube.get("sigkill_published_claim_sidecar")}
+    horizons = hand.get("claim_horizon_ms") or {}
+    rows = []
+    for b in BACKENDS:
+        named = hand.get(b)
+        horizon = horizons.get(b, horizons.get("others"))
+        pods = (f.get(f"pods-{b}.json") or {}).get("deletion_to_first_claim")
+        rows.append([f"`{b}`", p50_p99(sigterm[b]), p50_p99(sigkill[b]),
+                     f"{p50_p99(named)} (claim horizon {horizon:g} ms)" if named else "—",
+                     p50_p99(pods)])
+    settings = [f"`{name}`: {_timing(f[name])}" for name in
+                ("core.json", "postgres_advisory.json", "kubernetes.json")
+                if name in f and _timing(f[name])]
+    if row_term:
+        settings.append("`postgres_row.json`: claim horizon 250 ms")
+    return [*table(["backend", "SIGTERM → the next leader's first claim, p50 / p99",
+                    "SIGKILL → the next leader's first claim, p50 / p99",
+                    "`POST /handover` → the named standby leads, p50 / p99",
+                    "leader pod deleted → another pod's first claim (real pods, the "
+                    "chart's defaults), p50 / p99"], rows),
+            "", "Timing of the runs outside pods: " + "; ".join(settings) + "."]
+
+
+PODS_SOURCES = tuple((f"pods-{b}.json", f"pods{'' if b == 'kubernetes' else '_' + b}"
+                      .replace("-", "_")) for b in ("kubernetes", "postgres", "postgres-row"))
+
+
+def pods_deletions(f: dict[str, Row]) -> list[str]:
+    """Leader deletions and rolling restarts in real pods, per backend."""
+    rows = []
+    for b in ("kubernetes", "postgres", "postgres-row"):
+        r = f.get(f"pods-{b}.json")
+        if not r:
+            continue
+        rows.append([f"`{b}`", p50_p99(r.get("deletion_to_first_claim")),
+                     p50_p99(r.get("deletion_longest_gap")),
+                     p50_p99(r.get("restart_longest_gap")),
+                     f"**{r['deletion_overlaps']} / {r['restart_overlaps']}**",
+                     n(r.get("deletion_to_first_claim"))])
+    return table(["backend", "leader deletion → another pod's first claim, p50 / p99",
+                  "leader deletion: longest leaderless gap, p50 / p99",
+                  "`kubectl rollout restart`: longest leaderless gap, p50 / p99",
+                  "overlapping claims (deletions / restarts)", "deletions"], rows)
+
+
+# -- goals -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Goal:
+    """A goal the project set itself, and how to judge it from the results files."""
+
+    text: str  # what the goal is, with its bound
+    judge: Callable[[dict[str, Row]], tuple[str, bool] | None]  # (figure, met), or None
+
+
+def _range(values: list[float], unit: str) -> str:
+    low, high = min(values), max(values)
+    return f"{ms(low)}{unit}" if low == high else f"{ms(low)} to {ms(high)}{unit}"
+
+
+def _lean(key: str, bound: float, unit: str) -> Callable[[dict[str, Row]], Any]:
+    def judge(f: dict[str, Row]) -> tuple[str, bool] | None:
+        lone = (f.get("lean.json") or {}).get("lone")
+        if not lone:
+            return None
+        values = [x[key]["p50"] for x in lone.values()]
+        return f"{_range(values, unit)} p50", max(values) <= bound
+    return judge
+
+
+def _idle_cpu(f: dict[str, Row]) -> tuple[str, bool] | None:
+    r = f.get("core-idle.json")
+    if not r:
+        return None
+    values = [r[k]["idle-leader"]["cpu_percent_of_core"] for k in r if k.startswith("idle")]
+    return f"{min(values):.2f} to {max(values):.2f} %", max(values) <= 0.3
+
+
+def _pods(key: str, bound: float, unit: str, scale: float = 1.0,
+          ) -> Callable[[dict[str, Row]], Any]:
+    def judge(f: dict[str, Row]) -> tuple[str, bool] | None:
+        values = []
+        for b in ("kubernetes", "postgres", "postgres-row"):
+            r = f.get(f"pods-{b}.json")
+            if not r:
+                continue
+            if key == "rss":
+                x = (r.get("idle_sidecar_memory") or {}).get("rss_mib") or {}
+                if x.get("n"):
+                    values.append((b, x["max_mib"]))
+            elif r.get(key):
+                values.append((b, r[key]["p50_ms"] * scale))
+        if not values:
+            return None
+        text = ", ".join(f"{b} {ms(v)}" for b, v in values)
+        return f"{text}{unit}", all(v <= bound for _, v in values)
+    return judge
+
+
+def _image(f: dict[str, Row]) -> tuple[str, bool] | None:
+    r = f.get("image.json")
+    if not r:
+        return None
+    mb = r["targets"]["sidecar"]["archive_mb"]
+    return f"{mb} MB", mb <= 134
+
+
+def _requests(f: dict[str, Row]) -> tuple[str, bool] | None:
+    g = (f.get("lean.json") or {}).get("idle_group_of_3")
+    if not g:
+        return None
+    return (f"{g['sidecars_per_min']:g} / {g['clientgo_per_min']:g} a minute "
+            f"(ratio {g['ratio']:.2f})", g["ratio"] <= 0.3)
+
+
+def _named(f: dict[str, Row]) -> tuple[str, bool] | None:
+    r = f.get("handover.json")
+    if not r:
+        return None
+    runs = [r[b] for b in BACKENDS if r.get(b) and "within_bound" in r[b]]
+    ok = sum(x["within_bound"] for x in runs)
+    total = sum(x["n"] for x in runs)
+    overlaps = sum(x["overlapping_claims"] for x in runs)
+    return (f"{ok} of {total} hand-overs, {overlaps} overlapping claims",
+            ok == total and overlaps == 0)
+
+
+def _rollout(f: dict[str, Row]) -> tuple[str, bool] | None:
+    r = f.get("rollout.json")
+    if not r or "youngest-ready" not in r["results"]:
+        return None
+    runs = r["results"]["youngest-ready"].values()
+    one = sum(x["exactly_one_handover"] for x in runs)
+    total = sum(x["rollouts"] for x in runs)
+    return f"{one} of {total} rollouts", one == total
+
+
+def _chaos(f: dict[str, Row]) -> tuple[str, bool] | None:
+    runs = [(b, f[f"chaos-{b}.json"]) for b in BACKENDS if f"chaos-{b}.json" in f]
+    if not runs:
+        return None
+    text = ", ".join(f"{b} {'PASS' if r['ok'] else 'FAIL'} ({r['faults_injected']:,} "
+                     f"faults, {sum(x['overlaps'] for x in r['rows'])} overlaps)"
+                     for b, r in runs)
+    return text, all(r["ok"] and not any(x["overlaps"] for x in r["rows"]) for _, r in runs)
+
+
+def _p99(source: str, key: str, bound: float) -> Callable[[dict[str, Row]], Any]:
+    def judge(f: dict[str, Row]) -> tuple[str, bool] | None:
+        x = (f.get(source) or {}).get(key)
+        if not x:
+            return None
+        return f"{p50_p99(x)} (p50 / p99)", x["p99_ms"] <= bound
+    return judge
+
+
+def _row_handover(f: dict[str, Row]) -> tuple[str, bool] | None:
+    x = next((h for h in (f.get("postgres_row.json") or {}).get("sigterm_handover", [])
+              if h.get("claim_horizon_s") == 0.25), None)
+    if not x:
+        return None
+    return f"{p50_p99(x)} (p50 / p99)", x["p99_ms"] <= 250
+
+
+def _renews(f: dict[str, Row]) -> tuple[str, bool] | None:
+    t = (f.get("postgres_row.json") or {}).get("throughput")
+    if not t:
+        return None
+    return f"{t['renews_per_s']:,} renews/s", t["renews_per_s"] >= 2000
+
+
+GOALS = (
+    Goal("never two leaders: every chaos run passes with 0 overlapping claims", _chaos),
+    Goal("`POST /handover`: the named standby leads within two claim horizons + one "
+         "round trip, 0 overlaps, every trial", _named),
+    Goal("rolling update with `shutdownHandover: youngest-ready`: exactly one hand-over, "
+         "every rollout", _rollout),
+    Goal("`postgres`: SIGKILL → the next leader's first claim ≤ 400 ms p99",
+         _p99("postgres_advisory.json", "sigkill_published_claim", 400)),
+    Goal("`postgres-row`: SIGTERM → the next leader's first claim ≤ 250 ms p99 "
+         "(claim horizon 250 ms)", _row_handover),
+    Goal("`kubernetes`: SIGTERM → the next holder's `acquireTime` ≤ 250 ms p99",
+         _p99("kubernetes.json", "sigterm_handover_sidecar", 250)),
+    Goal("`postgres-row`: ≥ 2,000 renews/s over 1,000 names", _renews),
+    Goal("process start → first `/healthz` 200 ≤ 300 ms p50, every backend",
+         _lean("start_to_healthz_ms", 300, " ms")),
+    Goal("idle RSS outside pods ≤ 48 MiB, every backend", _lean("idle_rss_mib", 48, " MiB")),
+    Goal("idle leader ≤ 0.3 % of a core, every backend", _idle_cpu),
+    Goal("real pods: idle sidecar RSS (`total_rss`, max) ≤ 40 MiB, every backend",
+         _pods("rss", 40, " MiB")),
+    Goal("real pods: pod start → sidecar ready ≤ 1.5 s p50, every backend",
+         _pods("pod_start_to_sidecar_ready", 1500, " ms")),
+    Goal("the `sidecar` image ≤ 134 MB (a third of the first image)", _image),
+    Goal("apiserver requests of an idle group of 3 ≤ 0.3 of client-go's", _requests),
+)
+GOAL_SOURCES = (("chaos-sqlite.json", "chaos-sqlite"), ("chaos-postgres.json", "chaos-postgres"),
+                ("chaos-postgres-row.json", "chaos-postgres-row"),
+                ("chaos-kubernetes.json", "chaos-kubernetes"), ("handover.json", "handover"),
+                ("rollout.json", "rollout"), ("postgres_advisory.json", "postgres_advisory"),
+                ("postgres_row.json", "postgres_row"), ("kubernetes.json", "kubernetes"),
+                ("lean.json", "lean"), ("core-idle.json", "core_idle"), *PODS_SOURCES,
+                ("image.json", "image"))
+
+
+def goals(f: dict[str, Row]) -> list[str]:
+    """Each goal beside the measured figure, ✓ or ✗ computed from the figure."""
+    rows = []
+    for goal in GOALS:
+        judged = goal.judge(f)
+        rows.append([goal.text, "not measured" if judged is None else judged[0],
+                     "—" if judged is None else ("✓" if judged[1] else "✗")])
+    return table(["goal", "measured", "met"], rows, right=3)
+
+
 
 @dataclass(frozen=True)
 class Table:
@@ -474,8 +723,22 @@ class Table:
     render: Callable[[Row], list[str]]
     bench: str  # its name for python -m bench run
 
+    @property
+    def sources(self) -> tuple[tuple[str, str], ...]:
+        return ((self.source, self.bench),)
 
-TABLES: dict[str, Table] = {
+
+@dataclass(frozen=True)
+class Combined:
+    """A table drawn from several results files: ``render`` gets each file's figures by
+    its name (a file not measured yet is absent), and one provenance line per file
+    follows the table."""
+
+    sources: tuple[tuple[str, str], ...]  # (results file, its name for python -m bench run)
+    render: Callable[[dict[str, Row]], list[str]]
+
+
+TABLES: dict[str, Table | Combined] = {
     "core": Table("core.json", core, "core"),
     "core-costs": Table("core.json", core_costs, "core"),
     "core-idle": Table("core-idle.json", core_idle, "core_idle"),
@@ -506,12 +769,15 @@ TABLES: dict[str, Table] = {
     "lean-apiserver": Table("lean.json", lean_apiserver, "lean"),
     **{f"chaos-{b}": Table(f"chaos-{b}.json", chaos, f"chaos-{b}")
        for b in ("sqlite", "postgres", "postgres-row", "kubernetes")},
+    "handover-answer": Combined(HANDOVER_SOURCES, handover_answer),
+    "pods-deletions": Combined(PODS_SOURCES, pods_deletions),
+    "goals": Combined(GOAL_SOURCES, goals),
 }
 
 
-def provenance(name: str, t: Table, r: Row) -> str:
+def provenance(source: str, bench: str, r: Row) -> str:
     """The line under every table: which file, commit, date and trial count."""
-    where = f"`bench/results/{t.source}`"
+    where = f"`bench/results/{source}`"
     start, end = r.get("loadavg_at_start"), r.get("loadavg_at_end")
     load = f"load average {start[0]:g} → {end[0]:g}" if start and end else "load not recorded"
     kept = r.get("earlier_run") or {}
@@ -522,13 +788,13 @@ def provenance(name: str, t: Table, r: Row) -> str:
                    f"{when})")
     trials = f"{r['trials']} trial{'' if r['trials'] == 1 else 's'}"
     return (f"*{where}: commit `{r['commit'][:7]}`, {r['date'][:10]}, {trials}, "
-            f"{r['cores']} cores, {load}{earlier}; `python -m bench run {t.bench}`.*")
+            f"{r['cores']} cores, {load}{earlier}; `python -m bench run {bench}`.*")
 
 
 def overview(results: Path) -> str:
     """The ``files`` block: every results file a table uses, and what it describes."""
     rows = []
-    for source in sorted({t.source for t in TABLES.values()}):
+    for source in sorted({source for t in TABLES.values() for source, _ in t.sources}):
         path = results / source
         if not path.exists():
             rows.append([f"`{source}`", "missing", "", "", ""])
@@ -542,7 +808,7 @@ def overview(results: Path) -> str:
 
 def unvouched(results: Path) -> list[str]:
     """Results files the docs cannot stand behind, each with what to do about it."""
-    shown = {t.source: t.bench for t in TABLES.values()}
+    shown = {source: bench for t in TABLES.values() for source, bench in t.sources}
     problems = []
     for path in sorted(results.glob("*.json")):
         if path.name not in shown:
@@ -562,12 +828,32 @@ def render(name: str, results: Path) -> str:
     if name == "files":
         return overview(results)
     t = TABLES[name]
-    path = results / t.source
-    if not path.exists():
-        return (f"*Not measured yet: `bench/results/{t.source}` is missing; "
-                f"`python -m bench run {t.bench}` writes it.*\n")
-    r = json.loads(path.read_text())
-    return "\n".join([*t.render(r), "", provenance(name, t, r)]) + "\n"
+    found = {source: json.loads((results / source).read_text())
+             for source, _ in t.sources if (results / source).exists()}
+    if not found:
+        return "".join(f"*Not measured yet: `bench/results/{source}` is missing; "
+                       f"`python -m bench run {bench}` writes it.*\n"
+                       for source, bench in t.sources)
+    if isinstance(t, Table):
+        r = found[t.source]
+        return "\n".join([*t.render(r), "", provenance(t.source, t.bench, r)]) + "\n"
+    return "\n".join([*t.render(found), "", provenance_of_many(t, found)]) + "\n"
+
+
+def provenance_of_many(t: Combined, found: dict[str, Row]) -> str:
+    """The line under a table drawn from several files: each file's commit, date and
+    trial count (the files table on docs/benchmarks.md has the rest)."""
+    parts = []
+    for source, _ in t.sources:
+        r = found.get(source)
+        if r is None:
+            parts.append(f"`bench/results/{source}` not measured yet")
+            continue
+        trials = f"{r['trials']} trial{'' if r['trials'] == 1 else 's'}"
+        parts.append(f"`bench/results/{source}`: commit `{r['commit'][:7]}`, "
+                     f"{r['date'][:10]}, {trials}")
+    benches = " ".join(dict.fromkeys(bench for _, bench in t.sources))
+    return f"*{'; '.join(parts)}; `python -m bench run {benches}`.*"
 
 
 def pages(root: Path = REPO) -> list[Path]:

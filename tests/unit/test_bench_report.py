@@ -138,3 +138,41 @@ def test_the_pictures_are_drawn_from_the_results_files(tmp_path):
     # The docs show the pictures the repository's own results files draw.
     for name in drawn:
         assert f"images/{name}" in (REPO / "docs" / "benchmarks.md").read_text()
+
+
+def goal_row(page_text: str, goal: str) -> str:
+    return next(line for line in page_text.splitlines() if line.startswith(f"| {goal}"))
+
+
+def test_a_goals_mark_is_computed_from_the_results_file(tmp_path):
+    # The same goal judged on the repository's start-up figures and on the same file with
+    # every backend's start-up made fast: the mark follows the figure, not the text.
+    goal = "process start → first `/healthz` 200 ≤ 300 ms p50, every backend"
+    results = tmp_path / "results"
+    results.mkdir()
+    lean = json.loads((REPO / "bench" / "results" / "lean.json").read_text())
+    for backend in lean["lone"].values():
+        backend["start_to_healthz_ms"]["p50"] = 400
+    (results / "lean.json").write_text(json.dumps(lean))
+    page = tmp_path / "page.md"
+    page.write_text("<!-- bench:goals -->\n<!-- /bench -->\n")
+    done = report("--results", str(results), str(page))
+    assert done.returncode == 0, done.stderr
+    slow = goal_row(page.read_text(), goal)
+    assert "400 ms p50" in slow and slow.endswith("| ✗ |"), slow
+    for backend in lean["lone"].values():
+        backend["start_to_healthz_ms"]["p50"] = 120
+    (results / "lean.json").write_text(json.dumps(lean))
+    done = report("--results", str(results), str(page))
+    assert done.returncode == 0, done.stderr
+    fast = goal_row(page.read_text(), goal)
+    assert "120 ms p50" in fast and fast.endswith("| ✓ |"), fast
+    # A goal whose results file is missing says so instead of a mark.
+    assert goal_row(page.read_text(), "idle leader").endswith("| not measured | — |")
+
+
+def test_the_hand_over_answer_has_a_row_per_backend():
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    block = next(b for b in BLOCK.finditer(text) if b.group(1) == "handover-answer")
+    for backend in ("sqlite", "postgres", "postgres-row", "kubernetes"):
+        assert f"| `{backend}` |" in block.group(2)
