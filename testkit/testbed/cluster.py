@@ -270,6 +270,16 @@ class Cluster(Service):
     def images(self) -> list[str]:
         return self._ctr("images", "list", "-q").split()
 
+    def tag_image(self, ref: str, name: str) -> None:
+        """Give a loaded image another name, as ``kind load docker-image NAME`` leaves it:
+        a short ``name`` (``lease-sidecar:dev``) is the runtime's ``docker.io/library/…``."""
+        if "/" not in name.split(":")[0]:
+            name = f"docker.io/library/{name}"
+        elif "." not in name.split("/")[0]:
+            name = f"docker.io/{name}"
+        if name not in self.images():
+            self._ctr("images", "tag", ref, name)
+
     def busybox(self) -> str:
         """Load the busybox-static image (once) and return its ref."""
         image = tinyimages.busybox_image()

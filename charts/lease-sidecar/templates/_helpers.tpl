@@ -417,3 +417,34 @@ rbac.extraServiceAccounts), then injector.namespaces when the injector is on. */
 {{- define "lease-sidecar.webhookConfigName" -}}
 {{- printf "%s-%s" .Release.Namespace (include "lease-sidecar.injectorName" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
+
+{{- /*
+"true" when this release renders the pod-patch ValidatingAdmissionPolicy and its binding
+(cluster-scoped; admissionregistration.k8s.io/v1 policies are GA from Kubernetes 1.30),
+else empty. Used by templates/pod-patch-policy.yaml and the install-rights check in
+templates/validate.yaml.
+*/}}
+{{- define "lease-sidecar.podPatchPolicy" -}}
+{{- $supported := or (.Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy") (semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version) }}
+{{- if and .Values.rbac.create .Values.rbac.podPatchPolicy (ne .Values.lease.podLabel "off") $supported }}true{{ end }}
+{{- end }}
+
+{{- define "lease-sidecar.podPatchPolicyName" -}}
+{{- printf "%s-%s-pod-patch" .Release.Namespace (include "lease-sidecar.fullname" .) }}
+{{- end }}
+
+{{- /*
+The install-rights probes of templates/validate.yaml. Each looks up (GET by name, with
+the installer's own credentials) a cluster-scoped object the release would create. An
+installer without rights outside the release namespace gets "forbidden", which stops
+helm install / upgrade before anything is created; helm reports the template's name with
+the error, so the name is the message: the value to set. (helm template and --dry-run ask
+the apiserver nothing, so they render as before.)
+*/}}
+{{- define "rbac.podPatchPolicy=true creates a cluster-scoped ValidatingAdmissionPolicy; without the right to, install with --set rbac.podPatchPolicy=false" -}}
+{{- $_ := lookup "admissionregistration.k8s.io/v1" "ValidatingAdmissionPolicy" "" (include "lease-sidecar.podPatchPolicyName" .) }}
+{{- end }}
+
+{{- define "injector.enabled=true creates a cluster-scoped MutatingWebhookConfiguration and ClusterRole; without the right to, install with --set injector.enabled=false" -}}
+{{- $_ := lookup "admissionregistration.k8s.io/v1" "MutatingWebhookConfiguration" "" (include "lease-sidecar.webhookConfigName" .) }}
+{{- end }}
