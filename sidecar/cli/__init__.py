@@ -1,4 +1,4 @@
-"""``lease-sidecar run | exec | schema | status | handover | operator``.
+"""``lease-sidecar run | exec | schema | fence-schema | status | handover | operator``.
 
 Exit codes: ``sidecar.base.errors`` (``EXIT_*``), told to users in docs/cli.md's table.
 """
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 import sidecar
-from sidecar import config
+from sidecar import config, fence
 from sidecar.base import jsonlog
 from sidecar.base.clock import first_of, parse_duration
 from sidecar.base.errors import (
@@ -65,6 +65,24 @@ def _parser() -> argparse.ArgumentParser:
     action.add_argument("--apply", action="store_true",
                         help="create the schema and table if missing (idempotent)")
 
+    # The guard lives in the application's database: its own few flags, not a backend's.
+    guard = commands.add_parser(
+        "fence-schema", help="print or apply the fencing guard for the application's "
+        "database", description="print or apply the fencing guard (docs/fencing.md)")
+    action = guard.add_mutually_exclusive_group(required=True)
+    action.add_argument("--print", action="store_true", dest="print_ddl",
+                        help="print the SQL (connects to nothing, needs no DSN)")
+    action.add_argument("--apply", action="store_true",
+                        help="create the table and the routine (idempotent)")
+    guard.add_argument("--dialect", choices=fence.DIALECTS, default=None,
+                       help="default: from the DSN, else from LEASE_BACKEND")
+    guard.add_argument("--dsn", default=None, help="the application's database: "
+                       "postgresql:// URL or ODBC connection string [LEASE_DSN]")
+    guard.add_argument("--schema", default=None, help="schema of the guard's table and "
+                       "routine [LEASE_SCHEMA; default lease]")
+    guard.add_argument("--odbc-driver", dest="odbc_driver", default=None,
+                       help="ODBC driver name when the DSN names none [LEASE_ODBC_DRIVER]")
+
     status = _command(commands, "status",
                       "show who holds which lease (read-only; exit 3: no such lease)")
     status.add_argument("--json", action="store_true",
@@ -95,6 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(given)
     flags = vars(args)
     try:
+        if args.command == "fence-schema":
+            from sidecar.cli import fence_schema
+
+            return asyncio.run(fence_schema.run(
+                flags, apply=args.apply,
+                setup_logs=lambda level: jsonlog.setup(_log_level(args.command, level))))
         # schema --print and handover connect to no backend.
         printing = (args.command == "schema" and args.print_ddl) or args.command == "handover"
         settings = config.load(flags, dsn_required=not printing)
