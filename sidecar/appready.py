@@ -12,6 +12,14 @@ it watches its own pod and reads the ``ready`` status of the containers named in
 - a leader whose application has not answered 2xx for ``LEASE_APP_UNREADY_AFTER`` hands
   over (``app-unready``), the safe way a ``POST /handover`` does.
 
+The own pod is followed by :class:`sidecar.kubewatch.Follower` (backoff, bookmarks, stall
+checks, restarted on any error). An apiserver that cannot be reached says nothing about
+the application: kubelet cannot report a change either. So while the watch is down, the
+readiness last seen counts for ``LEASE_APP_READY_OUTAGE_GRACE``, and only then does the
+outage count as "not ready". Without that, an apiserver outage would stop every standby
+from campaigning and make the leader hand over: a group whose lease lives in a database
+would have no leader for as long as the apiserver is away.
+
 The time spent leading while not ready is summed into each lease's state for the metrics.
 """
 
@@ -25,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar.base.clock import format_duration
 from sidecar.kubeapi import KubeClient, KubeError, load_aiohttp
+from sidecar.kubewatch import Follower
 from sidecar.state import LeaseState
 
 if TYPE_CHECKING:
@@ -33,8 +42,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("sidecar.appready")
 
 
-# Seconds between two watches of the own pod (each ends after WATCH_SECONDS, or fails).
-WATCH_SECONDS = 60
+# Seconds of silence on the own pod's watch before one look at the pod's metadata tells
+# an idle watch (a pod changes rarely) from a stalled one; half-open connections are
+# found sooner, by TCP keepalive (sidecar.kubeapi).
+POD_WATCH_QUIET = 30.0
+NOT_SEEN = "not seen yet"
 
 
 def pod_problem(pod: dict[str, Any], containers: tuple[str, ...]) -> str | None:
@@ -57,12 +69,18 @@ class AppReadiness:
     def __init__(self, url: str, unready_after: float, period: float,
                  states: list[LeaseState],
                  hand_over: Callable[[str], bool],
-                 pod: tuple[str, str, tuple[str, ...]] | None = None) -> None:
+                 pod: tuple[str, str, tuple[str, ...]] | None = None,
+                 outage_grace: float = 300.0, pod_quiet: float = POD_WATCH_QUIET) -> None:
         # ``url``: what the reasons name (the URL, or "pod <name>"); ``pod``: (namespace,
-        # name, containers) to watch instead of polling ``url``.
+        # name, containers) to watch instead of polling ``url``; ``outage_grace``: how
+        # long the pod's last readiness counts while its watch is down.
         self.url = url
         self.pod = pod
-        self._problem: str | None = "not seen yet"
+        self.outage_grace = outage_grace
+        self._pod_quiet = pod_quiet
+        self._follower: Follower | None = None
+        self._outage_logged = False
+        self._problem: str | None = NOT_SEEN  # what the pod's status last said
         self.unready_after = unready_after
         self.period = period
         self.states = states
@@ -106,27 +124,56 @@ class AppReadiness:
             return f"unreachable ({str(exc) or type(exc).__name__})"
 
     async def _run_pod(self, namespace: str, name: str, containers: tuple[str, ...]) -> None:
-        """Watch the own pod; look at what it last said every period (so a leader hands
+        """Follow the own pod; look at what it last said every period (so a leader hands
         over on time even when no event comes)."""
         ticker = asyncio.create_task(self._tick(), name="app-readiness-tick")
-        client = KubeClient.connect(namespace)
-        path = f"/api/v1/namespaces/{namespace}/pods"
+        client: KubeClient | None = None
         try:
-            while True:
+            while client is None:
                 try:
-                    async for kind, pod in client.watch(
-                            path, timeout_seconds=WATCH_SECONDS,
-                            fieldSelector=f"metadata.name={name}"):
-                        self._problem = ("own pod deleted" if kind == "DELETED"
-                                         else pod_problem(pod, containers))
-                        self._observe(self._problem)
-                except KubeError as exc:
+                    client = KubeClient.connect(namespace)
+                except KubeError as exc:  # no credentials yet (a kubeconfig may appear)
                     self._problem = f"cannot watch the own pod ({exc})"
                     self._observe(self._problem)
                     await asyncio.sleep(max(self.period, 1.0))
+
+            def changed(kind: str, pod: dict[str, Any]) -> None:
+                self._problem = ("own pod deleted" if kind == "DELETED"
+                                 else pod_problem(pod, containers))
+                self._observe(self.pod_view())
+
+            self._follower = Follower(client, f"/api/v1/namespaces/{namespace}/pods", name,
+                                      changed, quiet=self._pod_quiet,
+                                      what=f"the watch of pod {name}")
+            await asyncio.Event().wait()  # until cancelled
         finally:
             ticker.cancel()
-            await client.close()
+            if self._follower is not None:
+                self._follower.stop()
+            if client is not None:
+                await client.close()
+
+    def pod_view(self) -> str | None:
+        """What the own pod says now: the readiness last seen, or, once its watch has
+        been down for ``outage_grace``, that it cannot be watched."""
+        follower = self._follower
+        if follower is None or follower.up:
+            self._outage_logged = False
+            return self._problem
+        down_for = follower.down_for()
+        if self._problem == NOT_SEEN:
+            return f"cannot watch the own pod ({follower.error})" if follower.error \
+                else NOT_SEEN
+        if down_for >= self.outage_grace:
+            return (f"cannot watch the own pod for {format_duration(down_for)} "
+                    f"({follower.error})")
+        if not self._outage_logged and follower.error:
+            self._outage_logged = True
+            log.warning("cannot watch the own pod; its last readiness counts until "
+                        "LEASE_APP_READY_OUTAGE_GRACE", extra={
+                            "url": self.url, "error": follower.error,
+                            "outage_grace": format_duration(self.outage_grace)})
+        return self._problem
 
     async def _tick(self) -> None:
         while True:
@@ -134,7 +181,7 @@ class AppReadiness:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.next_look()):
                     await self._turned_unready.wait()
-            self._observe(self._problem)
+            self._observe(self.pod_view())
 
     def next_look(self) -> float:
         """Seconds to the next look (at the last pod status, or a probe of the URL): a

@@ -272,6 +272,15 @@ OPTIONS: tuple[Option, ...] = (
            (0.1, 24 * HOUR),
            "a shorter period leaves no room for one slow readiness answer",
            details="As `POST /handover` does."),
+    Option("app_ready_outage_grace", "LEASE_APP_READY_OUTAGE_GRACE",
+           "--app-ready-outage-grace", parse_duration, "5m",
+           "with LEASE_APP_READY_CONTAINERS: while the own pod cannot be watched (the "
+           "apiserver is away), the containers' last readiness seen counts this long",
+           (1.0, 24 * HOUR),
+           details="An apiserver outage says nothing about the application (kubelet "
+           "cannot report either); after this long it counts as not ready. Keeps a "
+           "database-backed group's leader through an apiserver outage "
+           "([hand-over](handover.md#when-the-apiserver-is-away))."),
     Option("log_level", "LEASE_LOG_LEVEL", "--log-level",
            _Choice(("debug", "info", "warning", "error")), "info", "log level"),
 )

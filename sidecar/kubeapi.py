@@ -3,16 +3,37 @@
 The sidecar is injected into every replica, so it must not pay for the ``kubernetes``
 package (about 60 MiB of RSS with kopf, 126 MB on disk) to send a handful of JSON requests.
 This module is all the sidecar needs: credentials, JSON GET/POST/PUT/PATCH, LIST and
-WATCH, and errors as one-line messages.
+WATCH, and errors as one-line messages. Following an object with watches, the way
+client-go's reflector does (backoff, bookmarks, stall checks), is :mod:`sidecar.kubewatch`.
 
 Credentials, one rule (the same as :mod:`sidecar.kube` for the operator): an explicit
 ``KUBECONFIG`` wins; else, inside a pod (``KUBERNETES_SERVICE_HOST`` set), the mounted
-ServiceAccount (token file, CA file, namespace file); else ``~/.kube/config``. A token read
+ServiceAccount (token file, CA file, namespace file); else ``~/.kube/config``.
+``KUBECONFIG`` may list several files, merged as kubectl merges them (below). A token read
 from a file (in-cluster, or a kubeconfig ``tokenFile``) is re-read every
-:data:`TOKEN_REREAD` seconds and at once after a 401, so kubelet's rotation of the bound
-token is followed. Kubeconfig users may use a token, a token file or a client certificate;
-``exec`` and ``auth-provider`` plugins are refused with a clear message (they would run
-programs the sidecar image does not carry).
+:data:`TOKEN_REREAD` seconds, and any ``401`` (a request's or a watch's) re-reads the
+token at once (the kubeconfig's own ``token`` too: a Secret it comes from may have been
+updated), so kubelet's rotation of the bound token is followed. Kubeconfig users may use a
+token, a token file or a client certificate; ``exec`` and ``auth-provider`` plugins,
+basic auth and impersonation are refused with one line naming them.
+
+The connection, as client-go makes it hold up:
+
+- **No pool limit.** Every watch holds a connection for minutes (HTTP/1.1), and one
+  sidecar may follow 64 Leases: the callers bound what is open at once (one watch and
+  one call at a time per lease), and :data:`CONNECT_TIMEOUT` counts only the TCP and TLS
+  handshake, never a wait for a free connection.
+- **Half-open connections** are found by TCP keepalive probes (:data:`KEEPALIVE_IDLE`
+  s of silence, then :data:`KEEPALIVE_PROBES` probes :data:`KEEPALIVE_INTERVAL` s apart):
+  a peer gone without a FIN or RST (a node lost, a NAT entry dropped) fails the
+  connection within about 5 s instead of at the read timeout.
+- **``429`` with ``Retry-After``** (the apiserver's priority and fairness) is waited out
+  and retried, at most :data:`RETRIES` times and :data:`RETRY_AFTER_MAX` s each; so is a
+  GET's ``5xx`` with ``Retry-After``. A longer wait is the caller's: the error carries it.
+- **Proxies**: ``HTTPS_PROXY``/``HTTP_PROXY``/``NO_PROXY`` are honoured, and a
+  kubeconfig cluster's ``proxy-url`` wins over them (http or https; socks is refused).
+- **Big objects**: answers and watch lines up to :data:`MAX_BODY` (a pod can be over a
+  MiB of JSON); a watch line is read in pieces, whatever the server's chunking.
 
 Errors: :class:`KubeError` carries the status; its text is one line, e.g.
 ``forbidden: patch pods t-1/pod-a`` or ``HTTP 409 Conflict: ...``. A watch answered
@@ -24,9 +45,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import email.utils
 import importlib
 import json
 import os
+import socket
 import ssl
 import tempfile
 import time
@@ -34,28 +57,41 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 if TYPE_CHECKING:
     import aiohttp
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MERGE_PATCH = "application/merge-patch+json"
-CONNECT_TIMEOUT = 3.0  # seconds: a dead apiserver must fail a call, not park it
-READ_TIMEOUT = 5.0  # seconds for one answer (watches: their own, longer)
+# A GET's answer without the object: its metadata only (resourceVersion), whatever its size.
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+CONNECT_TIMEOUT = 3.0  # seconds for TCP + TLS: a dead apiserver must fail a call, not park it
+READ_TIMEOUT = 5.0  # seconds of silence within one answer (watches: their own, longer)
 TOKEN_REREAD = 60.0  # seconds: kubelet rotates bound tokens well before they expire
 USER_AGENT = "lease-sidecar"
+KEEPALIVE_IDLE = 2  # seconds of silence before the first TCP keepalive probe
+KEEPALIVE_INTERVAL = 1  # seconds between probes
+KEEPALIVE_PROBES = 3  # unanswered probes that end the connection
+RETRY_AFTER_MAX = 10.0  # seconds: the longest Retry-After a call waits out itself
+RETRIES = 3  # Retry-After waits per call
+# An answer or watch line larger than this is refused: etcd stores objects up to about
+# 1.5 MiB, more as JSON; this only bounds what a broken server can make us buffer.
+MAX_BODY = 16 * 1024 * 1024
 
 _VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch",
           "DELETE": "delete"}
 
 
 class KubeError(Exception):
-    """An apiserver answer other than 2xx, or no answer; ``status`` 0 for no answer."""
+    """An apiserver answer other than 2xx, or no answer; ``status`` 0 for no answer.
+    ``retry_after``: the seconds the server asked us to wait, when it did."""
 
-    def __init__(self, message: str, status: int = 0) -> None:
+    def __init__(self, message: str, status: int = 0,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 class Gone(KubeError):
@@ -99,6 +135,10 @@ class Credentials:
     token: str | None = None
     token_file: Path | None = None
     insecure: bool = False  # insecure-skip-tls-verify: the apiserver is not authenticated
+    server_hostname: str | None = None  # the kubeconfig's tls-server-name
+    proxy: str | None = None  # the kubeconfig's proxy-url (None: the environment's)
+    # Reads the kubeconfig's own ``token`` again (after a 401); None: nothing to re-read.
+    reload_token: Callable[[], str | None] | None = field(default=None, repr=False)
     _read_at: float = field(default=-float("inf"), repr=False)
 
     def bearer(self, fresh: bool = False) -> str | None:
@@ -110,15 +150,25 @@ class Credentials:
                 self._read_at = time.monotonic()
         return self.token
 
+    def refresh(self) -> bool:
+        """After a 401: read the token again, from its file or the kubeconfig; True if
+        it changed (a request is then worth sending again)."""
+        before = self.token
+        if self.token_file is not None:
+            self.bearer(fresh=True)
+        elif self.reload_token is not None:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                self.token = self.reload_token() or self.token
+        return self.token != before
+
 
 def load_credentials() -> Credentials:
     """By the one rule in the module docstring; ``CredentialsError`` if there are none."""
     try:
         explicit = os.environ.get("KUBECONFIG")
         if explicit or not os.environ.get("KUBERNETES_SERVICE_HOST"):
-            path = explicit.split(os.pathsep)[0] if explicit else "~/.kube/config"
-            return _from_kubeconfig(Path(path).expanduser(),
-                                    f"kubeconfig {explicit or '~/.kube/config'}")
+            paths = kubeconfig_paths(explicit)
+            return _from_kubeconfig(paths, f"kubeconfig {explicit or '~/.kube/config'}")
         return _in_cluster()
     except CredentialsError:
         raise
@@ -147,9 +197,14 @@ def _in_cluster() -> Credentials:
     return creds
 
 
+def kubeconfig_paths(explicit: str | None) -> list[Path]:
+    """The files of ``KUBECONFIG`` in order (empty entries skipped), or the default."""
+    if not explicit:
+        return [Path("~/.kube/config").expanduser()]
+    return [Path(part).expanduser() for part in explicit.split(os.pathsep) if part]
+
+
 def _load_document(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ValueError(f"no kubeconfig at {path}")
     text = path.read_text()
     try:
         doc = json.loads(text)
@@ -157,30 +212,93 @@ def _load_document(path: Path) -> dict[str, Any]:
         import yaml  # only kubeconfig files need it; JSON ones do not
 
         doc = yaml.safe_load(text)
+    if doc is None:
+        return {}  # an empty file, as kubectl reads it
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: not a kubeconfig (expected a mapping at the top)")
     return doc
 
 
-def _named(items: list[dict[str, Any]] | None, name: str, what: str) -> dict[str, Any]:
-    for item in items or []:
-        if item.get("name") == name:
-            return item.get(what) or {}
-    raise ValueError(f"{what} {name!r} not found in the kubeconfig")
+@dataclass(frozen=True)
+class _Entry:
+    """A named cluster, user or context, and the directory its relative paths are in."""
+
+    value: dict[str, Any]
+    base: Path
 
 
-def _from_kubeconfig(path: Path, source: str) -> Credentials:
-    doc = _load_document(path)
-    context = _named(doc.get("contexts"), doc.get("current-context") or "", "context")
-    cluster = _named(doc.get("clusters"), context["cluster"], "cluster")
-    user = _named(doc.get("users"), context.get("user") or "", "user") if context.get(
-        "user") else {}
-    base = path.parent
-    for plugin in ("exec", "auth-provider"):
-        if user.get(plugin):
-            raise ValueError(f"the kubeconfig user uses {plugin}, which lease-sidecar does "
+@dataclass
+class Kubeconfig:
+    """``KUBECONFIG``'s files merged by kubectl's rules (client-go's ``clientcmd``
+    loader): files in order, a missing one skipped; the first file to name a cluster,
+    user or context wins that name, the first ``current-context`` set wins; relative
+    paths are relative to the file that named the entry."""
+
+    current: str = ""
+    sections: dict[str, dict[str, _Entry]] = field(default_factory=lambda: {
+        "clusters": {}, "users": {}, "contexts": {}})
+    read: list[Path] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, paths: list[Path]) -> Kubeconfig:
+        merged = cls()
+        for path in paths:
+            if not path.is_file():
+                continue
+            doc = _load_document(path)
+            merged.read.append(path)
+            merged.current = merged.current or str(doc.get("current-context") or "")
+            for section, key in (("clusters", "cluster"), ("users", "user"),
+                                 ("contexts", "context")):
+                items = doc.get(section) or []
+                if not isinstance(items, list):
+                    raise ValueError(f"{path}: {section} is not a list")
+                for item in items:
+                    if not isinstance(item, dict) or not item.get("name"):
+                        raise ValueError(f"{path}: an entry of {section} has no name")
+                    value = item.get(key) or {}
+                    if not isinstance(value, dict):
+                        raise ValueError(f"{path}: {section} {item['name']!r} is not a mapping")
+                    merged.sections[section].setdefault(
+                        str(item["name"]), _Entry(value, path.parent))
+        if not merged.read:
+            raise ValueError(f"no kubeconfig at {os.pathsep.join(map(str, paths))}")
+        return merged
+
+    def named(self, section: str, name: str) -> _Entry:
+        what = section[:-1]
+        if not name:
+            raise ValueError(f"the kubeconfig names no {what} (current-context unset?)")
+        try:
+            return self.sections[section][name]
+        except KeyError:
+            raise ValueError(f"{what} {name!r} not found in the kubeconfig") from None
+
+
+# Kubeconfig user fields that would make requests as someone else, or need programs the
+# image does not carry: refused by name rather than ignored.
+_UNSUPPORTED_USER = {
+    "exec": "exec", "auth-provider": "auth-provider", "username": "basic auth (username)",
+    "password": "basic auth (password)", "as": "impersonation (as)",
+    "as-uid": "impersonation (as-uid)", "as-groups": "impersonation (as-groups)",
+    "as-user-extra": "impersonation (as-user-extra)"}
+
+
+def _from_kubeconfig(paths: list[Path], source: str) -> Credentials:
+    config = Kubeconfig.load(paths)
+    context = config.named("contexts", config.current).value
+    cluster_entry = config.named("clusters", str(context.get("cluster") or ""))
+    cluster, base = cluster_entry.value, cluster_entry.base
+    user_name = str(context.get("user") or "")
+    user_entry = config.named("users", user_name) if user_name else _Entry({}, base)
+    user, user_base = user_entry.value, user_entry.base
+    for key, what in _UNSUPPORTED_USER.items():
+        if user.get(key):
+            raise ValueError(f"the kubeconfig user uses {what}, which lease-sidecar does "
                              "not support (use a token, a tokenFile or a client certificate)")
-    server = cluster["server"].rstrip("/")
+    server = str(cluster.get("server") or "").rstrip("/")
+    if not server.startswith(("https://", "http://")):
+        raise ValueError(f"the kubeconfig cluster's server {server!r} is not an http(s) URL")
     tls: ssl.SSLContext | bool = False
     if server.startswith("https://"):
         if cluster.get("insecure-skip-tls-verify"):
@@ -194,15 +312,25 @@ def _from_kubeconfig(path: Path, source: str) -> Credentials:
             tls = ssl.create_default_context(cafile=str(base / cluster["certificate-authority"]))
         else:
             tls = ssl.create_default_context()
-        if cluster.get("tls-server-name"):
-            raise ValueError("tls-server-name in the kubeconfig is not supported")
-        _load_client_cert(tls, user, base)
+        _load_client_cert(tls, user, user_base)
+    proxy = cluster.get("proxy-url") or None
+    if proxy is not None and urlsplit(str(proxy)).scheme not in ("http", "https"):
+        raise ValueError(f"the kubeconfig's proxy-url {proxy!r} is not an http(s) proxy "
+                         "(socks proxies are not supported)")
     creds = Credentials(server, context.get("namespace"), source, tls,
-                        insecure=bool(cluster.get("insecure-skip-tls-verify")))
+                        insecure=bool(cluster.get("insecure-skip-tls-verify")),
+                        server_hostname=cluster.get("tls-server-name") or None,
+                        proxy=str(proxy) if proxy else None)
     if user.get("token"):
-        creds.token = user["token"]
+        creds.token = str(user["token"])
+
+        def reload_token() -> str | None:
+            fresh = Kubeconfig.load(paths).named("users", user_name).value
+            return str(fresh.get("token") or "") or None
+
+        creds.reload_token = reload_token
     elif user.get("tokenFile"):
-        creds.token_file = base / user["tokenFile"]
+        creds.token_file = user_base / user["tokenFile"]
         creds.bearer(fresh=True)
     return creds
 
@@ -241,9 +369,73 @@ async def load_aiohttp() -> None:
 _aiohttp_loaded = False
 
 
+def retry_after(headers: Any) -> float | None:
+    """``Retry-After`` in seconds (a number or an HTTP date), None if absent or unreadable."""
+    value = (headers.get("Retry-After") or "").strip()
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _probe_when_idle(response: aiohttp.ClientResponse) -> None:
+    """TCP keepalive on the connection ``response`` came on (see the module docstring)."""
+    connection = response.connection
+    transport = connection.transport if connection is not None else None
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+
+
+async def _read_body(response: aiohttp.ClientResponse) -> bytes:
+    """The whole answer, refused past :data:`MAX_BODY`."""
+    if (response.content_length or 0) > MAX_BODY:
+        raise ValueError(f"answer larger than {MAX_BODY // 2**20} MiB")
+    chunks, size = [], 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ValueError(f"answer larger than {MAX_BODY // 2**20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The answer's lines (without the newline), however the server cut them into
+    chunks; one longer than :data:`MAX_BODY` is refused. aiohttp's own line reader
+    stops at its buffer's size (``LineTooLong``), which a big pod's event exceeds."""
+    buffer = bytearray()
+    scanned = 0  # bytes of ``buffer`` known to hold no newline
+    async for chunk in response.content.iter_any():
+        buffer += chunk
+        while (end := buffer.find(b"\n", scanned)) >= 0:
+            yield bytes(buffer[:end])
+            del buffer[:end + 1]
+            scanned = 0
+        scanned = len(buffer)
+        if scanned > MAX_BODY:
+            raise ValueError(f"watch event larger than {MAX_BODY // 2**20} MiB")
+    # A piece after the last newline is an event cut off: the caller resumes after the
+    # last whole one.
+
+
 class KubeClient:
     """JSON requests to one apiserver; one aiohttp session (made on first use, on the
-    running loop); no retries (callers retry on their own schedule)."""
+    running loop). Retries only what the server asks to be retried (``Retry-After``)
+    and a 401 once with a re-read token; callers retry anything else on their own
+    schedule."""
 
     def __init__(self, credentials: Credentials, namespace: str) -> None:
         self.credentials = credentials
@@ -262,8 +454,11 @@ class KubeClient:
 
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self.credentials.ssl, limit=8),
-                headers={"User-Agent": USER_AGENT, "Accept": "application/json"})
+                # limit=0: no pool limit (see the module docstring).
+                connector=aiohttp.TCPConnector(ssl=self.credentials.ssl, limit=0),
+                headers={"User-Agent": USER_AGENT, "Accept": "application/json"},
+                # The proxy variables, unless the kubeconfig names a proxy of its own.
+                trust_env=self.credentials.proxy is None)
         return self._session
 
     async def close(self) -> None:
@@ -271,43 +466,70 @@ class KubeClient:
             await self._session.close()
             self._session = None
 
-    def _headers(self, fresh: bool, content_type: str | None) -> dict[str, str]:
+    def _headers(self, content_type: str | None, accept: str | None = None) -> dict[str, str]:
         headers = {}
-        token = self.credentials.bearer(fresh)
+        token = self.credentials.bearer()
         if token:
             headers["Authorization"] = f"Bearer {token}"
         if content_type:
             headers["Content-Type"] = content_type
+        if accept:
+            headers["Accept"] = accept
         return headers
+
+    def _options(self, read_timeout: float, total: float | None) -> dict[str, Any]:
+        import aiohttp
+
+        options: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(
+            total=total, connect=None, sock_connect=CONNECT_TIMEOUT,
+            sock_read=read_timeout)}
+        if self.credentials.proxy is not None:
+            options["proxy"] = self.credentials.proxy
+        if self.credentials.server_hostname is not None:
+            options["server_hostname"] = self.credentials.server_hostname
+        return options
 
     async def request(self, method: str, path: str, body: Any = None,
                       content_type: str = "application/json",
                       params: dict[str, str] | None = None,
-                      read_timeout: float = READ_TIMEOUT) -> dict[str, Any]:
+                      read_timeout: float = READ_TIMEOUT,
+                      accept: str | None = None) -> dict[str, Any]:
         """One call with plain JSON in and out; ``KubeError`` on anything but 2xx."""
         await load_aiohttp()
         import aiohttp
 
         url = self.credentials.server + path + (f"?{urlencode(params)}" if params else "")
         data = None if body is None else json.dumps(body).encode()
-        timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT,
-                                        sock_connect=CONNECT_TIMEOUT, sock_read=read_timeout)
-        for attempt in (0, 1):  # a 401 is tried once more with a freshly read token
-            headers = self._headers(attempt == 1, content_type if data else None)
+        # A slow drip of bytes must not hold a call for ever: the whole answer has a
+        # bound too (a MiB-sized pod takes milliseconds on any working link).
+        options = self._options(read_timeout, CONNECT_TIMEOUT + 4 * read_timeout)
+        refreshed, waits = False, 0
+        while True:
+            headers = self._headers(content_type if data else None, accept)
             try:
                 async with self._open().request(method, url, data=data, headers=headers,
-                                                timeout=timeout) as response:
-                    raw = await response.read()
-                    if response.status == 401 and attempt == 0 and (
-                            self.credentials.token_file is not None):
-                        continue
-                    if 200 <= response.status < 300:
-                        return json.loads(raw) if raw else {}
-                    raise error_for(response.status, raw, method, path)
+                                                **options) as response:
+                    _probe_when_idle(response)
+                    raw = await _read_body(response)
+                    status, wait = response.status, retry_after(response.headers)
             except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
                 raise KubeError(f"{describe(method, path)}: "
                                 f"{one_line(str(exc) or type(exc).__name__)}") from None
-        raise AssertionError("unreachable")
+            if 200 <= status < 300:
+                try:
+                    return json.loads(raw) if raw else {}
+                except ValueError as exc:
+                    raise KubeError(f"{describe(method, path)}: not JSON: "
+                                    f"{one_line(str(exc))}") from None
+            if status == 401 and not refreshed and self.credentials.refresh():
+                refreshed = True  # any 401: read the token again; resend if it changed
+                continue
+            asked = status == 429 or (status >= 500 and method == "GET")
+            if asked and wait is not None and wait <= RETRY_AFTER_MAX and waits < RETRIES:
+                waits += 1
+                await asyncio.sleep(wait)
+                continue
+            raise error_for(status, raw, method, path, retry_after=wait)
 
     async def get(self, path: str, **params: str) -> dict[str, Any]:
         return await self.request("GET", path, params=params or None)
@@ -319,6 +541,17 @@ class KubeClient:
             if exc.status == 404:
                 return None
             raise
+
+    async def version_of(self, path: str) -> str | None:
+        """The ``resourceVersion`` of one object (None: it does not exist), from its
+        metadata only: a cheap look whatever the object's size."""
+        try:
+            found = await self.request("GET", path, accept=METADATA_ONLY)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return str((found.get("metadata") or {}).get("resourceVersion") or "")
 
     async def post(self, path: str, body: Any) -> dict[str, Any]:
         return await self.request("POST", path, body)
@@ -341,8 +574,10 @@ class KubeClient:
         ``path``, from ``resource_version`` (None: the current state, replayed as ADDED)
         until the apiserver ends the request after ``timeout_seconds``. ``opened`` is
         called once the apiserver accepted the request (events may take long to come).
-        ``BOOKMARK`` events are not yielded; 410 Gone, in the answer or as an ERROR
-        event, raises :class:`Gone`; other failures :class:`KubeError`.
+        ``BOOKMARK`` events are yielded too (their object carries only the
+        ``resourceVersion`` to resume from); 410 Gone, in the answer or as an ERROR
+        event, raises :class:`Gone`; other failures :class:`KubeError` (a 401 re-reads
+        the token first, so the next watch sends the new one).
         """
         await load_aiohttp()
         import aiohttp
@@ -352,34 +587,39 @@ class KubeClient:
         if resource_version:
             query["resourceVersion"] = resource_version
         url = f"{self.credentials.server}{path}?{urlencode(query)}"
-        timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT,
-                                        sock_connect=CONNECT_TIMEOUT,
-                                        sock_read=timeout_seconds + 10)
+        options = self._options(timeout_seconds + 10.0, None)
         what = describe("GET", path, watch=True)
         try:
-            async with self._open().get(url, headers=self._headers(False, None),
-                                        timeout=timeout) as response:
+            async with self._open().get(url, headers=self._headers(None),
+                                        **options) as response:
+                _probe_when_idle(response)
                 if response.status != 200:
-                    raise error_for(response.status, await response.read(), "GET", path,
-                                    watch=True)
+                    if response.status == 401:
+                        self.credentials.refresh()
+                    raise error_for(response.status, await _read_body(response), "GET",
+                                    path, watch=True,
+                                    retry_after=retry_after(response.headers))
                 if opened is not None:
                     opened()
-                async for line in response.content:
+                async for line in _lines(response):
                     if not line.strip():
                         continue
                     event = json.loads(line)
+                    if not isinstance(event, dict):
+                        raise ValueError("a watch event that is not a JSON object")
                     kind, obj = event.get("type"), event.get("object") or {}
+                    if not isinstance(kind, str) or not isinstance(obj, dict):
+                        raise ValueError("a watch event without a type or an object")
                     if kind == "ERROR":
                         raise error_for(int(obj.get("code") or 500), json.dumps(obj).encode(),
                                         "GET", path, watch=True)
-                    if kind != "BOOKMARK":
-                        yield kind, obj
+                    yield kind, obj
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             raise KubeError(f"{what}: {one_line(str(exc) or type(exc).__name__)}") from None
 
 
 def error_for(status: int, raw: bytes, method: str, path: str,
-              watch: bool = False) -> KubeError:
+              watch: bool = False, retry_after: float | None = None) -> KubeError:
     """One line for a non-2xx answer: forbidden names the verb and resource."""
     what = describe(method, path, watch)
     message = ""
@@ -391,5 +631,6 @@ def error_for(status: int, raw: bytes, method: str, path: str,
         return KubeError(f"unauthorized: {what} (token expired or not accepted)", status)
     cls = Gone if status == 410 else KubeError
     text = f"{what}: HTTP {status}" + (f": {message}" if message else "")
-    return cls(one_line(text), status)
-
+    if retry_after is not None:
+        text += f" (retry after {retry_after:g}s)"
+    return cls(one_line(text), status, retry_after)

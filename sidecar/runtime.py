@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -84,7 +85,8 @@ class Sidecar:
         self._credentials_checked = 0.0
         app = build_app(self.states, status=self.status, alive=self.alive, ready=self.ready,
                         release=self.release, heartbeat=self.heartbeat,
-                        handover=self.handover, cannot_lead=self.cannot_lead)
+                        handover=self.handover, cannot_lead=self.cannot_lead,
+                        degraded=self.watch_problem)
         self.http = HttpServer(app, *settings.http_addr)
 
     @property
@@ -159,7 +161,8 @@ class Sidecar:
             return elector is not None and elector.request_handover(why="app-unready")
 
         return AppReadiness(url, settings.app_unready_after, settings.timing.renew_interval,
-                            self.states, hand_over, pod=pod)
+                            self.states, hand_over, pod=pod,
+                            outage_grace=settings.app_ready_outage_grace)
 
     async def stop(self) -> None:
         """Unpublish and release every lease, then close everything."""
@@ -203,6 +206,15 @@ class Sidecar:
 
     def ready(self) -> bool:
         return all(state.facts.backend_ok for state in self.states)
+
+    @staticmethod
+    def watch_problem() -> str | None:
+        """A watch (a Lease's, the own pod's) restarting after an unexpected error, for
+        ``/healthz``; None when there is none. Only a sidecar that follows something has
+        loaded :mod:`sidecar.kubewatch` (one that does not must not import it)."""
+        kubewatch = sys.modules.get("sidecar.kubewatch")
+        problems: list[str] = kubewatch.problems() if kubewatch is not None else []
+        return "; ".join(problems) or None
 
     def cannot_lead(self) -> str | None:
         """Why this contender can never lead as configured, for ``/healthz`` and

@@ -164,6 +164,7 @@ class Settings:
     app_ready_containers: tuple[str, ...] | None = None
     shutdown_handover: str = "off"
     app_unready_after: float = 10.0
+    app_ready_outage_grace: float = 300.0
     log_level: str = "info"
     explicit: frozenset[str] = frozenset()
     """Which settings the user gave (so defaults may fall back quietly, and errors say
@@ -196,5 +197,6 @@ class Settings:
             "app_ready_containers": (list(self.app_ready_containers)
                                      if self.app_ready_containers else None),
             "app_unready_after": self.app_unready_after,
+            "app_ready_outage_grace": self.app_ready_outage_grace,
             "shutdown_handover": self.shutdown_handover,
         }

@@ -149,3 +149,49 @@ def test_in_a_pod_the_app_containers_readiness_decides(control_plane, kube_names
         assert UNREADY_AFTER <= took <= UNREADY_AFTER + 0.3 + 1.0, took
         assert metric(procs[0], 'lease_sidecar_handovers_total{lease="handover",'
                                 'reason="app-unready"}') == 1.0
+
+
+@pytest.mark.kube
+@pytest.mark.postgres
+def test_an_apiserver_outage_keeps_a_database_backed_leader(control_plane, kube_namespace,
+                                                           pg_dsn, tmp_path):
+    """The lease lives in PostgreSQL; the apiserver goes away for 8 times
+    LEASE_APP_UNREADY_AFTER. The pod watch failing used to count as "not ready": the
+    leader handed over after 1 s and no standby campaigned, so nobody led until the
+    apiserver was back. Now the last readiness seen counts for
+    LEASE_APP_READY_OUTAGE_GRACE (5 min by default; a 60 s outage scaled down)."""
+    cp, namespace = control_plane, kube_namespace
+    kubeconfig = install_rbac(cp, namespace)
+    create_pods(cp, namespace, "pod-a", "pod-b")
+    for pod in ("pod-a", "pod-b"):
+        container_ready(cp, namespace, pod, True)
+    procs = [SidecarProcess(tmp_path, pod, args=[
+        "--backend", "postgres", "--dsn", pg_dsn, "--name", "outage", *FAST,
+        "--pod-label", "off", "--app-ready-containers", "app",
+        "--app-unready-after", f"{UNREADY_AFTER}s"],
+        env={"POD_NAME": pod, "POD_NAMESPACE": namespace, "KUBECONFIG": str(kubeconfig)},
+    ) for pod in ("pod-a", "pod-b")]
+    with serving(procs):
+        leader = wait_until(lambda: one_leader(procs), timeout=15)
+        time.sleep(1.0)  # both pod watches have seen their pods Ready
+        samples: list[int] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                samples.append(leader.leader(timeout=1.0))
+                stop.wait(0.1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        with ClaimRecorder(procs) as recorder:
+            sampler.start()
+            try:
+                cp.restart_apiserver(down_for=8 * UNREADY_AFTER)
+            finally:
+                stop.set()
+                sampler.join(5)
+        assert recorder.overlaps() == []
+        assert samples and set(samples) == {200}, samples
+        assert metric(leader, 'lease_sidecar_handovers_total{lease="outage",'
+                              'reason="app-unready"}') == 0.0
+        assert "cannot watch the own pod" in leader.logs()

@@ -110,3 +110,28 @@ async def test_a_leader_whose_app_turns_unready_between_looks_hands_over_on_time
         ticker.cancel()
     assert asked, "the leader never handed over"
     assert 0.2 <= asked[0] - turned < 0.6, asked[0] - turned
+
+
+class DownWatch:
+    """A pod watch that is down (what sidecar.kubewatch.Follower reports)."""
+
+    def __init__(self, down_for: float) -> None:
+        self.up, self.error, self._down_for = False, "get pods t/web-0: refused", down_for
+
+    def down_for(self) -> float:
+        return self._down_for
+
+
+def test_while_the_pod_cannot_be_watched_its_last_readiness_counts_for_the_grace():
+    state = LeaseState(lease="jobs", identity="web-0", role="all", claim_horizon=0.1)
+    watcher = AppReadiness("pod web-0:", unready_after=1.0, period=1.0, states=[state],
+                           hand_over=lambda name: True, outage_grace=60.0)
+    watcher._problem = None  # the pod said: Ready
+    watcher._follower = DownWatch(59.0)  # type: ignore[assignment]  # a stand-in
+    assert watcher.pod_view() is None
+    watcher._follower = DownWatch(60.0)  # type: ignore[assignment]  # a stand-in
+    assert watcher.pod_view() == ("cannot watch the own pod for 1m "
+                                  "(get pods t/web-0: refused)")
+    watcher._problem = "container app is not Ready"  # and a not-Ready pod stays not Ready
+    watcher._follower = DownWatch(1.0)  # type: ignore[assignment]  # a stand-in
+    assert watcher.pod_view() == "container app is not Ready"

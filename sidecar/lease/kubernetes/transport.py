@@ -2,14 +2,15 @@
 event loop; no worker threads and no ``kubernetes`` package in the sidecar).
 
 Every call has a connect and a read timeout, so a hung apiserver fails a call instead of
-parking it. The watch is a task that follows one Lease by name and says whether it is up
-(:attr:`LeaseWatch.up`): while it is, a standby believes what it delivers and reads the
-Lease no more; while it is down, the elector's retries read it (GET), as before.
+parking it. The watch is a task that follows one Lease by name (:mod:`sidecar.kubewatch`)
+and says whether it is up (:attr:`LeaseWatch.up`): while it is, a standby believes what
+it delivers and reads the Lease no more; while it is down (failed, in its backoff, or
+found stalled), the elector's retries read it (GET). One sidecar may hold many Leases:
+each has its watch on a connection of its own (the client has no pool limit).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
@@ -17,17 +18,12 @@ from typing import Any
 from urllib.parse import quote
 
 from sidecar.base.errors import BackendError, Forbidden
-from sidecar.kubeapi import Gone, KubeClient, KubeError
+from sidecar.kubeapi import KubeClient, KubeError
+from sidecar.kubewatch import Follower
 from sidecar.lease.kubernetes.record import Record
 from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar.lease.kubernetes")
-
-# A watch request ends after this many seconds and is re-opened from the last version it
-# delivered, so nothing is replayed; after 410 Gone (that version is too old) it is
-# re-opened from scratch, and the apiserver replays the current object.
-WATCH_SECONDS = 300
-WATCH_RETRY_MAX = 5.0
 
 
 class Conflict(Exception):
@@ -36,56 +32,37 @@ class Conflict(Exception):
 
 
 class LeaseWatch:
-    """A task that watches one Lease and hands every record (None: deleted) to
-    ``deliver``, on the event loop."""
+    """A task that follows one Lease (:class:`sidecar.kubewatch.Follower`: backoff,
+    bookmarks, stall checks, restarted on any error) and hands every record (None:
+    deleted) to ``deliver``, on the event loop. ``quiet``: the seconds of silence after
+    which it looks at the Lease to tell an idle watch from a stalled one."""
 
     def __init__(self, client: KubeClient, path: str, name: str,
-                 deliver: Callable[[Record | None], None]) -> None:
-        self._client = client
-        self._path = path
-        self._name = name
+                 deliver: Callable[[Record | None], None], quiet: float) -> None:
         self._deliver = deliver
-        # True while a watch request is open: what it delivers is the Lease as it is.
-        self.up = False
-        self._task = asyncio.get_running_loop().create_task(self._run(),
-                                                            name=f"lease-watch-{name}")
+        self._follower = Follower(client, path, name, self._changed, quiet=quiet,
+                                  what=f"the watch of Lease {name}")
+
+    @property
+    def up(self) -> bool:
+        """True while a watch request is open and current: what it delivered is the
+        Lease as it is."""
+        return self._follower.up
 
     def stop(self) -> None:
-        self.up = False
-        self._task.cancel()
+        self._follower.stop()
 
-    def _opened(self) -> None:
-        self.up = True
-
-    async def _run(self) -> None:
-        delay, version = 0.2, None
-        while True:
-            try:
-                async for kind, obj in self._client.watch(
-                        self._path, version, timeout_seconds=WATCH_SECONDS,
-                        opened=self._opened, fieldSelector=f"metadata.name={self._name}"):
-                    version = (obj.get("metadata") or {}).get("resourceVersion") or version
-                    if kind in ("ADDED", "MODIFIED"):
-                        self._deliver(Record.from_object(obj))
-                    elif kind == "DELETED":
-                        self._deliver(None)
-                delay = 0.2  # ended by its timeout: re-open from ``version`` at once
-            except Gone:
-                self.up, version = False, None
-            except KubeError as exc:
-                # The elector's own reads report unreachability; here we only retry.
-                self.up = False
-                log.debug("lease watch failed", extra={"lease": self._name, "error": str(exc)})
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, WATCH_RETRY_MAX)
+    def _changed(self, kind: str, obj: dict[str, Any]) -> None:
+        self._deliver(None if kind == "DELETED" else Record.from_object(obj))
 
 
 class LeaseApi:
     """The Lease calls of one namespace, mapped to our errors: ``Conflict`` for a lost
     race, ``Forbidden`` for a 403, ``BackendError`` for anything else."""
 
-    def __init__(self, client: KubeClient) -> None:
+    def __init__(self, client: KubeClient, quiet: float) -> None:
         self.client = client
+        self._quiet = quiet
         self.namespace = client.namespace
         self._base = f"/apis/coordination.k8s.io/v1/namespaces/{quote(client.namespace)}/leases"
 
@@ -122,7 +99,7 @@ class LeaseApi:
 
     def watch(self, name: str, deliver: Callable[[Record | None], None]) -> LeaseWatch:
         """A started watch of Lease ``name``; ``deliver`` runs on the event loop."""
-        return LeaseWatch(self.client, self._base, name, deliver)
+        return LeaseWatch(self.client, self._base, name, deliver, self._quiet)
 
 
 class Connection:
@@ -139,7 +116,9 @@ class Connection:
                 client = KubeClient.connect(self._settings.pod_namespace)
             except KubeError as exc:
                 raise BackendError(str(exc)) from None
-            self._api = LeaseApi(client)
+            # A holder renews every renew interval (give or take its jitter), so a
+            # watch of a held Lease that is quiet for two of ours may have stalled.
+            self._api = LeaseApi(client, quiet=2 * self._settings.timing.renew_interval)
             log.info("kubernetes backend connected", extra={
                 "namespace": client.namespace, "credentials": client.credentials.source})
             if client.credentials.insecure:

@@ -58,11 +58,12 @@ def _json(data: Any, status: int = 200) -> Response:
 
 
 def _probe(check: Callable[[], bool],
-           cannot_lead: Callable[[], str | None] | None = None) -> Handler:
-    """``200 {"ok": true}`` or ``503 {"ok": false}``; with ``cannot_lead``, also ``503``
-    with its reason while this contender can never lead as configured."""
+           *reasons: Callable[[], str | None] | None) -> Handler:
+    """``200 {"ok": true}`` or ``503 {"ok": false}``; also ``503`` with the first of
+    ``reasons`` that has one (this contender can never lead as configured, a watch is
+    restarting after an error)."""
     async def handler(request: Request) -> Response:
-        reason = cannot_lead() if cannot_lead else None
+        reason = next((why for found in reasons if found and (why := found())), None)
         if reason:
             return _json({"ok": False, "reason": reason}, 503)
         ok = check()
@@ -101,6 +102,7 @@ def build_app(states: list[LeaseState],
               cannot_lead: Callable[[], str | None] | None = None,
               heartbeat: Callable[[str | None], HeartbeatAnswer] = _no_heartbeat,
               handover: Handover = _no_handover,
+              degraded: Callable[[], str | None] | None = None,
               ) -> App:
     # 404/405 are short text and an unexpected error a bare 500 (the traceback goes to
     # the log, never to the client): see .server.
@@ -161,10 +163,11 @@ def build_app(states: list[LeaseState],
     heartbeat_handler = _local_post("heartbeat", limits, beat)
     handover_handler = _local_post("handover", limits, handed, with_query=True)
     # /livez: the loop runs (liveness: a restart can help). /healthz: that, and nothing
-    # keeps this contender from ever leading (the chart's readiness). /readyz: that, and
-    # the backend answers now.
+    # keeps this contender from ever leading (the chart's readiness), and no watch is
+    # restarting after an unexpected error (``degraded``: it restarts by itself, so a
+    # restart of the sidecar would not help). /readyz: that, and the backend answers now.
     livez = _probe(alive)
-    healthz, readyz = _probe(alive, cannot_lead), _probe(ready, cannot_lead)
+    healthz, readyz = _probe(alive, cannot_lead, degraded), _probe(ready, cannot_lead)
 
     async def leader_handler(request: Request) -> Response:
         return await longpoll.leader(request, leases, limits)
