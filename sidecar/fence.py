@@ -8,15 +8,22 @@ One table and one routine, in a schema of the sidecar's (``LEASE_SCHEMA``, defau
   ``lease.lease_fence``;
 - SQL Server: ``[lease].[lease_fence] @name, @token`` over ``[lease].[LeaseFence]``.
 
-``lease_fence(name, token)`` locks the name's row until the transaction ends. A token
-lower than the highest one recorded is refused with :data:`STALE_SQLSTATE` (SQL Server:
-error :data:`SQLSERVER_STALE_ERROR`), and the error aborts the transaction; a higher one
-is recorded (an exclusive row lock); an equal one passes (PostgreSQL: a shared row lock,
-so one leader's transactions do not queue behind each other; SQL Server: an update lock,
-so they do). A newer leader's first guarded transaction therefore waits for the old
-leader's guarded transactions in flight to end, and every old-leader transaction after it
-fails: a transaction's other writes commit only if no newer leader wrote first. Every
-backend's tokens stay below 2^53 and fit ``bigint``.
+``lease_fence(name, token)`` locks the name until the transaction ends. A token lower
+than the highest one recorded is refused with :data:`STALE_SQLSTATE` (SQL Server: error
+:data:`SQLSERVER_STALE_ERROR`), and the error aborts the transaction; a higher one is
+recorded under an exclusive lock; an equal one passes under a shared lock, so one
+leader's transactions do not queue behind each other. A newer leader's first guarded
+transaction therefore waits for the old leader's guarded transactions in flight to end,
+and every old-leader transaction after it fails: a transaction's other writes commit only
+if no newer leader wrote first. Every backend's tokens stay below 2^53 and fit ``bigint``.
+
+On PostgreSQL the lock is a transaction-scoped advisory lock on the name (shared or
+exclusive), not a row lock: a shared row lock writes the row (and, with several holders,
+a multixact) in every transaction, which cost a third of a single-row insert's
+throughput (bench/bench_fence.py); under REPEATABLE READ and SERIALIZABLE the row is
+share-locked too, so a newer leader's commit fails the transaction (40001) instead of
+staying unseen by its snapshot. On SQL Server it is ``UPDLOCK, HOLDLOCK`` on the row:
+one leader's transactions queue there.
 
 This module only builds text (``lease-sidecar fence-schema --print``); it imports
 nothing beyond the standard library, so :mod:`sidecar.client` can share its facts.
@@ -46,6 +53,10 @@ POSTGRES_TABLE = "lease_fence"
 POSTGRES_FUNCTION = "lease_fence"
 SQLSERVER_TABLE = "LeaseFence"
 SQLSERVER_PROCEDURE = "lease_fence"
+# PostgreSQL: the guard's transaction-scoped advisory locks are (LOCK_CLASS,
+# hashtext(name)), the two-key form, which shares no key with one-key advisory locks
+# (the postgres backend's lease locks are those). The value is "fnce" in ASCII.
+LOCK_CLASS = 0x666E6365
 # The widest name either server stores: the lease-name column of the row leases.
 MAX_NAME = 200
 
@@ -76,18 +87,27 @@ BEGIN
             'lease_fence: needs a lease name and a fencing token >= 0, got %L and %s',
             lease_name, coalesce(fencing_token::text, 'NULL'));
     END IF;
-    LOOP
-        -- A newer token takes the row exclusively (held until commit): it waits for the
-        -- transactions that share it under an older token, and they cannot start anew.
-        UPDATE {table} SET token = fencing_token, advanced_at = now()
-        WHERE name = lease_name AND token < fencing_token;
-        -- The same token shares the row; under READ COMMITTED this reads the newest
-        -- committed token once any newer holder of the row has ended.
+    SELECT token INTO highest FROM {table} WHERE name = lease_name;
+    IF FOUND AND highest = fencing_token THEN
+        -- The same leader again: its transactions share the name's lock.
+        PERFORM pg_advisory_xact_lock_shared({LOCK_CLASS}, hashtext(lease_name));
+    ELSIF NOT FOUND OR highest < fencing_token THEN
+        -- A newer leader (or the first): it waits until every transaction that holds
+        -- the lock under an older token has ended, and none starts anew meanwhile.
+        PERFORM pg_advisory_xact_lock({LOCK_CLASS}, hashtext(lease_name));
+        INSERT INTO {table} AS f (name, token) VALUES (lease_name, fencing_token)
+        ON CONFLICT (name) DO UPDATE SET token = excluded.token, advanced_at = now()
+        WHERE f.token < excluded.token;
+    END IF;
+    -- Again under the lock: a newer leader may have committed while this one waited.
+    -- READ COMMITTED reads it with a fresh snapshot; a transaction with one snapshot
+    -- for all its statements locks the row, so a newer commit fails it (40001) instead
+    -- of staying unseen.
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        SELECT token INTO highest FROM {table} WHERE name = lease_name;
+    ELSE
         SELECT token INTO highest FROM {table} WHERE name = lease_name FOR SHARE;
-        EXIT WHEN FOUND;
-        INSERT INTO {table} (name, token) VALUES (lease_name, fencing_token)
-        ON CONFLICT (name) DO NOTHING;
-    END LOOP;
+    END IF;
     IF highest > fencing_token THEN
         RAISE EXCEPTION USING ERRCODE = '{STALE_SQLSTATE}', MESSAGE = format(
             '{STALE_MESSAGE} %s for lease %L: the highest seen is %s',

@@ -193,6 +193,25 @@ def test_under_repeatable_read_a_stale_leader_is_refused_too(app_dsn: str) -> No
         assert refused(lambda: guarded_write(old, 5, "old")) == fence.STALE_SQLSTATE
 
 
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_a_newer_leader_waits_for_the_old_ones_whatever_their_isolation(
+        app_dsn: str, level: str) -> None:
+    with connect(app_dsn) as old, connect(app_dsn) as newer:
+        guarded_write(old, 5)
+        old.execute(CALL, ("jobs", 5))  # READ COMMITTED, open
+        newer.execute(f"BEGIN ISOLATION LEVEL {level}")
+        newer.execute("SET LOCAL lock_timeout = 300")
+        with pytest.raises(psycopg.Error) as caught:
+            newer.execute(CALL, ("jobs", 6))
+        assert caught.value.sqlstate == LOCK_WAITED
+        newer.rollback()
+        old.commit()
+        newer.execute(f"BEGIN ISOLATION LEVEL {level}")
+        newer.execute(CALL, ("jobs", 6))
+        newer.commit()
+        assert refused(lambda: guarded_write(old, 5)) == fence.STALE_SQLSTATE
+
+
 def writers_race(dsn: str, seconds: float = 3.0, writers: int = 6) -> list[tuple[int, str, int]]:
     """Writers hold tokens 1..n; every so often the newest token goes up by one and some
     writers keep using the one they had (paused leaders). Commit order of the writes is

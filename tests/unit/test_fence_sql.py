@@ -136,7 +136,12 @@ def test_postgres_script_names_only_its_own_objects() -> None:
                          r"(\S+?)(?:\(| |;)", script)
     assert created == ['"app"', '"app".lease_fence', '"app".lease_fence']
     assert f"ERRCODE = '{fence.STALE_SQLSTATE}'" in script
-    assert "FOR SHARE" in script and "token < fencing_token" in script
+    # The same token shares the name's lock, a newer one takes it alone; the two-key
+    # form, apart from the postgres backend's one-key lease locks.
+    lock = f"({fence.LOCK_CLASS}, hashtext(lease_name))"
+    assert f"pg_advisory_xact_lock_shared{lock}" in script
+    assert f"pg_advisory_xact_lock{lock}" in script
+    assert 0 < fence.LOCK_CLASS < 2**31
     provision = fence.postgres_provision("app")
     assert provision.startswith("SELECT pg_advisory_xact_lock(")
     assert provision.endswith(script)
