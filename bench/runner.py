@@ -83,6 +83,8 @@ BENCHES: tuple[Bench, ...] = (
           ("postgres", "apiserver"), ("handover.json",)),
     Bench("kubernetes", "bench.bench_kubernetes", ("--trials", "20"), ("--trials", "2"),
           ("apiserver",), ("kubernetes.json",)),
+    Bench("kube_names", "bench.bench_kube_names", ("--names", "1,8,64", "--seconds", "60"),
+          ("--names", "1,2", "--seconds", "5"), ("apiserver",), ("kube-names.json",)),
     Bench("kubernetes_foreign", "bench.bench_kubernetes_foreign", ("--trials", "10"),
           ("--trials", "2"), ("apiserver",), ("kubernetes-foreign.json",)),
     # An even number of rounds and kills: the run ends with a sidecar leading, whose stop
@@ -100,6 +102,11 @@ BENCHES: tuple[Bench, ...] = (
           ("--trials", "10", "--backend", "postgres-row"),
           ("--trials", "1", "--backend", "postgres-row"), ("pods", "postgres"),
           ("pods-postgres-row.json",)),
+    # The zombie leader on every backend (10,000 stale writes each, with and without the
+    # guard) and the guard's cost under pgbench.
+    Bench("fence", "bench.bench_fence", ("--zombie-writes", "10000"),
+          ("--zombie-writes", "200", "--backends", "postgres-row", "--rounds", "1",
+           "--seconds", "1"), ("postgres", "pgbouncer", "apiserver"), ("fence.json",)),
     Bench("image", "bench.bench_image", (), (), ("image",), ("image.json",)),
     Bench("rollout", "bench.bench_rollout", ("--trials", "10"), ("--trials", "1"), ("pods",),
           ("rollout.json",)),
