@@ -277,6 +277,25 @@ def kubernetes_foreign(r: Row) -> list[str]:
                  right=1)
 
 
+def kube_names(r: Row) -> list[str]:
+    rows = []
+    for x in r["rows"]:
+        calls = x["requests_per_min"]
+        gap = x["renew_gap_s"]
+        rows.append([x["names"], f"{x['rss_mib']} MiB", f"{x['cpu_percent']:g} %",
+                     x["connections"], f"{x['watches_open']:g}",
+                     f"{calls.get('PUT', 0):g} / {calls.get('GET', 0):g} / "
+                     f"{calls.get('WATCH', 0):g}",
+                     f"{gap['p50']:g} / {gap['p99']:g} / {gap['max']:g} s",
+                     "all" if x["all_held_at_end"] and not x["lost"] else "NOT ALL"])
+    extra = r["per_extra_name"]
+    return [*table(["names", "RSS (VmRSS)", "CPU, of one core", "TCP connections",
+                    "watches open", "requests a minute: PUT / GET / WATCH ended",
+                    "renew gap per Lease, p50 / p99 / max", "held throughout"], rows),
+            "", f"Each name beyond the first: {extra['rss_kib']} KiB of RSS and "
+                f"{extra['cpu_percent']:g} % of a core."]
+
+
 def clientgo_interop(r: Row) -> list[str]:
     labels = {"SIGTERM sidecar->client-go": "SIGTERM, sidecar → client-go (`OnStartedLeading`)",
               "SIGTERM client-go->sidecar": "SIGTERM, client-go → sidecar (first `200`)",
@@ -755,6 +774,7 @@ TABLES: dict[str, Table | Combined] = {
     "kubernetes": Table("kubernetes.json", kubernetes, "kubernetes"),
     "kubernetes-foreign": Table("kubernetes-foreign.json", kubernetes_foreign,
                                 "kubernetes_foreign"),
+    "kube-names": Table("kube-names.json", kube_names, "kube_names"),
     "clientgo-interop": Table("clientgo-interop.json", clientgo_interop, "clientgo_interop"),
     "handover": Table("handover.json", handover, "handover"),
     "pods": Table("pods-kubernetes.json", pods, "pods"),

@@ -19,14 +19,21 @@ basic auth and impersonation are refused with one line naming them.
 
 The connection, as client-go makes it hold up:
 
-- **No pool limit.** Every watch holds a connection for minutes (HTTP/1.1), and one
-  sidecar may follow 64 Leases: the callers bound what is open at once (one watch and
-  one call at a time per lease), and :data:`CONNECT_TIMEOUT` counts only the TCP and TLS
-  handshake, never a wait for a free connection.
+- **Watches do not share the calls' connections.** Every watch holds a connection for
+  minutes (HTTP/1.1), and one sidecar may follow 64 Leases: watches get a connection each
+  (no pool limit; the callers open one per Lease), calls share a few
+  (:data:`CALL_CONNECTIONS`: a renew takes milliseconds, 64 Leases renew about 14 times
+  a second). :data:`CONNECT_TIMEOUT` counts only the TCP and TLS handshake, never a wait
+  for a free connection (the caller's own deadline bounds that).
+- **A small TLS read buffer.** asyncio gives every TLS connection a 256 KiB read buffer
+  that stays resident (about 300 KiB of RSS a connection, measured); TLS records carry at
+  most 16 KiB, so :data:`TLS_READ_BUFFER` does as well: about 60 KiB a connection, what
+  makes one more Lease name cheap (``bench/bench_kube_names.py``).
 - **Half-open connections** are found by TCP keepalive probes (:data:`KEEPALIVE_IDLE`
   s of silence, then :data:`KEEPALIVE_PROBES` probes :data:`KEEPALIVE_INTERVAL` s apart):
   a peer gone without a FIN or RST (a node lost, a NAT entry dropped) fails the
-  connection within about 5 s instead of at the read timeout.
+  connection within about 5 s instead of at the read timeout (aiohttp 3.12 or later,
+  whose connector takes a socket factory).
 - **``429`` with ``Retry-After``** (the apiserver's priority and fairness) is waited out
   and retried, at most :data:`RETRIES` times and :data:`RETRY_AFTER_MAX` s each; so is a
   GET's ``5xx`` with ``Retry-After``. A longer wait is the caller's: the error carries it.
@@ -73,6 +80,8 @@ USER_AGENT = "lease-sidecar"
 KEEPALIVE_IDLE = 2  # seconds of silence before the first TCP keepalive probe
 KEEPALIVE_INTERVAL = 1  # seconds between probes
 KEEPALIVE_PROBES = 3  # unanswered probes that end the connection
+CALL_CONNECTIONS = 4  # connections calls share; watches have one each
+TLS_READ_BUFFER = 32 * 1024  # bytes; asyncio's default is 256 KiB a connection
 RETRY_AFTER_MAX = 10.0  # seconds: the longest Retry-After a call waits out itself
 RETRIES = 3  # Retry-After waits per call
 # An answer or watch line larger than this is refused: etcd stores objects up to about
@@ -385,18 +394,28 @@ def retry_after(headers: Any) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _probe_when_idle(response: aiohttp.ClientResponse) -> None:
-    """TCP keepalive on the connection ``response`` came on (see the module docstring)."""
-    connection = response.connection
-    transport = connection.transport if connection is not None else None
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    with contextlib.suppress(OSError, AttributeError):
+def _small_tls_buffers() -> None:
+    """:data:`TLS_READ_BUFFER` for asyncio's TLS connections (see the module docstring):
+    a class attribute asyncio reads when it makes each connection. Left alone where it is
+    not the 256 KiB this was measured against (another Python may do it otherwise)."""
+    import asyncio.sslproto
+
+    protocol = asyncio.sslproto.SSLProtocol
+    if getattr(protocol, "max_size", None) == 256 * 1024:
+        protocol.max_size = TLS_READ_BUFFER
+
+
+def _keepalive_socket(addr_info: tuple[Any, ...]) -> socket.socket:
+    """A TCP socket that probes a silent peer (see the module docstring); aiohttp's
+    ``socket_factory`` (3.12 and later) makes every connection with it."""
+    family, type_, proto = addr_info[:3]
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the defaults
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+    return sock
 
 
 async def _read_body(response: aiohttp.ClientResponse) -> bytes:
@@ -440,7 +459,8 @@ class KubeClient:
     def __init__(self, credentials: Credentials, namespace: str) -> None:
         self.credentials = credentials
         self.namespace = namespace
-        self._session: aiohttp.ClientSession | None = None
+        self._calls: aiohttp.ClientSession | None = None
+        self._watches: aiohttp.ClientSession | None = None
 
     @classmethod
     def connect(cls, namespace: str | None = None) -> KubeClient:
@@ -449,22 +469,35 @@ class KubeClient:
         creds = load_credentials()
         return cls(creds, namespace or creds.namespace or "default")
 
-    def _open(self) -> aiohttp.ClientSession:
-        import aiohttp
+    def _open(self, watch: bool = False) -> aiohttp.ClientSession:
+        """The session for calls, or for watches (see the module docstring)."""
+        session = self._watches if watch else self._calls
+        if session is None or session.closed:
+            import aiohttp
 
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                # limit=0: no pool limit (see the module docstring).
-                connector=aiohttp.TCPConnector(ssl=self.credentials.ssl, limit=0),
+            _small_tls_buffers()
+            limit = 0 if watch else CALL_CONNECTIONS
+            try:
+                connector = aiohttp.TCPConnector(ssl=self.credentials.ssl, limit=limit,
+                                                 socket_factory=_keepalive_socket)
+            except TypeError:  # aiohttp before 3.12: no socket factory, no keepalive
+                connector = aiohttp.TCPConnector(ssl=self.credentials.ssl, limit=limit)
+            session = aiohttp.ClientSession(
+                connector=connector,
                 headers={"User-Agent": USER_AGENT, "Accept": "application/json"},
                 # The proxy variables, unless the kubeconfig names a proxy of its own.
                 trust_env=self.credentials.proxy is None)
-        return self._session
+            if watch:
+                self._watches = session
+            else:
+                self._calls = session
+        return session
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._calls, self._watches):
+            if session is not None:
+                await session.close()
+        self._calls = self._watches = None
 
     def _headers(self, content_type: str | None, accept: str | None = None) -> dict[str, str]:
         headers = {}
@@ -509,7 +542,6 @@ class KubeClient:
             try:
                 async with self._open().request(method, url, data=data, headers=headers,
                                                 **options) as response:
-                    _probe_when_idle(response)
                     raw = await _read_body(response)
                     status, wait = response.status, retry_after(response.headers)
             except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
@@ -590,9 +622,8 @@ class KubeClient:
         options = self._options(timeout_seconds + 10.0, None)
         what = describe("GET", path, watch=True)
         try:
-            async with self._open().get(url, headers=self._headers(None),
-                                        **options) as response:
-                _probe_when_idle(response)
+            async with self._open(watch=True).get(url, headers=self._headers(None),
+                                                  **options) as response:
                 if response.status != 200:
                     if response.status == 401:
                         self.credentials.refresh()
