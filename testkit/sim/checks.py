@@ -1,0 +1,102 @@
+"""The checkers, judged on the world's true clock as each claim is handed out.
+
+- **No overlap**: a claim handed out by one process (a ``GET /leader`` answer, the file,
+  the label) covers ``[asked, valid_until)`` on the true clock. It must not begin before
+  every other process's claims have ended. (A process's ``valid_until`` is on its own
+  monotonic clock; the world knows that clock's offset.) The one documented exception,
+  the advisory lock's termination notice, is an allowance the model grants while the
+  notice travels (:meth:`allow`).
+- **Tokens grow**: a term is one process's run of claims between two acquisitions. Its
+  token never changes, and each term's token is larger than every token of the terms
+  whose claims came before it.
+- **Liveness**: after the faults stop and everything is healed, some process claims
+  within the backend's bound (:meth:`quiet_began` / :meth:`quiet_ended`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Verdict:
+    claims: int = 0
+    terms: int = 0
+    violations: list[str] = field(default_factory=list)
+    # Seconds from "healed" to the first claim, per quiet phase.
+    recoveries: list[float] = field(default_factory=list)
+
+
+class Checker:
+    def __init__(self) -> None:
+        self.verdict = Verdict()
+        self._ends: dict[str, float] = {}  # process -> latest claim end (true time)
+        self._terms: dict[str, tuple[int, int | None]] = {}  # process -> (term, token)
+        self._highest = -math.inf
+        self._highest_by = ""
+        # process -> true time until which its claims may overlap (advisory notices).
+        self._allowed: dict[str, float] = {}
+        self._quiet_since: float | None = None
+        self._first_claim_after_quiet: float | None = None
+        self.now = 0.0
+
+    def allow(self, process: str, until: float) -> None:
+        """Claims of ``process`` before ``until`` may overlap others' (a documented
+        window: the time a termination notice takes to reach a holder that hears it)."""
+        self._allowed[process] = max(self._allowed.get(process, -math.inf), until)
+
+    def claimed(self, process: str, term: int, token: int | None, at: float,
+                until: float) -> None:
+        verdict = self.verdict
+        verdict.claims += 1
+        if self._quiet_since is not None and self._first_claim_after_quiet is None:
+            self._first_claim_after_quiet = at
+        for other, end in self._ends.items():
+            if other != process and end > at:
+                excused = max(self._allowed.get(other, -math.inf),
+                              self._allowed.get(process, -math.inf))
+                if at >= excused:
+                    self._violation(
+                        f"overlap: {process} claims at {at:.4f} (term {term}, token {token}) "
+                        f"while {other}'s claim runs until {end:.4f}")
+        if until > self._ends.get(process, -math.inf):
+            self._ends[process] = until
+        current = self._terms.get(process)
+        if current is not None and current[0] == term:
+            if current[1] != token:
+                self._violation(f"token changed within a term: {process} term {term} "
+                                f"{current[1]} -> {token}")
+            return
+        verdict.terms += 1
+        self._terms[process] = (term, token)
+        if token is None:
+            self._violation(f"{process} claims without a fencing token (term {term})")
+            return
+        if token <= self._highest:
+            self._violation(f"token did not grow: {process} term {term} claims with {token} "
+                            f"after {self._highest_by}'s {self._highest:.0f}")
+        if token > self._highest:
+            self._highest, self._highest_by = token, process
+
+    def quiet_began(self, at: float) -> None:
+        self._quiet_since = at
+        self._first_claim_after_quiet = None
+
+    def quiet_ended(self, at: float, bound: float, leader_expected: bool = True) -> None:
+        """Judge one quiet phase: a claim within ``bound`` of its start."""
+        since, first = self._quiet_since, self._first_claim_after_quiet
+        self._quiet_since = None
+        if since is None or not leader_expected:
+            return
+        if first is None:
+            self._violation(f"no leader within {at - since:.1f}s after the faults ended at "
+                            f"{since:.1f} (bound {bound:.1f}s)")
+            return
+        self.verdict.recoveries.append(first - since)
+        if first - since > bound:
+            self._violation(f"the first claim came {first - since:.1f}s after the faults "
+                            f"ended at {since:.1f} (bound {bound:.1f}s)")
+
+    def _violation(self, text: str) -> None:
+        self.verdict.violations.append(f"[{self.now:.4f}] {text}")

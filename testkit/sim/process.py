@@ -1,0 +1,156 @@
+"""One simulated sidecar: the project's real elector, state and backend lease code, in a
+process of the simulation (its own clocks, frozen or killed as a whole).
+
+It is wired as :class:`sidecar.runtime.Sidecar` wires a real one (one state and elector
+per lease name over one backend, the application-readiness gate, stop = stop every
+elector, then close the backend), without the HTTP server: its application asks the state
+for a claim the way ``GET /leader`` does — at once after every change of the facts, at
+each moment the claim rule can flip (a term's first claim), and every few tens of
+milliseconds while it leads — and the checker judges every claim handed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from sidecar.base.clock import Clock
+from sidecar.elector import Elector
+from sidecar.lease import Backend
+from sidecar.settings import Settings
+from sidecar.state import Claim, LeaseState
+from testkit.sim.checks import Checker
+from testkit.sim.world import Endpoint, Host, SimClock, World, in_process
+
+BackendFactory = Callable[[Settings, Clock], Backend]
+
+
+class RecordingState(LeaseState):
+    """A :class:`LeaseState` that reports every claim it hands out, and counts terms."""
+
+    process: SimSidecar
+
+    def update(self, event: str | None = None, **changes: Any) -> Any:
+        if event == "acquired":
+            self.process.term += 1
+        return super().update(event, **changes)
+
+    def claim(self) -> Claim:
+        claim = super().claim()
+        if claim.leader and claim.valid_until is not None:
+            process = self.process
+            now = process.world.now()
+            process.checker.now = now
+            process.checker.claimed(process.name, process.term, claim.facts.fencing_token,
+                                    now, claim.valid_until - process.clock.mono_offset)
+        return claim
+
+
+class SimSidecar(Endpoint):
+    def __init__(self, world: World, checker: Checker, identity: str, instance: int,
+                 host: Host, settings: Settings, backend: BackendFactory) -> None:
+        # The checker tells instances apart: a restarted sidecar (or a second process
+        # under the same identity) is another process whose claims may not overlap.
+        super().__init__(f"{identity}#{instance}", host)
+        self.identity = identity
+        self.world = world
+        self.checker = checker
+        self.settings = replace(settings, identity=identity)
+        self.clock = SimClock(world.loop, host, world.rng.uniform(-1e4, 1e4))
+        self._make_backend = backend
+        self.term = 0
+        self.app_ready = True
+        self.backend: Backend | None = None
+        self.states: list[RecordingState] = []
+        self.electors: list[Elector] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.exited = False
+        self.stopping = False
+        self.context = in_process(self)
+
+    # -- life -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.world.loop.create_task(self._start(), context=self.context)
+
+    async def _start(self) -> None:
+        settings = self.settings
+        self.backend = self._make_backend(settings, self.clock)
+        for name in settings.names:
+            state = RecordingState(lease=name, identity=settings.identity, role=settings.role,
+                                   claim_horizon=settings.timing.claim_horizon,
+                                   clock=self.clock)
+            state.process = self
+            self.states.append(state)
+            elector = Elector(self.backend.lease(name), state, settings.timing,
+                              settings.identity, (), sits_out=self._sits_out)
+            self.electors.append(elector)
+            self.tasks.append(asyncio.create_task(elector.run()))
+            self.tasks.append(asyncio.create_task(self._app(state)))
+
+    def _sits_out(self) -> str | None:
+        return None if self.app_ready else "the application is not ready"
+
+    async def _app(self, state: LeaseState) -> None:
+        """The application: asks for a claim whenever the answer may have changed."""
+        rng = self.world.rng
+        while not self.stopping:  # a flag too: 3.11's asyncio.timeout can eat a cancel
+            claim = state.claim()
+            wait = rng.uniform(0.01, 0.08) if claim.leader else rng.uniform(0.1, 1.0)
+            now = self.clock.monotonic()
+            flip = state.facts.next_flip(now)
+            if flip is not None:
+                wait = min(wait, max(0.0, flip - now))
+            await state.wait_for_change(state.facts.version, wait)
+
+    def stop(self) -> None:
+        """SIGTERM: every elector steps down (unpublish, wait out claims, release), then
+        the backend closes and the process exits."""
+        self.world.loop.create_task(self._stop(), context=self.context)
+
+    async def _stop(self) -> None:
+        self.stopping = True
+        for elector in self.electors:
+            elector.stop()
+        electors = [t for t in self.tasks[::2]]
+        for task in self.tasks[1::2]:
+            task.cancel()
+        for task in electors:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.backend is not None:
+            with contextlib.suppress(Exception):
+                await self.backend.close()
+        self.exited = True
+        self.dead = True
+
+    def kill(self) -> None:
+        """SIGKILL: nothing of the process runs again; the kernel closes its sockets."""
+        self.dead = True
+        self.exited = True
+        self.held.clear()
+        for server in self.world.servers:
+            server.client_gone(self)
+
+    def freeze(self) -> None:
+        self.frozen = True
+
+    def thaw(self) -> None:
+        self.frozen = False
+        self.world.loop.thaw(self)
+
+    def cut_off(self) -> None:
+        self.partitioned = True
+        for server in self.world.servers:
+            server.cut(self)
+
+    def reconnect(self) -> None:
+        self.partitioned = False
+
+    def leads(self) -> bool:
+        now = self.clock.monotonic()
+        return any(state.facts.leads_at(now) for state in self.states)

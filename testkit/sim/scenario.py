@@ -1,0 +1,333 @@
+"""The seeded scheduler: phases of faults, each followed by a quiet phase that heals
+everything and checks that someone leads again within the backend's bound.
+
+A run is ``(backend, seed, faults)``. The seed picks everything: the variant of the
+servers' configuration for each episode, which fault comes when, to whom, for how long,
+and every latency. Faults, drawn from the backend's menu and the common one:
+
+- a process frozen (SIGSTOP) for milliseconds to two lease durations;
+- a process killed (SIGKILL) or stopped (SIGTERM), and started again (same identity, a new
+  process) a little later;
+- a process cut off from every server, replies lost, a slow network;
+- its application not ready (it sits out), a hand-over or a release asked of it;
+- a host's wall clock stepped;
+- and the servers' own: restarts, failovers, watches that stall, hand edits, ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import random
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar import config
+from sidecar.lease import backend_entry
+from sidecar.settings import Settings
+from testkit.sim.checks import Checker, Verdict
+from testkit.sim.process import SimSidecar
+from testkit.sim.world import Host, World
+
+# A fault: (weight, kind, inject(run, rng) -> None).
+Fault = tuple[float, str, Callable[["Run", random.Random], None]]
+
+
+@dataclass
+class Setup:
+    """What one backend brings to a run: its models, its settings, its faults."""
+
+    env: dict[str, str]
+    faults: list[Fault] = field(default_factory=list)
+    # Seconds after the faults stop within which someone must lead again.
+    bound: Callable[[Settings], float] = lambda s: 3 * s.timing.lease_duration + 10
+    # Called at the start of each quiet phase: the servers healed.
+    heal: Callable[[], None] = lambda: None
+    # Module attributes replaced for the run: (module, name, value).
+    patches: list[tuple[Any, str, Any]] = field(default_factory=list)
+    # One wall clock for every process (SQLite coordinates one host).
+    one_host: bool = False
+
+
+@dataclass
+class Result:
+    backend: str
+    seed: int
+    faults: int
+    simulated: float
+    verdict: Verdict
+    by_kind: dict[str, int]
+    errors: list[str]
+
+
+class Run:
+    PROCESSES = 3
+
+    def __init__(self, backend: str, seed: int, faults: int,
+                 setup: Callable[[World], Setup],
+                 trace: Callable[[str], None] | None = None,
+                 exclude: frozenset[str] = frozenset()) -> None:
+        self.backend = backend
+        self.exclude = exclude
+        self.world = World(seed, trace)
+        self.checker = Checker()
+        self.target = faults
+        self.setup = setup(self.world)
+        self.settings = config.load(env={"LEASE_BACKEND": backend, "LEASE_IDENTITY": "sim",
+                                         **self.setup.env})
+        self.entry = backend_entry(backend)
+        shared = Host("host")
+        self.hosts = {f"p{i}": shared if self.setup.one_host else Host(f"host-{i}")
+                      for i in range(1, self.PROCESSES + 1)}
+        self.instances: dict[str, int] = dict.fromkeys(self.hosts, 0)
+        self.live: dict[str, SimSidecar] = {}
+        # Every instance ever started: a killed one's tasks stay referenced (never run,
+        # never collected mid-run) until the run ends.
+        self.every: list[SimSidecar] = []
+        self.generation = 0  # undos of an earlier phase's faults do nothing
+
+    # -- processes --------------------------------------------------------------------
+    def start(self, identity: str) -> SimSidecar:
+        self.instances[identity] += 1
+        process = SimSidecar(self.world, self.checker, identity, self.instances[identity],
+                             self.hosts[identity], self.settings, self.entry.create)
+        self.live[identity] = process
+        self.every.append(process)
+        self.world.trace(f"start {process.name}")
+        process.start()
+        return process
+
+    def pick(self, rng: random.Random) -> SimSidecar | None:
+        alive = [p for p in self.live.values() if not p.dead]
+        return rng.choice(alive) if alive else None
+
+    def leader(self) -> SimSidecar | None:
+        leading = [p for p in self.live.values() if not p.dead and p.leads()]
+        return leading[0] if leading else None
+
+    def undo(self, delay: float, action: Callable[[], None]) -> None:
+        """Run ``action`` after ``delay`` unless a quiet phase healed everything first."""
+        generation = self.generation
+
+        def run() -> None:
+            if self.generation == generation:
+                action()
+        self.world.later(delay, run)
+
+    # -- the run ----------------------------------------------------------------------
+    def execute(self) -> Result:
+        with _patched(self.setup.patches):
+            loop = self.world.loop
+            try:
+                loop.run_until_complete(self.world.spawn(self._schedule()))
+            finally:
+                _end(loop, self.every)
+        world = self.world
+        return Result(self.backend, world.seed, sum(world.faults.values()), world.now(),
+                      self.checker.verdict, dict(world.faults), world.errors)
+
+    async def _schedule(self) -> None:
+        world, rng = self.world, self.world.rng
+        for identity in self.hosts:
+            self.start(identity)
+        bound = self.setup.bound(self.settings)
+        menu = [f for f in (*common_faults(), *self.setup.faults) if f[1] not in self.exclude]
+        weights = [weight for weight, _, _ in menu]
+        while sum(world.faults.values()) < self.target and not self.checker.verdict.violations:
+            phase_end = world.now() + rng.uniform(20, 120)
+            rate = rng.choice((0.5, 2.0, 5.0))  # faults per second in this phase
+            while world.now() < phase_end and sum(world.faults.values()) < self.target:
+                await asyncio.sleep(rng.expovariate(rate))
+                inject = rng.choices(menu, weights)[0][2]
+                inject(self, rng)
+            self._heal()
+            self.checker.quiet_began(world.now())
+            world.trace("quiet: everything healed")
+            await asyncio.sleep(bound)
+            self.checker.now = world.now()
+            self.checker.quiet_ended(world.now(), bound)
+
+    def _heal(self) -> None:
+        self.generation += 1
+        for identity, process in list(self.live.items()):
+            if process.dead:
+                self.start(identity)
+                continue
+            if process.frozen:
+                process.thaw()
+            process.reconnect()
+            process.lose_replies = 0.0
+            process.extra_latency = 0.0
+            process.app_ready = True
+        self.setup.heal()
+
+
+# -- the common faults ----------------------------------------------------------------
+def common_faults() -> list[Fault]:
+    return [
+        (6, "freeze", _freeze),
+        (2, "kill", _kill),
+        (2, "sigterm", _sigterm),
+        (3, "partition", _partition),
+        (4, "lost-replies", _lost_replies),
+        (3, "slow-network", _slow),
+        (2, "app-unready", _app_unready),
+        (1, "handover", _handover),
+        (1, "release", _release),
+        (1, "clock-step", _clock_step),
+    ]
+
+
+def _duration(rng: random.Random, run: Run) -> float:
+    """Milliseconds to two lease durations, mostly short."""
+    lease = run.settings.timing.lease_duration
+    return min(2 * lease, rng.expovariate(1 / rng.choice((0.2, 2.0, lease / 2))))
+
+
+def _freeze(run: Run, rng: random.Random) -> None:
+    process = run.pick(rng)
+    if process is None or process.frozen:
+        return
+    seconds = _duration(rng, run)
+    run.world.fault("freeze", f"{process.name} for {seconds:.3f}s")
+    process.freeze()
+    run.undo(seconds, process.thaw)
+
+
+def _restart_later(run: Run, rng: random.Random, identity: str) -> None:
+    run.undo(rng.uniform(0, 5), lambda: run.start(identity) if run.live[identity].dead else None)
+
+
+def _kill(run: Run, rng: random.Random) -> None:
+    process = run.pick(rng)
+    if process is None:
+        return
+    run.world.fault("kill", process.name)
+    process.kill()
+    _restart_later(run, rng, process.identity)
+
+
+def _sigterm(run: Run, rng: random.Random) -> None:
+    process = run.pick(rng)
+    if process is None or process.frozen:
+        return
+    run.world.fault("sigterm", process.name)
+    process.stop()
+    identity = process.identity
+
+    def again() -> None:
+        if run.live[identity].exited:
+            run.start(identity)
+    run.undo(rng.uniform(0.5, 8), again)
+
+
+def _partition(run: Run, rng: random.Random) -> None:
+    process = run.pick(rng)
+    if process is None or process.partitioned:
+        return
+    seconds = _duration(rng, run)
+    run.world.fault("partition", f"{process.name} for {seconds:.3f}s")
+    process.cut_off()
+    run.undo(seconds, process.reconnect)
+
+
+def _lost_replies(run: Run, rng: random.Random) -> None:
+    process = run.pick(rng)
+    if process is None:
+        return
+    seconds = _duration(rng, run)
+    share = rng.choice((0.1, 0.5, 1.0))
+    run.world.fault("lost-replies", f"{process.name} {share:.0%} for {seconds:.3f}s")
+    process.lose_replies = share
+
+    def back() -> None:
+        process.lose_replies = 0.0
+    run.undo(seconds, back)
+
+
+def _slow(run: Run, rng: random.Random) -> None:
+    process = run.pick(rng)
+    if process is None:
+        return
+    seconds = _duration(rng, run)
+    extra = rng.choice((0.05, 0.5, 3.0))
+    run.world.fault("slow-network", f"{process.name} +{extra}s for {seconds:.3f}s")
+    process.extra_latency = extra
+
+    def back() -> None:
+        process.extra_latency = 0.0
+    run.undo(seconds, back)
+
+
+def _app_unready(run: Run, rng: random.Random) -> None:
+    process = run.pick(rng)
+    if process is None:
+        return
+    seconds = _duration(rng, run)
+    run.world.fault("app-unready", f"{process.name} for {seconds:.3f}s")
+    process.app_ready = False
+
+    def back() -> None:
+        process.app_ready = True
+    run.undo(seconds, back)
+
+
+def _handover(run: Run, rng: random.Random) -> None:
+    leader = run.leader()
+    if leader is None or leader.frozen:
+        return
+    others = [i for i in run.live if i != leader.identity]
+    to = rng.choice([*others, None])
+    run.world.fault("handover", f"{leader.name} to {to}")
+    for elector in leader.electors:
+        run.world.loop.call_soon(elector.request_handover, to, context=leader.context)
+
+
+def _release(run: Run, rng: random.Random) -> None:
+    leader = run.leader()
+    if leader is None or leader.frozen:
+        return
+    run.world.fault("release", leader.name)
+    for elector in leader.electors:
+        run.world.loop.call_soon(elector.request_release, context=leader.context)
+
+
+def _clock_step(run: Run, rng: random.Random) -> None:
+    host = rng.choice(list(run.hosts.values()))
+    step = rng.choice((-1, 1)) * rng.choice((0.05, 0.5, 5.0, 60.0))
+    run.world.fault("clock-step", f"{host.name} {step:+.2f}s")
+    host.offset += step
+
+
+def _end(loop: asyncio.AbstractEventLoop, processes: Any) -> None:
+    """Every process dies with the run; their coroutines are closed while the loop is
+    still open (their ``finally`` blocks find a loop that drops what they schedule)."""
+    for process in processes:
+        process.dead = True
+    hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+    try:
+        for task in asyncio.all_tasks(loop):
+            coro = task.get_coro()
+            with contextlib.suppress(BaseException):
+                coro.close()  # type: ignore[union-attr]
+        with contextlib.suppress(Exception):
+            loop.close()
+        del processes
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
