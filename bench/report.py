@@ -464,6 +464,43 @@ def lean_apiserver(r: Row) -> list[str]:
     return table(["figure", "value"], rows, right=2)
 
 
+def fence_zombie(r: Row) -> list[str]:
+    """bench_fence: the zombie leader per backend, with and without the guard."""
+    rows = []
+    for x in r["zombie"]:
+        where = x["backend"] + (" via PgBouncer (transaction pooling)" if x["pooled"] else "")
+        refused = ", ".join(f"{n:,} `{state}`" for state, n in x["zombie_refused"].items())
+        rows.append([where, "on" if x["guard"] else "**off**",
+                     f"{x['zombie_writes']:,}", f"{x['zombie_committed']:,}", refused or "0",
+                     f"{x['new_leader_committed']:,} of {x['new_leader_writes']:,}",
+                     f"{x['committed_out_of_token_order']:,}", f"{x['takeover_s']:g} s"])
+    return table(["backend", "guard", "stale writes fired", "stale writes committed",
+                  "refused (SQLSTATE)", "new leader's writes committed",
+                  "committed out of token order", "takeover"], rows, right=2)
+
+
+def fence_cost(r: Row) -> list[str]:
+    """bench_fence: pgbench, single-row inserts, with and without the guard."""
+    c = r["cost"]
+    rows = []
+    for key, commits in (("fsync_on", "durable (`fsync=on`)"),
+                         ("fsync_off", "`fsync=off` (almost free)")):
+        bare = c[key]["bare"]
+        rows.append([commits, "no guard", f"{bare['tps']:,}",
+                     f"{bare['p50_ms']:.2f} / {bare['p99_ms']:.2f}", "—", "—"])
+        for name, form in (("guarded", "guard, its own statement"),
+                           ("guarded_in_statement", "guard in the insert's statement")):
+            g = c[key][name]
+            rows.append([commits, form, f"{g['tps']:,}",
+                         f"{g['p50_ms']:.2f} / {g['p99_ms']:.2f}",
+                         f"{g['added_p50_ms']:+.2f} / {g['added_p99_ms']:+.2f}",
+                         f"{g['throughput_loss'] * 100:.0f} %"
+                         + ("" if g["meets_target"] else " (target ≤ "
+                            f"{c['target_throughput_loss'] * 100:.0f} %: **not met**)")])
+    return table(["commits", "transaction", "transactions/s", "latency p50 / p99 ms",
+                  "added p50 / p99 ms", "throughput lost"], rows, right=2)
+
+
 def checkout_free(command: str) -> str:
     """The command as run from the repository's root: a results file records where its
     checkout was (``--out /work/main/bench/results/chaos-sqlite``), and the docs must read
@@ -787,6 +824,8 @@ TABLES: dict[str, Table | Combined] = {
     "rollout-service": Table("rollout.json", rollout_service, "rollout"),
     "lean-lone": Table("lean.json", lean_lone, "lean"),
     "lean-apiserver": Table("lean.json", lean_apiserver, "lean"),
+    "fence-zombie": Table("fence.json", fence_zombie, "fence"),
+    "fence-cost": Table("fence.json", fence_cost, "fence"),
     **{f"chaos-{b}": Table(f"chaos-{b}.json", chaos, f"chaos-{b}")
        for b in ("sqlite", "postgres", "postgres-row", "kubernetes")},
     "handover-answer": Combined(HANDOVER_SOURCES, handover_answer),

@@ -347,14 +347,15 @@ async def asyncpg_transaction(conn: Any, leadership: Leadership, name: str | Non
 
 @contextlib.contextmanager
 def pyodbc_transaction(conn: Any, leadership: Leadership, name: str | None = None, *,
-                       schema: str = "lease", dialect: str = "sqlserver") -> Iterator[Any]:
+                       schema: str = "lease",
+                       dialect: str = "sqlserver") -> Iterator[tuple[Any, Claim]]:
     """:func:`psycopg_transaction` for a pyodbc connection (autocommit off); yields a
-    cursor; commits at the end of the block, rolls back if it raises."""
+    cursor and the claim; commits at the end of the block, rolls back if it raises."""
     with leadership.unit() as claim:
         cursor = conn.cursor()
         try:
             fence_pyodbc(cursor, claim, name, schema=schema, dialect=dialect)
-            yield cursor
+            yield cursor, claim
         except BaseException:
             conn.rollback()
             raise

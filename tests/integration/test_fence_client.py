@@ -161,16 +161,16 @@ def test_pyodbc_through_psqlodbc(sidecar: SidecarProcess, app_dsn: str) -> None:
     leadership = Leadership("jobs", file=sidecar.state_dir / "jobs")
     conn = pyodbc.connect(odbc(app_dsn), autocommit=False)
     try:
-        with pyodbc_transaction(conn, leadership, dialect="postgres") as cursor:
-            first = leadership.claim().fencing_token
+        with pyodbc_transaction(conn, leadership, dialect="postgres") as (cursor, claim):
+            first = claim.fencing_token
             cursor.execute("INSERT INTO writes (token) VALUES (?)", first)
         with pytest.raises(RuntimeError), \
-                pyodbc_transaction(conn, leadership, dialect="postgres") as cursor:
+                pyodbc_transaction(conn, leadership, dialect="postgres") as (cursor, _):
             cursor.execute("INSERT INTO writes (token) VALUES (?)", -1)
             raise RuntimeError("the block failed: its write is rolled back")
         assert first is not None
         second = next_term(sidecar, leadership, first)
-        with pyodbc_transaction(conn, leadership, dialect="postgres") as cursor:
+        with pyodbc_transaction(conn, leadership, dialect="postgres") as (cursor, _):
             cursor.execute("INSERT INTO writes (token) VALUES (?)", second)
         cursor = conn.cursor()
         with pytest.raises(StaleToken) as caught:
