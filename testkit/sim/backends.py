@@ -6,9 +6,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from typing import Any
+
+from sidecar.lease.kubernetes import record as kube_record
+from sidecar.lease.kubernetes import transport as kube_transport
 from sidecar.lease.postgres_advisory import session as advisory_session
 from sidecar.lease.sql import asyncpg_driver
-from testkit.sim import pg
+from testkit.sim import kube, pg
 from testkit.sim.loop import PROCESS
 from testkit.sim.scenario import Fault, Run, Setup
 from testkit.sim.world import Endpoint, World
@@ -85,7 +89,149 @@ def postgres_row(world: World) -> Setup:
     return _postgres(world, "postgres-row")
 
 
+# -- Kubernetes -------------------------------------------------------------------------
+# Values a person may write into the annotations the sidecar reads (never a release record
+# that matches a term: a hand-forged release is outside the fault model, docs/design.md).
+ODD_VALUES = ("2026-12-01T10:00:00", "2026-12-01T10:00:00Z", "garbage", "", " ", "-1",
+              "9999-12-31T23:59:59.999999Z", "0001-01-01T00:00:00+14:00", "1e309", "true")
+
+
+def kubernetes(world: World) -> Setup:
+    server = kube.ApiServer(world)
+    world.servers.append(server)
+    client = kube.fake_client_class(server, _endpoint)
+    rng = world.rng
+    saved: list[dict[str, Any]] = []
+
+    def lease_name(run: Run) -> str:
+        return run.settings.store.key(run.settings.name)
+
+    def edit(kind: str, change: Callable[[dict[str, Any]], None]) -> Fault:
+        def inject(run: Run, rng: random.Random) -> None:
+            name = lease_name(run)
+            current = server.objects.get(name)
+            if current is not None and rng.random() < 0.3:
+                saved.append(kube.copy.deepcopy(current))
+            if server.edit(name, change):
+                world.fault(f"edit-{kind}", name)
+        return 1.0, f"edit-{kind}", inject
+
+    def spec(obj: dict[str, Any]) -> dict[str, Any]:
+        return obj.setdefault("spec", {})
+
+    def annotations(obj: dict[str, Any]) -> dict[str, str]:
+        return obj["metadata"].setdefault("annotations", {})
+
+    def clear(obj: dict[str, Any]) -> None:
+        spec(obj)["holderIdentity"] = ""
+
+    def holder(obj: dict[str, Any]) -> None:
+        spec(obj)["holderIdentity"] = rng.choice(("p1", "p2", "p3", "someone-else"))
+
+    def duration(obj: dict[str, Any]) -> None:
+        spec(obj)["leaseDurationSeconds"] = rng.choice((1, 2, 5, 60, 3600))
+
+    def transitions_down(obj: dict[str, Any]) -> None:
+        spec(obj)["leaseTransitions"] = rng.randrange(0, max(1, spec(obj).get(
+            "leaseTransitions") or 1))
+
+    def transitions_huge(obj: dict[str, Any]) -> None:
+        spec(obj)["leaseTransitions"] = rng.choice((1 << 20, 2**31 - 1))
+
+    def odd_annotation(obj: dict[str, Any]) -> None:
+        key = rng.choice((kube_record.HINT_ANNOTATION, kube_record.HINT_UNTIL_ANNOTATION,
+                          kube_record.RELEASED_ANNOTATION))
+        annotations(obj)[key] = rng.choice(ODD_VALUES)
+
+    def naive_until(obj: dict[str, Any]) -> None:
+        annotations(obj)[kube_record.HINT_ANNOTATION] = rng.choice(("p1", "p2", "p3"))
+        annotations(obj)[kube_record.HINT_UNTIL_ANNOTATION] = "2026-12-01T10:00:00"
+
+    def delete(run: Run, rng: random.Random) -> None:
+        name = lease_name(run)
+        if name in server.objects:
+            world.fault("edit-delete", name)
+            server.delete(name)
+
+    def recreate_empty(run: Run, rng: random.Random) -> None:
+        name = lease_name(run)
+        world.fault("edit-recreate-empty", name)
+        server.delete(name)
+        server.create(name, {"metadata": {"name": name}, "spec": {}})
+
+    def apply_saved(run: Run, rng: random.Random) -> None:
+        """``kubectl apply`` of a manifest saved earlier: its spec and annotations come
+        back (without a release record), on the same object."""
+        name = lease_name(run)
+        if not saved or name not in server.objects:
+            return
+        old = rng.choice(saved)
+
+        def restore(obj: dict[str, Any]) -> None:
+            obj["spec"] = kube.copy.deepcopy(old.get("spec") or {})
+            kept = dict(old["metadata"].get("annotations") or {})
+            kept.pop(kube_record.RELEASED_ANNOTATION, None)
+            obj["metadata"]["annotations"] = kept
+        if server.edit(name, restore):
+            world.fault("edit-apply-saved", name)
+
+    def stall(run: Run, rng: random.Random) -> None:
+        if not server.watches:
+            return
+        watch = rng.choice(server.watches)
+        seconds = rng.expovariate(1 / rng.choice((1.0, 10.0, 60.0)))
+        world.fault("watch-stall", f"{watch.endpoint.name if watch.endpoint else ''} "
+                                   f"{seconds:.2f}s")
+        server.stall(watch, seconds)
+
+    def lag(run: Run, rng: random.Random) -> None:
+        if not server.watches:
+            return
+        watch = rng.choice(server.watches)
+        watch.lag = rng.choice((0.0, 0.2, 2.0, 8.0))
+        world.fault("watch-lag", f"{watch.lag}s")
+
+    def break_watch(run: Run, rng: random.Random) -> None:
+        if server.watches:
+            world.fault("watch-break")
+            server.end_watch(rng.choice(server.watches))
+
+    def compact(run: Run, rng: random.Random) -> None:
+        world.fault("etcd-compaction")
+        server.compact()
+
+    def outage(run: Run, rng: random.Random) -> None:
+        seconds = rng.expovariate(1 / rng.choice((0.5, 5.0)))
+        world.fault("apiserver-down", f"{seconds:.2f}s")
+        server.up = False
+
+        def back() -> None:
+            server.up = True
+        run.undo(seconds, back)
+
+    faults: list[Fault] = [
+        edit("clear-holder", clear), edit("set-holder", holder),
+        edit("duration", duration), edit("transitions-down", transitions_down),
+        (0.2, "edit-transitions-huge", edit("transitions-huge", transitions_huge)[2]),
+        edit("odd-annotation", odd_annotation), edit("naive-until", naive_until),
+        (0.5, "edit-delete", delete), (0.3, "edit-recreate-empty", recreate_empty),
+        (0.5, "edit-apply-saved", apply_saved),
+        (2.0, "watch-stall", stall), (1.0, "watch-lag", lag),
+        (1.0, "watch-break", break_watch), (0.5, "etcd-compaction", compact),
+        (1.0, "apiserver-down", outage),
+    ]
+
+    def heal() -> None:
+        server.up = True
+        for watch in server.watches:
+            watch.lag = 0.0
+
+    return Setup(env={"POD_NAMESPACE": server.namespace}, faults=faults, heal=heal,
+                 patches=[(kube_transport, "KubeClient", client)])
+
+
 SETUPS: dict[str, Callable[[World], Setup]] = {
     "postgres": postgres,
     "postgres-row": postgres_row,
+    "kubernetes": kubernetes,
 }

@@ -36,7 +36,11 @@ class RecordingState(LeaseState):
     def update(self, event: str | None = None, **changes: Any) -> Any:
         if event == "acquired":
             self.process.term += 1
-        return super().update(event, **changes)
+        facts = super().update(event, **changes)
+        if event:
+            self.process.world.trace(f"{self.process.name} {event}: token "
+                                     f"{facts.fencing_token}, {facts.reason}")
+        return facts
 
     def claim(self) -> Claim:
         claim = super().claim()
@@ -59,7 +63,8 @@ class SimSidecar(Endpoint):
         self.world = world
         self.checker = checker
         self.settings = replace(settings, identity=identity)
-        self.clock = SimClock(world.loop, host, world.rng.uniform(-1e4, 1e4))
+        # Seconds since its host booted, as CLOCK_MONOTONIC counts (never negative).
+        self.clock = SimClock(world.loop, host, world.rng.uniform(0, 1e6))
         self._make_backend = backend
         self.term = 0
         self.app_ready = True
