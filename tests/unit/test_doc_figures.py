@@ -40,7 +40,7 @@ ALLOWED = {
     "128 MiB": "the chart's memory limit (values.yaml)",
     "1 KiB": "the HTTP endpoint's line limits (sidecar/publish/http)",
     "8 bytes": "the advisory lock id's length",
-    "0.8 s": "the kube client's first watch back-off (sidecar/kubeapi.py)",
+    "0.8 s": "the kube client's first watch back-off (BACKOFF_FIRST, sidecar/kubewatch.py)",
     "32 KiB": "the kube client's TLS read buffer; asyncio's own is 256 KiB",
     "256 KiB": "asyncio's default TLS read buffer",
     "1.5 MiB": "the pod size tests/integration/test_kube_misbehaving.py serves",
