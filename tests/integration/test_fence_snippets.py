@@ -79,8 +79,17 @@ def node_modules() -> Path:
     return where
 
 
+# The tool each language needs beyond the worker snippets' toolchains, and its Debian
+# package (this machine kind has them installed).
+TOOLS = {"go": (GO, "golang-go"), "java": ("mvn", "maven"), "node": ("npm", "npm"),
+         "python": (sys.executable, "python3")}
+
+
 def command(language: str, dsn: str) -> tuple[list[str], Path, dict[str, str]]:
     """How to run one snippet: argv, working directory, environment."""
+    tool, package = TOOLS[language]
+    if not (shutil.which(tool) or Path(tool).exists()):
+        pytest.fail(f"{tool} not installed: apt-get install {package}", pytrace=False)
     url = urlsplit(dsn)
     env = {**os.environ, "DATABASE_URL": dsn}
     if language == "go":
