@@ -51,7 +51,7 @@ def kubernetes_trials(workdir: Path, trials: int
     """Three sidecars in Pod objects on a real apiserver whose CoordinatedLeaderElection
     gate is on (without it the apiserver drops ``spec.preferredHolder``); then, on the
     same apiserver, a client-go elector as the named target (:func:`clientgo_trials`)."""
-    from testkit.kube_support import FAST, create_pods, install_rbac, sidecar
+    from testkit.kube_support import FAST, create_pods, install_rbac, mark_ready, sidecar
     from testkit.testbed.kube import ControlPlane
 
     cp = ControlPlane(apiserver_extra_args=[
@@ -63,6 +63,7 @@ def kubernetes_trials(workdir: Path, trials: int
         kubeconfig = install_rbac(cp, namespace)
         pods = ("pod-a", "pod-b", "pod-c")
         create_pods(cp, namespace, *pods)
+        mark_ready(cp, namespace, *pods)  # a hand-over's target must be Ready
         procs = [sidecar(workdir, pod, namespace, kubeconfig) for pod in pods]
         duration = float(FAST[FAST.index("--lease-duration") + 1].rstrip("s"))
         run = run_trials("kubernetes", "", workdir, trials, cli_every=0, procs=procs,

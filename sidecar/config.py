@@ -281,6 +281,15 @@ OPTIONS: tuple[Option, ...] = (
            "cannot report either); after this long it counts as not ready. Keeps a "
            "database-backed group's leader through an apiserver outage "
            "([hand-over](handover.md#when-the-apiserver-is-away))."),
+    Option("control_token_file", "LEASE_CONTROL_TOKEN_FILE", "--control-token-file", _text,
+           None, "opt-in: POST /release, /handover and /heartbeat also need the header "
+           "Authorization: Bearer with this file's content (created with a random token "
+           "if missing)",
+           commands=frozenset({"run", "exec", "handover"}),
+           details="For meshes, `kubectl port-forward` and host networking, where "
+           "loopback callers may come from outside the pod "
+           "([security](security.md#post-release-handover-and-heartbeat)); "
+           "`lease-sidecar handover` sends it."),
     Option("log_level", "LEASE_LOG_LEVEL", "--log-level",
            _Choice(("debug", "info", "warning", "error")), "info", "log level"),
 )

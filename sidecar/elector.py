@@ -45,6 +45,9 @@ UNPUBLISH_TIMEOUT = 2.0
 # handover``), its application has not been ready for LEASE_APP_UNREADY_AFTER, or it
 # stops and named a successor (LEASE_SHUTDOWN_HANDOVER, sidecar.rollout).
 HANDOVER_REASONS = ("request", "app-unready", "shutdown")
+# Renew intervals a hand-over's hint outlives the release by: one retry interval with its
+# jitter (see _name_successor).
+HINT_AFTER_RELEASE = 1.25
 
 
 def jittered(seconds: float, spread: float = 0.2) -> float:
@@ -108,6 +111,10 @@ class Elector:
         first standby to ask wins. ``why``: one of :data:`HANDOVER_REASONS`.
         """
         if to == self.identity:
+            return False
+        if self.state.facts.released:
+            # A step-down is under way (another hand-over, a release): one at a time,
+            # else its hint and its answer would name different successors.
             return False
         reason = f"handed over to {to}" if to else "handed over"
         if why != "request":
@@ -350,9 +357,17 @@ class Elector:
         successor = successor_of(self.lease)
         if to is None or successor is None:
             return
+        # The hint lives until the release (the last claim runs out), then one retry
+        # interval more (a renew interval, +20 % jitter): the named standby acquires at
+        # the release (woken by it) or at its next retry. One that does not come (dead,
+        # sitting out, a name nobody has) holds the others back that long, not for a
+        # lease duration.
+        claims_left = max(0.0, self.state.issued_until - self._clock.monotonic())
+        bound = min(self.timing.lease_duration,
+                    claims_left + HINT_AFTER_RELEASE * self.timing.renew_interval)
         try:
             async with asyncio.timeout(max(1.0, self.timing.renew_interval * 2)):
-                await successor.hand_to(to, self.timing.lease_duration)
+                await successor.hand_to(to, bound)
         except Exception as exc:
             log.warning("could not name the next holder; releasing without it", extra={
                 **self._fields(self.state.facts.fencing_token), "successor": to,

@@ -28,7 +28,14 @@ from sidecar.elector import Elector
 from sidecar.lease import Backend, create_backend
 from sidecar.publish import Publisher, claim_body
 from sidecar.publish.file import FilePublisher
-from sidecar.publish.http import HeartbeatAnswer, HttpServer, ReleaseOutcome, build_app
+from sidecar.publish.http import (
+    ControlToken,
+    HandoverAnswer,
+    HeartbeatAnswer,
+    HttpServer,
+    ReleaseOutcome,
+    build_app,
+)
 from sidecar.settings import Settings
 from sidecar.state import LeaseState
 from sidecar.statedir import resolve_state_dir
@@ -83,10 +90,13 @@ class Sidecar:
         self._tasks: list[asyncio.Task[None]] = []
         self._no_credentials: str | None = None
         self._credentials_checked = 0.0
+        self._handing_over = asyncio.Lock()  # POST /handover, one at a time
+        self.control_token = (ControlToken(settings.control_token_file)
+                              if settings.control_token_file else None)
         app = build_app(self.states, status=self.status, alive=self.alive, ready=self.ready,
                         release=self.release, heartbeat=self.heartbeat,
                         handover=self.handover, cannot_lead=self.cannot_lead,
-                        degraded=self.watch_problem)
+                        degraded=self.watch_problem, control_token=self.control_token)
         self.http = HttpServer(app, *settings.http_addr)
 
     @property
@@ -106,6 +116,14 @@ class Sidecar:
             raise
 
     async def _start(self) -> None:
+        if self.control_token is not None:
+            # Before serving: no control request is taken without the token's file.
+            try:
+                self.control_token.ensure()
+            except OSError as exc:
+                raise ConfigError(f"LEASE_CONTROL_TOKEN_FILE / --control-token-file: "
+                                  f"{self.control_token.path}: {exc.strerror or exc}"
+                                  ) from None
         # Serving first: the publishers' tasks (the pod label's, the Events') then run
         # only once the endpoint listens, and their apiserver client loads beside it.
         await self.http.start()
@@ -122,9 +140,9 @@ class Sidecar:
         readiness = self._app_readiness()
         successor = None
         if self.settings.shutdown_handover == "youngest-ready":
-            from sidecar.rollout import ShutdownSuccessor
+            from sidecar.rollout import GroupPods
 
-            successor = ShutdownSuccessor(self.settings).choose
+            successor = GroupPods(self.settings).choose
         for state in self.states:
             elector = Elector(self.backend.lease(state.lease), state, self.settings.timing,
                               self.settings.identity, self.publishers,
@@ -261,15 +279,46 @@ class Sidecar:
             return "not-holding"
         return "released"
 
-    def handover(self, name: str | None, to: str | None) -> ReleaseOutcome:
+    async def handover(self, name: str | None, to: str | None) -> HandoverAnswer:
         """``POST /handover``: the leader steps down the safe way and names ``to`` (or
-        nobody: the first standby to ask) the next holder."""
-        if (name or self.settings.name) not in self.settings.names:
-            return "no-such-lease"
-        elector = self.electors.get(name or self.settings.name)
-        if elector is None or not elector.request_handover(to):
-            return "not-holding"
-        return "released"
+        nobody: the first standby to ask) the next holder. One request at a time, and
+        ``to`` checked first where this sidecar can see its group's pods: a target that
+        cannot lead is refused, since the others would stand aside for it."""
+        lease = name or self.settings.name
+        if lease not in self.settings.names:
+            return "no-such-lease", {}
+        async with self._handing_over:
+            elector = self.electors.get(lease)
+            facts = elector.state.facts if elector is not None else None
+            if elector is None or facts is None or not facts.holding:
+                return "refused", {"error": "this contender does not hold the lease"}
+            if facts.released:
+                return "refused", {"error": f"already stepping down: {facts.reason}"}
+            if to == self.settings.identity:
+                return "refused", {"error": f"{to} is this contender, the leader"}
+            checked = "no successor named: the first standby to ask wins"
+            if to is not None:
+                why_not, checked = await self._can_lead(to)
+                if why_not is not None:
+                    return "refused", {"error": f"cannot hand over to {to}: {why_not}"}
+            if not elector.request_handover(to):  # lost the lease while we looked
+                return "refused", {"error": "this contender does not hold the lease"}
+            return "handing-over", {"checked": checked}
+
+    async def _can_lead(self, to: str) -> tuple[str | None, str]:
+        """(why ``to`` cannot take the lease over, or None; what was checked)."""
+        from sidecar.rollout import GroupPods
+
+        if not GroupPods.applies(self.settings, pod_label_wanted(self.settings)):
+            return None, ("not checked: this sidecar cannot see its group's pods (it needs "
+                          "POD_NAME, POD_NAMESPACE, the pod label and the pod name as "
+                          "identity); a successor that does not take the lease within a "
+                          "retry interval of the release leaves it to the others")
+        try:
+            async with asyncio.timeout(max(1.0, self.settings.timing.renew_interval)):
+                return await GroupPods(self.settings).refusal(to)
+        except TimeoutError:
+            return None, "not checked (the apiserver did not answer in time)"
 
     def heartbeat(self, name: str | None) -> HeartbeatAnswer:
         """``POST /heartbeat``: the application vouches for its work while we lead."""

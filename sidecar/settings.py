@@ -165,6 +165,7 @@ class Settings:
     shutdown_handover: str = "off"
     app_unready_after: float = 10.0
     app_ready_outage_grace: float = 300.0
+    control_token_file: str | None = None
     log_level: str = "info"
     explicit: frozenset[str] = frozenset()
     """Which settings the user gave (so defaults may fall back quietly, and errors say
@@ -198,5 +199,6 @@ class Settings:
                                      if self.app_ready_containers else None),
             "app_unready_after": self.app_unready_after,
             "app_ready_outage_grace": self.app_ready_outage_grace,
+            "control_token_file": self.control_token_file,
             "shutdown_handover": self.shutdown_handover,
         }

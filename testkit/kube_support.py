@@ -64,6 +64,15 @@ def create_pods(cp: ControlPlane, namespace: str, *names: str) -> None:
                input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
 
 
+def mark_ready(cp: ControlPlane, namespace: str, *pods: str, ready: bool = True) -> None:
+    """Write the pods' Ready condition as kubelet would (none runs here, so they stay
+    Pending): a hand-over's target must be Ready."""
+    status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    for pod in pods:
+        cp.kubectl("-n", namespace, "patch", "pod", pod, "--subresource=status",
+                   "--type=merge", "-p", json.dumps({"status": status}))
+
+
 def sidecar(workdir: Path, pod: str, namespace: str, kubeconfig: Path, *args: str,
             lease: str = "jobs") -> SidecarProcess:
     """A sidecar process that believes it runs in pod ``namespace/pod``."""

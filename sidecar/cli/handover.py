@@ -1,8 +1,10 @@
 """``lease-sidecar handover [--to IDENTITY]``: ask the sidecar on this host or pod to
-hand its lease over (``POST /handover`` on LEASE_HTTP_ADDR, over loopback).
+hand its lease over (``POST /handover`` on LEASE_HTTP_ADDR, over loopback, with the
+token of LEASE_CONTROL_TOKEN_FILE where one is set).
 
-Exit codes: 0 the leader is handing over; ``EXIT_FAILED`` it is not the leader (or
-``--to`` names it), or no sidecar answers; ``EXIT_NO_SUCH_LEASE``.
+Exit codes: 0 the leader is handing over; ``EXIT_FAILED`` refused (not the leader,
+``--to`` names it or a pod that cannot lead, a hand-over already under way), or no
+sidecar answers; ``EXIT_NO_SUCH_LEASE``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,16 @@ def url(settings: Settings, to: str | None) -> str:
 
 def run(settings: Settings, to: str | None) -> int:
     target = url(settings, to)
-    request = urllib.request.Request(target, method="POST", data=b"")
+    headers = {}
+    if settings.control_token_file:
+        try:
+            with open(settings.control_token_file) as token:
+                headers["Authorization"] = f"Bearer {token.read().strip()}"
+        except OSError as exc:
+            print(f"lease-sidecar: LEASE_CONTROL_TOKEN_FILE / --control-token-file: "
+                  f"{settings.control_token_file}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_FAILED
+    request = urllib.request.Request(target, method="POST", data=b"", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT) as answer:
             body = json.loads(answer.read() or b"{}")
@@ -48,7 +59,8 @@ def run(settings: Settings, to: str | None) -> int:
               f"(LEASE_HTTP_ADDR / --http-addr): {reason}", file=sys.stderr)
         return EXIT_FAILED
     whom = f" to {body['to']}" if body.get("to") else ""
-    print(f"handing over lease {settings.name}{whom}")
+    checked = f" ({body['checked']})" if body.get("checked") else ""
+    print(f"handing over lease {settings.name}{whom}{checked}")
     return 0
 
 

@@ -83,8 +83,8 @@ HOLDING = {"--backend", "--dsn", "--replica-dsn", "--replica-timeout", "--name",
            "--safety-margin", "--claim-horizon", "--http-addr", "--state-dir", "--role",
            "--schema", "--table", "--odbc-driver", "--pod-label", "--log-level",
            "--work-stall-after", "--ensure-schema", "--app-ready-url", "--app-unready-after",
-           "--app-ready-containers", "--shutdown-handover",
-           "--help"}
+           "--app-ready-containers", "--shutdown-handover", "--app-ready-outage-grace",
+           "--control-token-file", "--help"}
 FLAGS = {
     "run": HOLDING,
     "exec": HOLDING | {"--grace", "--acquire-timeout"},

@@ -24,6 +24,7 @@ from testkit.kube_support import (
     interop_sidecars,
     leaders,
     lease_spec,
+    mark_ready,
     sidecars_in_pods,
 )
 from testkit.support import ClaimRecorder, SidecarProcess, post_json, wait_until
@@ -60,6 +61,7 @@ def test_the_named_standby_leads_and_a_later_sigterm_is_not_held_back(
     kubeconfig = install_rbac(cp, namespace)
     started = sidecars_in_pods(cp, namespace, tmp_path, kubeconfig, PODS)
     procs = next(started)
+    mark_ready(cp, namespace, *PODS)  # a hand-over's target must be Ready
     rng = random.Random(21)
     try:
         with ClaimRecorder(procs) as recorder:
@@ -99,6 +101,7 @@ def test_without_the_feature_gate_the_hint_annotation_names_the_standby(
     kubeconfig = install_rbac(control_plane, namespace)
     started = sidecars_in_pods(control_plane, namespace, tmp_path, kubeconfig, PODS)
     procs = next(started)
+    mark_ready(control_plane, namespace, *PODS)  # a hand-over's target must be Ready
     rng = random.Random(2121)
     try:
         with ClaimRecorder(procs) as recorder:

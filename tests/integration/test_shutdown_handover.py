@@ -66,3 +66,44 @@ def test_sigterm_hands_over_to_the_youngest_ready_pod(
     finally:
         for proc in procs:
             proc.stop()
+
+
+def test_sigterm_skips_a_pod_whose_sidecar_never_campaigns(
+        control_plane: ControlPlane, kube_namespace: str, tmp_path: Path) -> None:
+    """The youngest Ready pod of the group runs its sidecar in role api: it never takes
+    the lease, and handing over to it kept the others standing aside for a lease
+    duration. The youngest pod that campaigns is picked instead."""
+    cp, namespace = control_plane, kube_namespace
+    kubeconfig = install_rbac(cp, namespace)
+    for pod in ("pod-a", "pod-b", "pod-api"):  # creationTimestamp has whole seconds
+        create_pods(cp, namespace, pod)
+        pod_ready(cp, namespace, pod, True)
+        time.sleep(1.1)
+
+    def start(pod: str, *extra: str) -> SidecarProcess:
+        return SidecarProcess(tmp_path, pod, args=[
+            "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *FAST,
+            "--pod-label", "on", "--shutdown-handover", "youngest-ready", *extra],
+            env={"POD_NAME": pod, "POD_NAMESPACE": namespace,
+                 "KUBECONFIG": str(kubeconfig)}).start()
+
+    leader = start("pod-a")
+    procs = [leader]
+    try:
+        wait_until(lambda: leader.leader() == 200, timeout=15)
+        procs += [start("pod-b"), start("pod-api", "--role", "api")]
+        wait_until(lambda: role_column(cp, namespace) == {
+            "pod-a": "leader", "pod-b": "standby", "pod-api": "api"}, timeout=15)
+        time.sleep(0.5)
+        with ClaimRecorder(procs[:2]) as recorder:
+            recorder.seen_a_claim()
+            leader.signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            wait_until(lambda: procs[1].leader() == 200, timeout=10, interval=0.01)
+            took = time.monotonic() - stopped
+        assert recorder.overlaps() == []
+        assert took < 1.5, took  # a lease duration (2 s) and a retry before
+        assert "handed over to pod-b (shutdown)" in leader.logs()
+    finally:
+        for proc in procs:
+            proc.stop()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from sidecar.base.errors import BackendError
-from sidecar.elector import Elector
+from sidecar.elector import HINT_AFTER_RELEASE, Elector
 from sidecar.lease import Grant, successor_of
 from sidecar.publish.events import EventPublisher
 from sidecar.settings import Settings, Timing
@@ -20,6 +20,9 @@ from tests.unit.fakes import FakeClock, FakeLease
 
 TIMING = Timing(lease_duration=0.3, renew_interval=0.01, renew_deadline=0.2,
                 safety_margin=0.05, claim_horizon=0.05)
+# How long a hint lives when no claim is out: a retry interval after the release (a named
+# standby that does not come holds the others back that long, not a lease duration).
+HINT_BOUND = HINT_AFTER_RELEASE * TIMING.renew_interval
 
 
 @dataclass
@@ -64,8 +67,8 @@ async def test_the_leader_names_its_successor_then_steps_down_the_safe_way():
     assert elector.request_handover("web-0") is False  # not to itself
     assert elector.request_handover("web-1") is True
     await elector._renew_once()
-    # The hint first (bounded by one lease duration), then the release; no renew between.
-    assert names(lease)[-2:] == [f"hand_to web-1 {TIMING.lease_duration}", "release"]
+    # The hint first (bounded), then the release; no renew between.
+    assert names(lease)[-2:] == [f"hand_to web-1 {HINT_BOUND}", "release"]
     assert not state.facts.holding and state.facts.reason == "handed over to web-1"
     assert state.handovers == {"request": 1}
     assert state.transitions[-1]["event"] == "released"
@@ -109,7 +112,7 @@ async def test_the_hint_is_written_while_the_last_claim_runs_out():
     assert seen == [False] and "release" not in names(lease)
     written.set()
     await stepping_down
-    assert names(lease)[-2:] == [f"hand_to web-1 {TIMING.lease_duration}", "release"]
+    assert names(lease)[-2:] == [f"hand_to web-1 {HINT_BOUND}", "release"]
 
 
 async def test_a_hint_that_cannot_be_written_costs_the_preference_not_the_release():
@@ -201,23 +204,49 @@ async def test_a_hand_over_is_its_own_event(why: str, kind: str):
     assert "handed over to web-1" in last.note
 
 
-def pod(name: str, created: str, ready: bool = True, deleting: bool = False) -> dict:
-    meta = {"name": name, "creationTimestamp": created}
+def pod(name: str, created: str, ready: bool = True, deleting: bool = False,
+        role: str | None = "standby", group: str = "lease-sidecar.jobs") -> dict:
+    meta: dict = {"name": name, "creationTimestamp": created,
+                  "labels": {"lease-sidecar/group": group}}
+    if role is not None:
+        meta["labels"]["lease-role"] = role
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:10:00Z"
     return {"metadata": meta, "status": {"conditions": [
         {"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
-def test_the_successor_is_the_youngest_ready_pod_that_stays():
+def test_the_successor_is_the_youngest_pod_that_stays_and_campaigns():
+    """Ready is not enough: an api-role pod, or one whose sidecar has not published
+    (no lease-role), never takes the lease, and the others would stand aside for it."""
     from sidecar.rollout import youngest_ready
 
+    group = "lease-sidecar.jobs"
     pods = [pod("web-old", "2026-01-01T00:00:00Z"), pod("web-me", "2026-01-01T00:09:00Z"),
             pod("web-new", "2026-01-01T00:05:00Z"),
             pod("web-newer", "2026-01-01T00:06:00Z", ready=False),
-            pod("web-going", "2026-01-01T00:07:00Z", deleting=True)]
-    assert youngest_ready(pods, own="web-me") == "web-new"
-    assert youngest_ready([pod("web-me", "2026-01-01T00:09:00Z")], own="web-me") is None
+            pod("web-going", "2026-01-01T00:07:00Z", deleting=True),
+            pod("api-0", "2026-01-01T00:08:00Z", role="api"),
+            pod("web-unlabelled", "2026-01-01T00:08:30Z", role=None)]
+    assert youngest_ready(pods, own="web-me", group=group) == "web-new"
+    assert youngest_ready([pod("web-me", "2026-01-01T00:09:00Z")], own="web-me",
+                          group=group) is None
+
+
+def test_why_a_pod_cannot_lead():
+    from sidecar.rollout import cannot_lead
+
+    group = "lease-sidecar.jobs"
+    assert cannot_lead(pod("a", "t"), group) is None
+    assert cannot_lead(pod("a", "t", deleting=True), group) == "pod a is terminating"
+    assert cannot_lead(pod("a", "t", role="api"), group) == (
+        "pod a runs its sidecar in role api, which never campaigns")
+    assert cannot_lead(pod("a", "t", ready=False), group) == "pod a is not Ready"
+    assert cannot_lead(pod("a", "t", group="other"), group) == (
+        "pod a is not in lease group lease-sidecar.jobs")
+    not_ready_app = pod("a", "t")
+    not_ready_app["status"]["containerStatuses"] = [{"name": "app", "ready": False}]
+    assert cannot_lead(not_ready_app, group, ("app",)) == "pod a: container app is not Ready"
 
 
 async def test_on_shutdown_the_chosen_successor_is_named_first():
@@ -231,6 +260,35 @@ async def test_on_shutdown_the_chosen_successor_is_named_first():
     elector = Elector(lease, state, TIMING, "web-0", shutdown_successor=choose)
     await elector._acquire_once()
     await elector.shutdown()
-    assert names(lease)[-2:] == [f"hand_to web-2 {TIMING.lease_duration}", "release"]
+    assert names(lease)[-2:] == [f"hand_to web-2 {HINT_BOUND}", "release"]
     assert state.facts.reason == "handed over to web-2 (shutdown)"
     assert state.handovers == {"shutdown": 1}
+
+
+async def test_the_hint_outlives_the_claims_by_a_retry_interval_and_a_second_request_waits():
+    """The hint held the other standbys back for a whole lease duration when the named
+    one never came; and a second request during the step-down was answered as if it
+    named the successor, while the hint named the first one."""
+    lease = HintLease(FakeClock())
+    elector, state = contender(lease)
+    await elector._acquire_once()
+    lease.clock.advance(TIMING.claim_horizon)
+    assert state.claim().leader  # a claim is out: it runs one horizon from now
+    assert elector.request_handover("web-1") is True
+    assert elector.request_handover("web-2") is False  # one step-down at a time
+
+    async def time_passes() -> None:  # the step-down waits for the claim on this clock
+        while True:
+            await asyncio.sleep(0.001)
+            lease.clock.advance(0.01)
+
+    clock = asyncio.create_task(time_passes())
+    try:
+        await elector._renew_once()
+    finally:
+        clock.cancel()
+    named = next(what for what in names(lease) if what.startswith("hand_to"))
+    assert named.startswith("hand_to web-1 ")
+    assert float(named.split()[-1]) == pytest.approx(
+        TIMING.claim_horizon + HINT_AFTER_RELEASE * TIMING.renew_interval)
+    assert state.facts.reason == "handed over to web-1"

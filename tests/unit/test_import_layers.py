@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # What a sidecar is told, as data.
     ("sidecar.settings",),
     # The Kubernetes API client, and what a contender may claim.
-    ("sidecar.kube", "sidecar.kubeapi", "sidecar.state"),
+    ("sidecar.kube", "sidecar.kubeapi", "sidecar.kubewatch", "sidecar.state"),
     # The lease contract, the registry and every backend.
     ("sidecar.lease",),
     # The election loop and everything that reads the state.

@@ -11,14 +11,21 @@ One job a module:
 
 - :mod:`.app`: the routes and their answers (:func:`build_app`, :class:`App`);
 - :mod:`.longpoll`: ``GET /leader``, plain or blocking;
-- :mod:`.access`: who may ``POST`` (loopback, no ``Origin``, our own ``Host``);
+- :mod:`.access`: who may ``POST`` (loopback, no ``Origin``, our own ``Host``, and the
+  control token where one is set);
 - :mod:`.limits`: the bounds on connections, waiters and request heads, and their metrics;
 - :mod:`.server`: the listening socket and HTTP/1.1 on it, which enforces the connection
   and request-head bounds (:class:`HttpServer`).
 """
 
-from sidecar.publish.http.access import host_allowed, is_loopback, release_hosts
-from sidecar.publish.http.app import App, HeartbeatAnswer, ReleaseOutcome, build_app
+from sidecar.publish.http.access import ControlToken, host_allowed, is_loopback, release_hosts
+from sidecar.publish.http.app import (
+    App,
+    HandoverAnswer,
+    HeartbeatAnswer,
+    ReleaseOutcome,
+    build_app,
+)
 from sidecar.publish.http.limits import (
     HEADER_TIMEOUT,
     MAX_CONNECTIONS,
@@ -33,7 +40,8 @@ from sidecar.publish.http.server import HttpServer, Request, Response
 
 __all__ = [
     "HEADER_TIMEOUT", "MAX_CONNECTIONS", "MAX_FIELD", "MAX_HEADERS", "MAX_LINE", "MAX_WAIT",
-    "MAX_WAITERS", "App", "HeartbeatAnswer", "HttpServer", "Limits", "ReleaseOutcome",
+    "MAX_WAITERS", "App", "ControlToken", "HandoverAnswer", "HeartbeatAnswer", "HttpServer",
+    "Limits", "ReleaseOutcome",
     "Request", "Response", "build_app",
     "host_allowed", "is_loopback", "release_hosts",
 ]

@@ -1,10 +1,20 @@
 """Who may ``POST /release``, ``/handover`` and ``/heartbeat``: a process of this pod, never a web
-page. Both make a leader step down or keep leading, so both follow the same rules."""
+page. All three make a leader step down or keep leading, so all follow the same rules.
+
+Loopback is not always this pod: ``kubectl port-forward`` delivers on 127.0.0.1, and so
+do service meshes that redirect inbound traffic through a local proxy, and a pod with
+``hostNetwork`` shares the node's loopback. For those, :class:`ControlToken`
+(``LEASE_CONTROL_TOKEN_FILE``, opt-in) also asks for a token that only holders of the
+file know."""
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
+import os
+import secrets
 from collections.abc import Mapping
+from pathlib import Path
 from urllib.parse import urlsplit
 
 
@@ -56,3 +66,42 @@ def refusal(remote: str | None, headers: Mapping[str, str],  # lower-case names
     if not host_allowed(headers.get("host"), allowed):
         return f"{what} needs Host: localhost or 127.0.0.1 with this endpoint's port"
     return None
+
+
+class ControlToken:
+    """``LEASE_CONTROL_TOKEN_FILE``: the token every control ``POST`` must carry as
+    ``Authorization: Bearer <token>``. The file is read on each request, so replacing it
+    rotates the token; :meth:`ensure` writes a random one at start if there is none."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def ensure(self) -> None:
+        """Create the file with a random token unless it exists (mode 0644 less the
+        umask, as the leader file: it shares that file's readers); OSError otherwise."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            self.read()  # there and readable, or the OSError says why not
+            return
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(32) + "\n")
+
+    def read(self) -> str:
+        token = self.path.read_text().strip()
+        if not token:
+            raise OSError("the file is empty")
+        return token
+
+    def refusal(self, headers: Mapping[str, str], what: str) -> str | None:
+        """Why ``what`` is refused for want of the token (None: it carries it)."""
+        try:
+            expected = self.read()
+        except OSError as exc:
+            return f"{what}: cannot read LEASE_CONTROL_TOKEN_FILE ({exc})"
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), expected.encode()):
+            return (f"{what} needs Authorization: Bearer with the token in "
+                    f"LEASE_CONTROL_TOKEN_FILE")
+        return None

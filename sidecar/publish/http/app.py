@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from sidecar.publish.http import longpoll
-from sidecar.publish.http.access import refusal
+from sidecar.publish.http.access import ControlToken, refusal
 from sidecar.publish.http.limits import Limits
 from sidecar.publish.http.server import Handler, HttpError, Request, Response
 from sidecar.state import LeaseState
@@ -20,8 +20,11 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 ReleaseOutcome = Literal["released", "not-holding", "no-such-lease"]
-# POST /handover: (lease name or None, successor identity or None) -> outcome.
-Handover = Callable[[str | None, str | None], ReleaseOutcome]
+# POST /handover: "handing-over" (202) or "refused" (409), with the JSON that says what
+# was done or why not; "no-such-lease" (404).
+HandoverAnswer = tuple[Literal["handing-over", "refused", "no-such-lease"], dict[str, Any]]
+# (lease name or None, successor identity or None) -> answer.
+Handover = Callable[[str | None, str | None], Awaitable[HandoverAnswer]]
 # "beat" with the JSON to answer, "not-leading" (409), "no-such-lease" (404).
 HeartbeatAnswer = tuple[Literal["beat", "not-leading", "no-such-lease"], dict[str, Any]]
 
@@ -71,18 +74,20 @@ def _probe(check: Callable[[], bool],
     return handler
 
 
-def _local_post(what: str, limits: Limits,
-                answer: Callable[..., Response], with_query: bool = False) -> Handler:
+def _local_post(what: str, limits: Limits, answer: Callable[..., Awaitable[Response]],
+                token: ControlToken | None, with_query: bool = False) -> Handler:
     """A ``POST`` that makes a leader step down or keep leading: ``403`` unless it comes
-    from a process of this pod (see :mod:`.access`), else ``answer`` for the lease named
-    in the path (None: the first)."""
+    from a process of this pod (see :mod:`.access`) carrying the control ``token`` where
+    one is set, else ``answer`` for the lease named in the path (None: the first)."""
     async def handler(request: Request) -> Response:
         error = refusal(request.remote, request.headers, limits.release_hosts, what)
+        if error is None and token is not None:
+            error = token.refusal(request.headers, what)
         if error is not None:
             return _json({"error": error}, 403)
         if with_query:
-            return answer(request.name, request.query)
-        return answer(request.name)
+            return await answer(request.name, request.query)
+        return await answer(request.name)
     return handler
 
 
@@ -90,8 +95,8 @@ def _no_heartbeat(name: str | None) -> HeartbeatAnswer:
     return "not-leading", {}
 
 
-def _no_handover(name: str | None, to: str | None) -> ReleaseOutcome:
-    return "not-holding"
+async def _no_handover(name: str | None, to: str | None) -> HandoverAnswer:
+    return "refused", {"error": "this contender does not hold the lease"}
 
 
 def build_app(states: list[LeaseState],
@@ -103,6 +108,7 @@ def build_app(states: list[LeaseState],
               heartbeat: Callable[[str | None], HeartbeatAnswer] = _no_heartbeat,
               handover: Handover = _no_handover,
               degraded: Callable[[], str | None] | None = None,
+              control_token: ControlToken | None = None,
               ) -> App:
     # 404/405 are short text and an unexpected error a bare 500 (the traceback goes to
     # the log, never to the client): see .server.
@@ -126,7 +132,7 @@ def build_app(states: list[LeaseState],
     async def status_handler(request: Request) -> Response:
         return _json(status())
 
-    def released(name: str | None) -> Response:
+    async def released(name: str | None) -> Response:
         outcome = release(name)
         if outcome == "no-such-lease":
             raise longpoll.no_such_lease(name)
@@ -137,18 +143,16 @@ def build_app(states: list[LeaseState],
                           "error": "this contender does not hold the lease"}, 409)
         return _json({"released": True, "at": time.time()}, 202)
 
-    def handed(name: str | None, query: Any) -> Response:
+    async def handed(name: str | None, query: Any) -> Response:
         to = query.get("to") or None
-        outcome = handover(name, to)
+        outcome, detail = await handover(name, to)
         if outcome == "no-such-lease":
             raise longpoll.no_such_lease(name)
-        if outcome == "not-holding":
-            return _json({"handed_over": False,
-                          "error": "this contender does not hold the lease"
-                          + (" (or --to names this contender)" if to else "")}, 409)
-        return _json({"handed_over": True, "to": to, "at": time.time()}, 202)
+        if outcome == "refused":
+            return _json({"handed_over": False, **detail}, 409)
+        return _json({"handed_over": True, "to": to, **detail, "at": time.time()}, 202)
 
-    def beat(name: str | None) -> Response:
+    async def beat(name: str | None) -> Response:
         outcome, answer = heartbeat(name)
         if outcome == "no-such-lease":
             raise longpoll.no_such_lease(name)
@@ -159,9 +163,10 @@ def build_app(states: list[LeaseState],
 
     # Same rules for both: a beat keeps a leader leading, which a web page must not be
     # able to do for a stalled application.
-    release_handler = _local_post("release", limits, released)
-    heartbeat_handler = _local_post("heartbeat", limits, beat)
-    handover_handler = _local_post("handover", limits, handed, with_query=True)
+    release_handler = _local_post("release", limits, released, control_token)
+    heartbeat_handler = _local_post("heartbeat", limits, beat, control_token)
+    handover_handler = _local_post("handover", limits, handed, control_token,
+                                   with_query=True)
     # /livez: the loop runs (liveness: a restart can help). /healthz: that, and nothing
     # keeps this contender from ever leading (the chart's readiness), and no watch is
     # restarting after an unexpected error (``degraded``: it restarts by itself, so a
