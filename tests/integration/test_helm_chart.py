@@ -649,6 +649,17 @@ def test_app_ready_containers_reach_the_sidecar_env() -> None:
     assert default["LEASE_SHUTDOWN_HANDOVER"] == "youngest-ready"  # auto
 
 
+def test_the_control_token_and_the_outage_grace_reach_the_sidecar_env() -> None:
+    env = example_sidecar_env(["lease.controlToken=true",
+                               "lease.appReadyContainers={app}",
+                               "lease.appReadyOutageGrace=10m"])
+    assert env["LEASE_CONTROL_TOKEN_FILE"] == "/run/lease/control-token"
+    assert env["LEASE_APP_READY_OUTAGE_GRACE"] == "10m"
+    default = example_sidecar_env([])
+    assert "LEASE_CONTROL_TOKEN_FILE" not in default  # opt-in
+    assert "LEASE_APP_READY_OUTAGE_GRACE" not in default  # the sidecar's own 5m
+
+
 @pytest.mark.parametrize(("values", "rendered"), [
     ([], "youngest-ready"),
     (["lease.podLabel=on"], "youngest-ready"),

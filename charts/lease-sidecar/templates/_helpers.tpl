@@ -223,6 +223,14 @@ env:
   - name: LEASE_APP_UNREADY_AFTER
     value: {{ . | quote }}
   {{- end }}
+  {{- with .Values.lease.appReadyOutageGrace }}
+  - name: LEASE_APP_READY_OUTAGE_GRACE
+    value: {{ . | quote }}
+  {{- end }}
+  {{- if .Values.lease.controlToken }}
+  - name: LEASE_CONTROL_TOKEN_FILE
+    value: {{ printf "%s/control-token" (include "lease-sidecar.stateDir" .) | quote }}
+  {{- end }}
   - name: LEASE_HTTP_ADDR
     value: {{ include "lease-sidecar.httpAddr" . | quote }}
   - name: LEASE_STATE_DIR
