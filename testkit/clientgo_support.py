@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sidecar.lease.kubernetes.record import TOKEN_COUNT_LIMIT
+from sidecar.lease.kubernetes.record import fencing_token
 from testkit.kube_support import sidecar
 from testkit.support import SidecarProcess, get_json, wait_until
 
@@ -124,9 +124,10 @@ class GoElector:
         return started, wrote[-1]["renew_time"] + wrote[-1]["lease_seconds"]
 
     def token(self) -> int | None:
-        """leaseTransitions of its term, as its acquiring write set it."""
+        """Its term's token as lease-sidecar counts them: 2**52 + the resourceVersion of
+        its acquiring write (sidecar.lease.kubernetes.record.fencing_token)."""
         wrote = self.first("wrote")
-        return None if wrote is None else int(wrote["transitions"])
+        return None if wrote is None else fencing_token(str(wrote["resource_version"]))
 
 
 @dataclass
@@ -294,13 +295,10 @@ class Contest:
         return found
 
     def tokens_by_term(self) -> list[tuple[float, str, int]]:
-        """(term start, contender, term count), in the order the terms began.
-
-        The count is leaseTransitions: client-go's only token, and the low part of the
-        sidecar's (one Lease object throughout, so the high part never changes).
-        """
-        terms = [(at, who, token % TOKEN_COUNT_LIMIT)
-                 for (who, token), at in self.sampler.terms.items()]
+        """(term start, contender, token), in the order the terms began: a sidecar's as it
+        published it, client-go's as a sidecar would count it (its acquiring write's
+        resourceVersion above 2**52)."""
+        terms = [(at, who, token) for (who, token), at in self.sampler.terms.items()]
         for elector in self.electors:
             span, token = elector.claim(), elector.token()
             if span is not None and token is not None:

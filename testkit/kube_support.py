@@ -88,12 +88,13 @@ def lease_spec(cp: ControlPlane, namespace: str, lease: str = "jobs") -> dict[st
     return json.loads(proc.stdout)["spec"] if proc.returncode == 0 else {}
 
 
-def lease_token(cp: ControlPlane, namespace: str, lease: str = "jobs") -> int:
-    """The fencing token of the Lease's current (or last) term, as the sidecar publishes
-    it: creationTimestamp (Unix seconds) * 2**20 + leaseTransitions."""
+def lease_token(cp: ControlPlane, namespace: str, lease: str = "jobs") -> int | None:
+    """The fencing token the Lease shows for its current (or last) term: its holder
+    writes it into the annotation ``lease-sidecar/fencing-token`` at each renew (None
+    before the first)."""
     obj = json.loads(cp.kubectl("-n", namespace, "get", "lease", f"lease-sidecar.{lease}",
                                 "-o", "json").stdout)
-    return Record.from_object(obj).token()
+    return Record.from_object(obj).shown_token
 
 
 def role_column(cp: ControlPlane, namespace: str) -> dict[str, str]:

@@ -149,6 +149,13 @@ class Run:
             await asyncio.sleep(bound)
             self.checker.now = world.now()
             self.checker.quiet_ended(world.now(), bound)
+            for process in self.live.values():
+                for state in process.states:
+                    facts = state.facts
+                    world.trace(f"  {process.name}: holding {facts.holding}, claims from "
+                                f"{facts.claim_from - process.clock.monotonic():+.2f}s, "
+                                f"valid {facts.valid_until - process.clock.monotonic():+.2f}s,"
+                                f" {facts.reason}")
 
     def _heal(self) -> None:
         self.generation += 1

@@ -153,7 +153,7 @@ class World:
                     self.rng.random() < endpoint.lose_replies:
                 self.trace(f"reply to {endpoint.name} lost")
                 return
-            self.later(self.latency(endpoint), _settle, future, value, error)
+            self.later(self.latency(endpoint), _settle, future, value, error, endpoint)
 
         self.later(self.latency(endpoint), at_server, reply)
 
@@ -173,7 +173,7 @@ class World:
                 value, error, delay = None, blocked.error, blocked.seconds
             except Exception as exc:
                 value, error = None, exc
-            self.later(delay, _settle, future, value, error)
+            self.later(delay, _settle, future, value, error, endpoint)
 
         self.loop.call_at(self.now() + self.latency(endpoint), run)
         return future
@@ -193,9 +193,10 @@ class World:
         self.errors.append(f"{message}: {exc!r}" if exc else message)
 
 
-def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
+def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None,
+            endpoint: Endpoint | None = None) -> None:
+    if future.done() or (endpoint is not None and endpoint.dead):
+        return  # nobody waits: a dead process's answer is lost with it
     if error is not None:
         future.set_exception(error)
     else:

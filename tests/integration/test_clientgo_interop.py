@@ -75,7 +75,8 @@ def test_sidecars_and_clientgo_electors_never_lead_at_once(
         if takeover.signal == "SIGTERM":
             assert contest.exit_codes[takeover.old] == 0, (takeover, contest.exit_codes)
 
-    # The fencing token (leaseTransitions) only grows, whoever holds the lease.
+    # The fencing token only grows, whoever holds the lease (client-go's terms counted as
+    # a sidecar counts them: the acquiring write's resourceVersion).
     terms = contest.tokens_by_term()
     tokens = [token for _, _, token in terms]
     assert len(terms) >= len(ROUNDS) + 1
@@ -85,5 +86,5 @@ def test_sidecars_and_clientgo_electors_never_lead_at_once(
                                            "-o", "json").stdout)
     assert obj["metadata"]["labels"]["team"] == "payments"
     assert obj["metadata"]["annotations"]["example.com/owner"] == "interop-test"
-    assert lease_spec(control_plane, kube_namespace, "interop")["leaseTransitions"] >= tokens[-1]
+    assert lease_spec(control_plane, kube_namespace, "interop")["leaseTransitions"] >= len(terms)
     assert took < 110, f"the interop run took {took:.0f}s"

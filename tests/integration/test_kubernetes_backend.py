@@ -75,8 +75,11 @@ def test_exactly_one_leads_and_the_lease_names_it(
     assert spec["holderIdentity"] == leader.identity
     assert spec["leaseDurationSeconds"] == 3
     _, body, _ = get_json(leader.url + "/leader")
-    assert body["fencing_token"] == lease_token(control_plane, kube_namespace)
-    assert body["fencing_token"] % 2**20 == spec["leaseTransitions"]
+    # 2**52 + the resourceVersion of the write that began the term, shown on the Lease
+    # from the holder's first renew on.
+    assert 2**52 < body["fencing_token"] < 2**53
+    wait_until(lambda: lease_token(control_plane, kube_namespace) == body["fencing_token"],
+               timeout=10)
     assert spec["acquireTime"].endswith("Z") and spec["renewTime"] >= spec["acquireTime"]
     for standby in (p for p in trio if p is not leader):
         _, body, _ = get_json(standby.url + "/leader")
@@ -166,7 +169,7 @@ def test_fencing_tokens_grow_across_holders(
     leader = the_leader(alive)
     tokens.append(get_json(leader.url + "/leader")[1]["fencing_token"])
     assert tokens == sorted(set(tokens)), tokens
-    assert tokens[-1] == lease_token(control_plane, kube_namespace)
+    wait_until(lambda: lease_token(control_plane, kube_namespace) == tokens[-1], timeout=10)
 
 
 def test_an_unreachable_apiserver_means_not_leader_and_no_crash(
@@ -202,33 +205,35 @@ def test_a_name_that_is_no_kubernetes_object_name_is_a_settings_error(tmp_path: 
     assert len(lines) == 1 and "not a valid Kubernetes object name" in lines[-1], result.stderr
 
 
-def test_a_new_lease_counts_from_0_and_each_term_adds_1(
+def test_a_new_lease_counts_from_2_20_and_each_term_adds_1(
     control_plane: ControlPlane, kube_namespace: str, sa_kubeconfig: Path, tmp_path: Path
 ) -> None:
-    """client-go's convention: created with leaseTransitions 0; a release keeps the count
-    and writes holder "", leaseDurationSeconds 1, acquireTime = renewTime = release time."""
+    """leaseTransitions counts terms from 2**20 (where sidecars of the earlier token
+    layout stop leading, record.OLD_LAYOUT_LIMIT); a release keeps the count and writes,
+    as client-go's does, holder "", leaseDurationSeconds 1, acquireTime = renewTime =
+    release time. Each term's token is above the last one's."""
     first = sidecar(tmp_path, "pod-a", kube_namespace, sa_kubeconfig, "--pod-label", "off")
     first.start()
     try:
         first.wait_http()
         wait_until(lambda: first.leader() == 200, timeout=15)
-        assert get_json(first.url + "/leader")[1]["fencing_token"] % 2**20 == 0
+        token = get_json(first.url + "/leader")[1]["fencing_token"]
         held = lease_spec(control_plane, kube_namespace)
-        assert (held["holderIdentity"], held["leaseTransitions"]) == ("pod-a", 0)
+        assert (held["holderIdentity"], held["leaseTransitions"]) == ("pod-a", 2**20)
     finally:
         assert first.stop() == 0
     released = lease_spec(control_plane, kube_namespace)
     assert released["holderIdentity"] == ""
     assert released["leaseDurationSeconds"] == 1
-    assert released["leaseTransitions"] == 0
+    assert released["leaseTransitions"] == 2**20
     assert released["acquireTime"] == released["renewTime"] > held["renewTime"]
     second = sidecar(tmp_path, "pod-b", kube_namespace, sa_kubeconfig, "--pod-label", "off")
     second.start()
     try:
         second.wait_http()
         wait_until(lambda: second.leader() == 200, timeout=15)
-        assert get_json(second.url + "/leader")[1]["fencing_token"] % 2**20 == 1
-        assert lease_spec(control_plane, kube_namespace)["leaseTransitions"] == 1
+        assert get_json(second.url + "/leader")[1]["fencing_token"] > token
+        assert lease_spec(control_plane, kube_namespace)["leaseTransitions"] == 2**20 + 1
     finally:
         assert second.stop() == 0
 
@@ -271,11 +276,11 @@ def test_fields_we_do_not_own_survive_acquire_renew_and_release(
                               and obj, timeout=15)
         assert_kept(acquired, "after acquire")
         spec = acquired["spec"]
-        assert spec["leaseTransitions"] == 42 and spec["acquireTime"] == spec["renewTime"]
+        assert spec["leaseTransitions"] == 2**20 and spec["acquireTime"] == spec["renewTime"]
         renewed = wait_until(lambda: (obj := lease())["spec"]["renewTime"] > spec["renewTime"]
                              and obj, timeout=5)
         assert_kept(renewed, "after renew")
-        assert renewed["spec"]["leaseTransitions"] == 42
+        assert renewed["spec"]["leaseTransitions"] == 2**20
         assert renewed["spec"]["acquireTime"] == spec["acquireTime"]
     finally:
         assert proc.stop() == 0
@@ -283,7 +288,7 @@ def test_fields_we_do_not_own_survive_acquire_renew_and_release(
     assert_kept(released, "after release")
     assert released["spec"]["holderIdentity"] == ""
     assert released["spec"]["leaseDurationSeconds"] == 1
-    assert released["spec"]["leaseTransitions"] == 42
+    assert released["spec"]["leaseTransitions"] == 2**20
     assert released["spec"]["acquireTime"] == released["spec"]["renewTime"] \
         > renewed["spec"]["renewTime"]
 
@@ -415,7 +420,7 @@ def test_preferred_holder_hands_over_from_coordinated_clientgo_to_a_sidecar(
         assert first_claim >= stopped["at"], "a sidecar claimed while client-go led"
         # client-go's renew deadline (2 s) + its release + one claim horizon.
         assert took < 3.5, f"a sidecar led {took:.2f}s after preferredHolder was set"
-        assert get_json(new.url + "/leader")[1]["fencing_token"] % 2**20 > 5
+        assert get_json(new.url + "/leader")[1]["fencing_token"] > 2**52
     finally:
         go.stop()
         for proc in procs:

@@ -105,7 +105,8 @@ def test_deleted_with_create_in_the_role_and_a_newcomer_started_at_once(
         assert_safe(trial)
         assert trial.stepped_down_s is not None and trial.stepped_down_s < 2.0, trial
         assert trial.next_leader is not None and trial.token_after is not None, trial
-        assert trial.token_after == lease_token(control_plane, kube_namespace)
+        wait_until(lambda: lease_token(control_plane, kube_namespace) == trial.token_after,
+                   timeout=10)
         holder = next(p for p in trio if p.identity == trial.holder)
         assert "the Lease object was deleted by someone else" in holder.logs()
     finally:
@@ -124,7 +125,8 @@ def test_deleted_with_the_charts_role_until_helm_brings_it_back(
     started = sidecars_in_pods(control_plane, kube_namespace, tmp_path, kubeconfig, PODS)
     procs = next(started)
     try:
-        before = lease_token(control_plane, kube_namespace)
+        first = wait_until(lambda: leaders(procs), timeout=15)[0]
+        before = int(get_json(first.url + "/leader")[1]["fencing_token"])
         trial = run_trial(control_plane, kube_namespace, procs, "deleted", settle=1.5)
         assert_safe(trial)
         assert trial.stepped_down_s is not None and trial.stepped_down_s < 2.0, trial
@@ -133,7 +135,8 @@ def test_deleted_with_the_charts_role_until_helm_brings_it_back(
         control_plane.kubectl("-n", kube_namespace, "create", "-f", "-", input=EMPTY)
         leader = wait_until(lambda: leaders(procs), timeout=10)[0]
         token = int(get_json(leader.url + "/leader")[1]["fencing_token"])
-        assert token > before and token == lease_token(control_plane, kube_namespace)
+        assert token > before
+        wait_until(lambda: lease_token(control_plane, kube_namespace) == token, timeout=10)
         standby_logs = "".join(p.logs() for p in procs)
         assert "forbidden to create leases" in standby_logs
         assert "backend forbidden" in standby_logs
@@ -174,10 +177,11 @@ def test_a_token_edited_down_by_hand_does_not_go_back(
 ) -> None:
     holder = wait_until(lambda: leaders(trio), timeout=15)[0]
     first = int(get_json(holder.url + "/leader")[1]["fencing_token"])
+    count = lease_spec(control_plane, kube_namespace)["leaseTransitions"]
     # The holder writes its own count back; the next term still outranks the highest.
     patch(control_plane, kube_namespace, {"leaseTransitions": 0})
     wait_until(lambda: lease_spec(control_plane, kube_namespace)["leaseTransitions"]
-               == first % 2**20, timeout=3)
+               == count, timeout=3)
     holder.release()
     new = wait_until(lambda: (found := leaders(trio)) and found[0] is not holder
                      and found[0], timeout=10)
@@ -209,3 +213,74 @@ def test_rbac_revoked_and_restored_for_leases(
         time.sleep(0.5)
     assert recorder.overlaps() == []
     assert recorder.token_regressions() == []
+
+
+def next_leader(procs: list[SidecarProcess], old: SidecarProcess) -> SidecarProcess:
+    found: SidecarProcess = wait_until(
+        lambda: (now := leaders(procs)) and now[0] is not old and now[0], timeout=10)
+    return found
+
+
+def test_a_saved_manifest_applied_while_scaled_to_0_does_not_lower_the_token(
+    control_plane: ControlPlane, kube_namespace: str, tmp_path: Path
+) -> None:
+    """``kubectl apply`` of a Lease saved earlier, while no sidecar runs, puts an old
+    ``leaseTransitions`` back, and the sidecars that start afterwards never saw the
+    higher count. The token used to be the creation second above the count, so it went
+    back by the count's difference; it is now the acquiring write's resourceVersion,
+    which no apply can lower."""
+    kubeconfig = install_rbac(control_plane, kube_namespace)
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+    started = sidecars_in_pods(control_plane, kube_namespace, tmp_path / "a", kubeconfig,
+                               PODS)
+    procs = next(started)
+    try:
+        leader = wait_until(lambda: leaders(procs), timeout=15)[0]
+        saved = json.loads(control_plane.kubectl("-n", kube_namespace, "get", "lease",
+                                                 OBJECT, "-o", "json").stdout)
+        tokens = []
+        for _ in range(3):  # three more terms: the count moves on past the saved one
+            tokens.append(int(get_json(leader.url + "/leader")[1]["fencing_token"]))
+            leader.release()
+            leader = next_leader(procs, leader)
+        tokens.append(int(get_json(leader.url + "/leader")[1]["fencing_token"]))
+    finally:
+        started.close()  # scaled to 0
+    for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+        saved["metadata"].pop(key, None)
+    control_plane.kubectl("-n", kube_namespace, "apply", "-f", "-", input=json.dumps(saved))
+    again = sidecars_in_pods(control_plane, kube_namespace, tmp_path / "b", kubeconfig,
+                             PODS)
+    fresh = next(again)
+    try:
+        leader = wait_until(lambda: leaders(fresh), timeout=20)[0]
+        token = int(get_json(leader.url + "/leader")[1]["fencing_token"])
+        assert token > max(tokens), (token, tokens)
+    finally:
+        again.close()
+
+
+def test_an_annotation_without_a_zone_stops_nobody(
+    control_plane: ControlPlane, kube_namespace: str, trio: list[SidecarProcess]
+) -> None:
+    """A person writes the hand-over hint's bound without a time zone. Comparing it with
+    the aware renewTime raised TypeError on every read of the Lease: the holder's renews
+    that committed counted as failed, every acquire as 'backend unreachable', and the
+    watch task died, so nobody could lead. Now the value is ignored with one log line."""
+    holder = wait_until(lambda: leaders(trio), timeout=15)[0]
+    standby = next(p for p in trio if p is not holder)
+    control_plane.kubectl(
+        "-n", kube_namespace, "annotate", "--overwrite", "lease", OBJECT,
+        f"lease-sidecar/preferred-holder={standby.identity}",
+        "lease-sidecar/preferred-until=2026-12-01T10:00:00")
+    time.sleep(2.0)  # four renew intervals
+    assert leaders(trio) == [holder]
+    assert get_json(holder.url + "/readyz")[0] == 200
+    holder.release()
+    new = wait_until(lambda: (found := leaders(trio)) and found[0] is not holder
+                     and found[0], timeout=10)
+    assert new is not None
+    logs = "".join(p.logs() for p in trio)
+    assert "ignoring the Lease's lease-sidecar/preferred-until" in logs
+    assert "backend unreachable" not in logs

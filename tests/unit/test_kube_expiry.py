@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from sidecar.base.errors import ConfigError
 from sidecar.lease.kubernetes import validate
 from sidecar.lease.kubernetes.expiry import Observer
-from sidecar.lease.kubernetes.record import Record, micro_time
+from sidecar.lease.kubernetes.record import (
+    OLD_LAYOUT_LIMIT,
+    Record,
+    fencing_token,
+    micro_time,
+    next_count,
+)
 from sidecar.settings import Settings, StoreSettings
 
 
@@ -31,6 +38,14 @@ def record(holder: str, version: str, duration: int = 10, transitions: int = 1,
            renew_time: str | None = None) -> Record:
     return Record(holder=holder, duration=duration, transitions=transitions, version=version,
                   renew_time=renew_time)
+
+
+def released(version: str) -> Record:
+    """A release as client-go's and ours write it: no holder, duration 1, acquireTime =
+    renewTime = the release time."""
+    at = "2024-01-01T00:00:00.000000Z"
+    return Record(holder="", duration=1, transitions=1, version=version, acquire_time=at,
+                  renew_time=at)
 
 
 @pytest.fixture
@@ -90,7 +105,7 @@ def test_a_released_lease_is_free_at_once(clock: FakeClock) -> None:
     """A release (holder "", duration 1) ends the term without a guard."""
     observer = Observer(clock, cap=10)
     observer.observe(record("other", "5"))
-    observer.observe(record("", "6", duration=1))
+    observer.observe(released("6"))
     assert observer.free_in("me") == 0.0
 
 
@@ -116,15 +131,24 @@ def test_a_never_held_object_found_first_waits_like_a_missing_one(clock: FakeClo
 
 def test_a_released_object_found_first_needs_no_wait(clock: FakeClock) -> None:
     observer = Observer(clock, cap=10)
-    observer.observe(record("", "3", duration=1, renew_time="2024-01-01T00:00:00.000000Z"))
+    observer.observe(released("3"))
     assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
 
 
-def test_our_own_record_is_ours(clock: FakeClock) -> None:
+def test_a_record_naming_us_that_we_did_not_write_guards_its_term(
+        clock: FakeClock) -> None:
+    """A first look that finds our own identity as holder (our process restarted, a
+    StatefulSet pod's name on a second pod, a hand edit) finds another process's term:
+    it may still be claiming, with any duration a person set. We may take it over at
+    once, but claim only once a term of ours could have run out since we saw it. The
+    old rule read our takeover as a renew of the same term: no wait at all."""
     observer = Observer(clock, cap=10)
-    observer.observe(record("me", "5"))
+    observer.observe(record("me", "5", duration=1))
     assert observer.free_in("me") == 0.0
     assert observer.free_in("other") == pytest.approx(10.0)
+    clock.now += 1
+    observer.observe(record("me", "6", duration=10), took_over=True)
+    assert observer.claim_delay() == pytest.approx(9.0)
 
 
 def test_a_lagging_watch_event_does_not_restart_the_wait(clock: FakeClock) -> None:
@@ -147,21 +171,70 @@ def test_a_deleted_then_recreated_object_counts_as_a_change(clock: FakeClock) ->
 
 def test_a_held_lease_deleted_by_hand_guards_its_holders_term(clock: FakeClock) -> None:
     """Its holder may still be claiming: a term of ours may start (create the object
-    again) but not claim before that holder's term, as we saw it, has run out."""
+    again) but not claim before that holder's term has run out, counted from the
+    deletion (its last renewal came before it)."""
     observer = Observer(clock, cap=10)
     observer.observe(record("other", "7", duration=10))
     clock.now += 4
     observer.observe(None)
     assert observer.free_in("me") == 0.0
-    assert observer.claim_delay() == pytest.approx(6.0)
-    clock.now += 6
+    assert observer.claim_delay() == pytest.approx(10.0)
+    clock.now += 10
     assert observer.claim_delay() == 0.0
+
+
+def test_a_stale_view_counts_the_guard_from_the_edit_it_shows(clock: FakeClock) -> None:
+    """A standby whose watch stalled (or was down, or in a re-list) saw the holder's
+    record change last at 0 s; the holder went on renewing unseen, until a person cleared
+    it at 60 s. That holder may claim for one duration after its last renewal, which came
+    before the clear: the guard runs from the clear. The old rule counted from 0 s, so
+    the guard lay in the past and the standby claimed beside the holder."""
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7", duration=10))
+    clock.now += 60
+    observer.observe(record("", "90", duration=10))
+    assert observer.free_in("me") == 0.0
+    assert observer.claim_delay() == pytest.approx(10.0)
+
+
+def test_an_object_recreated_with_an_empty_spec_is_no_release(clock: FakeClock) -> None:
+    """A tool deleted the held Lease and created it again with an empty spec, and the
+    watch showed only the new object: no holder and no duration is not a release (the
+    old rule read duration 0 as one), and a new uid ends the term it replaced."""
+    observer = Observer(clock, cap=10)
+    observer.observe(replace(record("other", "7", duration=10), uid="a"))
+    clock.now += 3
+    observer.observe(replace(record("", "9", duration=0), uid="b"))
+    assert observer.free_in("me") == 0.0
+    assert observer.claim_delay() == pytest.approx(10.0)
+
+
+def test_a_first_look_assumes_the_longest_duration_of_ours(clock: FakeClock) -> None:
+    """Someone set leaseDurationSeconds to 1 just before this sidecar started: the holder
+    may still claim for its own duration, which a first look cannot know; it waits our
+    lease duration at least. The old rule took the lease over 1 s later."""
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7", duration=1))
+    clock.now += 2
+    assert observer.free_in("me") == pytest.approx(8.0)
+
+
+def test_an_hour_by_hand_stalls_only_until_written_back(clock: FakeClock) -> None:
+    """A person set the duration of a holder that is gone to an hour; once somebody
+    writes it back, the group waits no more than its own lease duration."""
+    observer = Observer(clock, cap=10)
+    observer.observe(record("gone", "7", duration=10))
+    observer.observe(record("gone", "8", duration=3600))
+    assert observer.free_in("me") == pytest.approx(3600.0)
+    clock.now += 100
+    observer.observe(record("gone", "9", duration=10))
+    assert observer.free_in("me") == pytest.approx(10.0)
 
 
 def test_a_released_lease_deleted_by_hand_is_free_at_once(clock: FakeClock) -> None:
     observer = Observer(clock, cap=10)
     observer.observe(record("other", "7"))
-    observer.observe(record("", "8", duration=1))
+    observer.observe(released("8"))
     observer.observe(None)
     assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
 
@@ -169,16 +242,21 @@ def test_a_released_lease_deleted_by_hand_is_free_at_once(clock: FakeClock) -> N
 # A term of "other" (duration 10) seen at 0 s, then a write to the Lease at ``edited`` s;
 # at ``asked`` s: may we start a term (free_in), and how long until we may claim.
 @pytest.mark.parametrize(("edit", "edited", "asked", "free_in", "claim_delay"), [
-    # Cleared without the release's duration 1: not a release, the holder may claim.
-    pytest.param(record("", "8", duration=10), 3, 3, 0.0, 7.0,
+    # Cleared without the release's duration 1: not a release, the holder may claim
+    # for a duration after the clear.
+    pytest.param(record("", "8", duration=10), 3, 3, 0.0, 10.0,
                  id="a holder cleared by hand is free but guarded"),
-    pytest.param(record("", "8", duration=1), 3, 3, 0.0, 0.0,
-                 id="a proper release needs no guard"),
-    # holder -> me by a write that is not ours: we may start a term, not claim at once.
-    pytest.param(record("me", "8", duration=10), 1, 1, 0.0, 9.0,
+    pytest.param(released("8"), 3, 3, 0.0, 0.0, id="a proper release needs no guard"),
+    # Cleared and duration 1 by a patch (the times left as the holder wrote them): looks
+    # like a release to the old rule, but the holder may not have heard of it.
+    pytest.param(record("", "8", duration=1, renew_time="2024-01-01T00:00:09.000000Z"),
+                 3, 3, 0.0, 10.0, id="a release by hand is no release"),
+    # holder -> me by a write that is not ours: we may start a term, not claim before
+    # other's term can have run out, counted from the write.
+    pytest.param(record("me", "8", duration=10), 1, 1, 0.0, 10.0,
                  id="named holder by hand is ours but guarded"),
     # third's own term counts with its duration as written, but other's term still runs.
-    pytest.param(record("third", "8", duration=1), 1, 2, 0.0, 8.0,
+    pytest.param(record("third", "8", duration=1), 1, 2, 0.0, 9.0,
                  id="holder changed by hand to a third with duration 1"),
 ])
 def test_a_write_by_hand_after_a_term(clock: FakeClock, edit: Record, edited: float,
@@ -203,13 +281,14 @@ def test_a_duration_edited_down_does_not_shorten_the_wait(clock: FakeClock) -> N
 
 
 def test_named_holder_by_hand_is_ours_but_guarded(clock: FakeClock) -> None:
-    """holder -> me by a write that is not ours: we may start a term, not claim at once."""
+    """holder -> me by a write that is not ours: we may start a term, but not claim
+    before the term it ended can have run out, counted from that write."""
     observer = Observer(clock, cap=10)
     observer.observe(record("other", "7", duration=10))
     clock.now += 1
     observer.observe(record("me", "8", duration=10))
     assert observer.free_in("me") == 0.0
-    assert observer.claim_delay() == pytest.approx(9.0)
+    assert observer.claim_delay() == pytest.approx(10.0)
 
 
 def test_a_long_duration_by_hand_is_capped_at_our_own(clock: FakeClock) -> None:
@@ -309,22 +388,70 @@ def test_a_write_changes_only_the_five_fields_we_own() -> None:
 
 
 def test_a_new_object_is_written_from_scratch() -> None:
-    body = Record("pod-a", 3, 0, "", "t", "t").body("lease-sidecar.x")
+    body = Record("pod-a", 3, next_count(-1), "", "t", "t").body("lease-sidecar.x")
     assert body["metadata"] == {"name": "lease-sidecar.x"}
-    assert body["spec"]["leaseTransitions"] == 0
+    assert body["spec"]["leaseTransitions"] == OLD_LAYOUT_LIMIT
     assert (body["apiVersion"], body["kind"]) == ("coordination.k8s.io/v1", "Lease")
 
 
-def test_the_token_puts_the_creation_second_above_the_count() -> None:
-    obj = {"metadata": {"resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"},
-           "spec": {"leaseTransitions": 7}}
+def test_the_token_is_the_acquiring_writes_resource_version_above_2_52() -> None:
+    """etcd's revision grows with every write in the cluster and nobody can set it: a
+    count edited down by hand, a manifest applied again or the object re-created cannot
+    make a later term's token smaller. The old token (creation second above the count)
+    went down with a count edited down."""
+    assert fencing_token("1234") == 2**52 + 1234
+    assert fencing_token("1235") > fencing_token("1234")  # type: ignore[operator]
+    # Above every token of the earlier layout until 2106, and JSON-safe.
+    assert fencing_token("1") > (2**32 - 1) * 2**20 + 2**20 - 1  # type: ignore[operator]
+    assert fencing_token(str(2**52 - 1)) == 2**53 - 1
+    assert fencing_token(str(2**52)) is None
+    assert fencing_token("opaque-version") is None
+
+
+def test_the_count_stays_past_the_earlier_layouts_limit() -> None:
+    """Sidecars of the earlier token layout refuse to lead at 2**20 terms: writing the
+    count at least that high keeps them from leading, with a smaller token, after a newer
+    sidecar during a rolling upgrade."""
+    assert next_count(-1) == next_count(0) == next_count(7) == OLD_LAYOUT_LIMIT
+    assert next_count(OLD_LAYOUT_LIMIT + 5) == OLD_LAYOUT_LIMIT + 6
+    assert next_count(2**31 - 1) == OLD_LAYOUT_LIMIT  # starts over before int32 ends
+
+
+# Values a person can write (the apiserver accepts them; most of them are annotations,
+# whose values may be any string).
+@pytest.mark.parametrize(("where", "key", "value"), [
+    ("annotations", "lease-sidecar/preferred-until", "2026-12-01T10:00:00"),  # no zone
+    ("annotations", "lease-sidecar/preferred-until", "garbage"),
+    ("annotations", "lease-sidecar/preferred-until", ""),
+    ("annotations", "lease-sidecar/released-term", "not-a-term"),
+    ("annotations", "lease-sidecar/fencing-token", "-1"),
+    ("annotations", "lease-sidecar/fencing-token", "9" * 40),
+    ("spec", "leaseDurationSeconds", "15"),
+    ("spec", "leaseTransitions", -3),
+    ("spec", "holderIdentity", 7),
+    ("spec", "renewTime", "yesterday"),
+    ("metadata", "creationTimestamp", "not a time"),
+    ("metadata", "annotations", ["not", "a", "map"]),
+])
+def test_any_value_a_person_writes_is_read_without_an_error(where: str, key: str,
+                                                            value: object) -> None:
+    """One hand-written annotation raised TypeError on every read of the Lease (a
+    preferred-until without a zone compared with the aware renewTime): every renew that
+    committed counted as failed, every acquire as 'backend unreachable', and the watch
+    task died. Now each value that does not fit is ignored with one log line."""
+    obj: dict[str, Any] = {
+        "metadata": {"name": "lease-sidecar.x", "resourceVersion": "9", "uid": "u",
+                     "creationTimestamp": "2026-12-01T09:00:00Z",
+                     "annotations": {"lease-sidecar/preferred-holder": "pod-b"}},
+        "spec": {"holderIdentity": "pod-a", "leaseDurationSeconds": 15,
+                 "leaseTransitions": 3, "renewTime": "2026-12-01T10:00:00.000000Z"}}
+    if where == "metadata":
+        obj["metadata"][key] = value
+    else:
+        target = obj["spec"] if where == "spec" else obj["metadata"]["annotations"]
+        target[key] = value
     parsed = Record.from_object(obj)
-    created = 1767225600
-    assert parsed.created == created
-    assert parsed.token() == created * 2**20 + 7
-    assert parsed.token() <= 2**53 - 1
-    later = Record.from_object({**obj, "metadata": {**obj["metadata"],
-                                                    "creationTimestamp": "2026-01-01T00:00:01Z"},
-                                "spec": {}})
-    # A re-created object's first term outranks any term of one created a second before.
-    assert later.token() > parsed.token(2**20 - 1)
+    assert parsed.version == "9"
+    parsed.expires_at()
+    parsed.body("lease-sidecar.x")
+    Observer(FakeClock(), cap=10).observe(parsed)

@@ -25,13 +25,15 @@ def lease(holder: str = "pod-a", duration: int = 3, transitions: int = 3,
 def released_by_us() -> Record:
     """Our release: holder cleared, duration 1, the count kept, the record written."""
     held = Record.from_object(lease())
-    return replace(held, holder="", duration=1).recording_release(True)
+    at = "2026-12-02T08:01:00.000000Z"
+    return replace(held, holder="", duration=1, acquire_time=at,
+                   renew_time=at).recording_release(True)
 
 
 def test_our_release_records_its_term_and_the_next_acquire_finds_it() -> None:
     record = released_by_us()
     body = record.body("lease-sidecar.jobs")
-    assert body["metadata"]["annotations"][RELEASED_ANNOTATION] == str(record.token())
+    assert body["metadata"]["annotations"][RELEASED_ANNOTATION] == record.term_id()
     assert body["metadata"]["annotations"]["example.com/team"] == "payments"
     assert Record.from_object(body).claims_ended
 
@@ -52,5 +54,6 @@ def test_a_record_of_another_term_or_state_does_not_count(edit: dict[str, Any],
                                                           why: str) -> None:
     record = released_by_us()
     stale = lease(**{"holder": "", "duration": 1, "transitions": 3, **edit},
-                  annotations={RELEASED_ANNOTATION: str(record.token())})
+                  annotations={RELEASED_ANNOTATION: record.term_id()})
+    stale["spec"].update(acquireTime=record.acquire_time, renewTime=record.renew_time)
     assert not Record.from_object(stale).claims_ended, why

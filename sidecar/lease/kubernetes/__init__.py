@@ -97,7 +97,7 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
             live = bool(record.holder) and expires is not None and expires > now
             where = f"{api.namespace}/{settings.store.key(name)}"
             rows.append(LeaseInfo(lease=name, holder=record.holder if live else None,
-                                  fencing_token=record.token(), expires_at=expires,
+                                  fencing_token=record.shown_token, expires_at=expires,
                                   details={"object": where}))
         return rows
     finally:

@@ -21,6 +21,7 @@ term waits one claim horizon before its first claim).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from sidecar.lease.kubernetes.record import Record
@@ -49,15 +50,20 @@ class Observer:
     Hand edits cannot shorten it either. The duration waited is the *longest*
     ``leaseDurationSeconds`` seen during the current holder's term (an edit to 1 s does
     not count), and when a holder's term ends by anything but a proper release — its
-    holder cleared or changed by hand, or the object deleted — that holder may still be
-    claiming until ``guard_until``: the last time we saw its record change plus that
-    longest duration (capped at ``cap``, our own lease duration, so an edit to an hour
-    stalls nobody for an hour). A term we win before then waits for it before its first
-    claim (``claim_delay``).
+    holder cleared or changed by hand, the object deleted or replaced — that holder may
+    still be claiming until ``guard_until``: the moment we *saw* the ending write plus
+    that longest duration (capped at ``cap``, our own lease duration, so an edit to an
+    hour stalls nobody for an hour). Not the last time we saw the holder renew: a watch
+    that stalled, lagged or was down may have missed renewals since, and the holder's
+    last renewal came before the write that ended its term, never after. A term we win
+    before then waits for it before its first claim (``claim_delay``).
 
-    What we cannot have watched, we assume the worst of: a first look that finds no
+    What we cannot have watched, we assume the worst of. A first look that finds no
     object, or one nobody ever held, may follow a deleted object whose holder still
-    claims (one ``cap`` from now); one cleared by hand, its duration from now.
+    claims; one cleared by hand may follow a holder that claims still; a holder found
+    there — even one with our own identity, which is another process's (a restart, or a
+    second pod with our name) — may have set its duration as low as anyone likes by hand:
+    each counts at least ``cap`` from now.
     """
 
     def __init__(self, monotonic: Callable[[], float], cap: float) -> None:
@@ -65,16 +71,18 @@ class Observer:
         self._cap = cap
         self.seen = False  # nothing observed yet: the caller must look first
         self.record: Record | None = None
-        self.changed_at = 0.0
+        self.changed_at = -math.inf
         # The current holder's term as we saw it: who, when its record last changed,
         # the longest duration it carried.
         self._term_holder = ""
-        self._term_seen_at = 0.0
+        self._term_seen_at = -math.inf
         self._term_longest = 0
-        self.guard_until = 0.0  # no claim of ours before this (monotonic)
+        self.guard_until = -math.inf  # no claim of ours before this (monotonic)
 
-    def observe(self, record: Record | None) -> bool:
-        """Note what we read (``None``: no Lease object); True if it changed."""
+    def observe(self, record: Record | None, took_over: bool = False) -> bool:
+        """Note what we read (``None``: no Lease object); True if it changed.
+        ``took_over``: ``record`` is our own write, which replaced exactly the record we
+        saw last (the write is guarded by its resourceVersion)."""
         if self.seen:
             if record is None and self.record is None:
                 return False
@@ -85,38 +93,45 @@ class Observer:
         if not self.seen:
             self._first_look(record, now)
         else:
-            self._follow(record, now)
+            self._follow(record, now, took_over)
         self.seen = True
         self.record = record
         self.changed_at = now
         return True
 
     def _first_look(self, record: Record | None, now: float) -> None:
-        if record is None or record.never_held:
+        if record is None or (not record.holder and not record.released):
             self._guard(now + self._cap)
-        elif not record.holder and not record.released:
-            self._guard(now + min(record.duration, self._cap))
         elif record.holder:
-            self._start_term(record, now)
+            self._start_term(record, longest=max(record.duration, self._cap))
 
-    def _follow(self, record: Record | None, now: float) -> None:
+    def _follow(self, record: Record | None, now: float, took_over: bool) -> None:
         holder = record.holder if record is not None else ""
-        if self._term_holder and holder == self._term_holder:
+        same_object = (record is not None and self.record is not None
+                       and record.uid == self.record.uid)
+        if self._term_holder and holder == self._term_holder and same_object \
+                and not took_over:
             assert record is not None
             self._term_seen_at = now
             self._term_longest = max(self._term_longest, record.duration)
             return
-        if self._term_holder and not (record is not None and record.released):
-            # The term ended by a write that is no release: its holder may still claim.
-            self._guard(self._term_seen_at + min(self._term_longest, self._cap))
+        if self._term_holder and not (same_object and record is not None
+                                      and record.released):
+            # The term ended by a write that is no release: its holder may claim until
+            # its last renewal plus its duration. Our own takeover replaced exactly the
+            # record we saw, so that renewal is the last one we saw; any other write (a
+            # hand edit, the object deleted or replaced) may follow renewals our view
+            # missed (a watch stalled, lagging or down), and came after all of them.
+            since = self._term_seen_at if took_over else now
+            self._guard(since + min(self._term_longest, self._cap))
         self._term_holder = ""
         if record is not None and record.holder:
-            self._start_term(record, now)
+            self._start_term(record, longest=record.duration)
 
-    def _start_term(self, record: Record, now: float) -> None:
+    def _start_term(self, record: Record, longest: float) -> None:
         self._term_holder = record.holder
-        self._term_seen_at = now
-        self._term_longest = record.duration
+        self._term_seen_at = self._monotonic()
+        self._term_longest = math.ceil(longest)
 
     def _guard(self, until: float) -> None:
         self.guard_until = max(self.guard_until, until)
@@ -126,12 +141,23 @@ class Observer:
         return max(0.0, self.guard_until - self._monotonic())
 
     def free_in(self, identity: str) -> float:
-        """Seconds until ``identity`` may take the lease; 0 when it may now."""
+        """Seconds until ``identity`` may take the lease; 0 when it may now.
+
+        A record naming ``identity`` (asked by a contender that does not hold the lease)
+        is another process's — a restart, a twin such as a StatefulSet pod re-created
+        while the old one still runs, a hand edit — and may be taken over at once: the
+        takeover ends that term like any other (``took_over``), so our first claim waits
+        until its claims can have run out.
+        """
         record = self.record
         if not self.seen or record is None or record.holder == identity:
             return 0.0
         if record.holder:
-            wait = float(self._term_longest)
+            # The record's duration (a peer's own, longer than ours, counts), and never
+            # less than the longest of the term up to our own: an edit down to 1 s does
+            # not shorten the wait, and an edit up to an hour stalls the group only
+            # until somebody writes it back.
+            wait = float(max(record.duration, min(self._term_longest, self._cap)))
         elif record.preferred_holder not in ("", identity):
             # Free, but someone is preferred: give it one (capped) lease duration to come
             # and take it, as client-go's non-preferred candidates do.

@@ -33,12 +33,16 @@ from sidecar.lease.kubernetes.expiry import Observer, newer
 from sidecar.lease.kubernetes.record import (
     HINT_ANNOTATION,
     HINT_UNTIL_ANNOTATION,
-    TOKEN_COUNT_LIMIT,
     Record,
+    fencing_token,
     micro_time,
+    next_count,
 )
 from sidecar.lease.kubernetes.transport import Conflict, LeaseApi, LeaseWatch
 from sidecar.settings import Timing
+
+NO_TOKEN = ("the apiserver's resourceVersion {!r} is not a number: no fencing token can be "
+            "derived from it, so the lease is not taken (docs/kubernetes-backend.md)")
 
 
 class KubeLease:
@@ -63,7 +67,8 @@ class KubeLease:
         self.lost: asyncio.Event | None = asyncio.Event()
         self._ended = ""  # why the term is over, as the watch showed it
         self._preferred_at_start = ""  # a preferredHolder already set when we took it
-        self._highest = -1  # the highest fencing token seen on this Lease, any object
+        self._token: int | None = None  # this term's fencing token (record.fencing_token)
+        self._taking_over = False  # an acquiring write is out
         self._changed = asyncio.Event()
         self._watch: LeaseWatch | None = None
 
@@ -91,33 +96,28 @@ class KubeLease:
                                     "renewed)")
             return Grant(held=False, reason=f"deferring to preferredHolder "
                                             f"{current.preferred_holder} for {wait:.1f}s")
+        if current is not None and fencing_token(current.version) is None:
+            return Grant(held=False, reason=NO_TOKEN.format(current.version))
         # A new term every time — also when the record names us (a restarted process
-        # with the same identity, or a hand edit): the token must change with every
-        # acquisition. A new object starts at 0, as client-go's does.
+        # with the same identity, or a hand edit): the token is the resourceVersion of
+        # this very write (record.fencing_token), larger than every earlier term's.
         now = micro_time(self._clock.wall())
         if current is None:
-            wanted = Record(holder=self._identity, duration=self._duration, transitions=0,
-                            version="", acquire_time=now, renew_time=now)
+            wanted = Record(holder=self._identity, duration=self._duration,
+                            transitions=next_count(-1), version="", acquire_time=now,
+                            renew_time=now)
         else:
-            count = max(current.transitions + 1, self._highest - current.token(0) + 1)
-            if count >= TOKEN_COUNT_LIMIT:
-                return Grant(held=False, reason=(
-                    f"no larger fencing token fits this Lease object (leaseTransitions "
-                    f"{current.transitions}, limit {TOKEN_COUNT_LIMIT - 1}); delete the "
-                    "Lease so that it is created anew"))
             # The release record goes: it speaks of the term this write ends.
             wanted = replace(current.recording_release(False), holder=self._identity,
-                             duration=self._duration, transitions=count, acquire_time=now,
-                             renew_time=now)
-        # Before the write: the watch may deliver our own write before its reply does.
-        highest = self._highest
+                             duration=self._duration, transitions=next_count(
+                                 current.transitions), acquire_time=now, renew_time=now)
+        # While the write is out, a record naming us is our takeover (or a twin's, based
+        # on the same record: then ours fails), even when the watch shows it before the
+        # reply comes back.
+        self._taking_over = True
         try:
             if current is None:
                 written = await api.create(self._object, wanted)
-                if written.token() <= highest:
-                    # Re-created within the second the deleted object was created in.
-                    written = await api.replace(self._object, replace(
-                        written, transitions=highest - written.token(0) + 1))
             else:
                 written = await api.replace(self._object, wanted)
         except Conflict:
@@ -126,11 +126,19 @@ class KubeLease:
             holder = winner.holder if winner else None
             return Grant(held=False, holder=holder or None,
                          reason=f"lost the race to {holder or 'another contender'}")
+        finally:
+            self._taking_over = False
+        token = fencing_token(written.version)
+        if token is None:  # a create answered with a version that is no number
+            self._mine = written
+            await self.release()
+            return Grant(held=False, reason=NO_TOKEN.format(written.version))
+        self._token = token
         self._ended = ""
         assert self.lost is not None
         self.lost.clear()
         self._preferred_at_start = written.preferred_holder
-        grant = self._holding(written)
+        grant = self._holding(written, took_over=True)
         # ``current`` is exactly the object this write replaced (the write is guarded by
         # its resourceVersion), so its release record speaks of the term before ours.
         return replace(grant, claim_delay=self._observer.claim_delay(),
@@ -231,7 +239,7 @@ class KubeLease:
         record = await self._read(await self._connected())
         if record is None:
             return Holder(holder=None)
-        return Holder(holder=record.holder or None, fencing_token=record.token(),
+        return Holder(holder=record.holder or None, fencing_token=record.shown_token,
                       expires_at=record.expires_at())
 
     async def wait_for_change(self, timeout: float) -> None:
@@ -273,10 +281,10 @@ class KubeLease:
         self._observe(record)
         return record
 
-    def _observe(self, record: Record | None) -> None:
-        if record is not None:
-            self._highest = max(self._highest, record.token())
-        if not self._observer.observe(record):
+    def _observe(self, record: Record | None, took_over: bool = False) -> None:
+        took_over = took_over or (self._taking_over and record is not None
+                                  and record.holder == self._identity)
+        if not self._observer.observe(record, took_over):
             return
         mine = self._mine
         if mine is not None and (record is None or newer(record.version, mine.version)):
@@ -308,16 +316,18 @@ class KubeLease:
             return seen
         return mine
 
-    def _holding(self, written: Record) -> Grant:
+    def _holding(self, written: Record, took_over: bool = False) -> Grant:
         self._mine = written  # first: the observer must not take our write for a foreign one
-        self._observe(written)
-        return Grant(held=True, valid_for=self._valid_for, fencing_token=written.token(),
+        self._observe(written, took_over)
+        return Grant(held=True, valid_for=self._valid_for, fencing_token=self._token,
                      holder=self._identity)
 
     def _renewed(self, base: Record, mine: Record) -> Record:
-        """``base`` (the object as last seen) with our term's fields written back."""
-        return replace(base, holder=self._identity, duration=self._duration,
-                       transitions=mine.transitions, acquire_time=mine.acquire_time,
+        """``base`` (the object as last seen) with our term's fields written back, and
+        the term's token shown (:data:`.record.TOKEN_ANNOTATION`)."""
+        return replace(base.showing_token(self._token), holder=self._identity,
+                       duration=self._duration, transitions=mine.transitions,
+                       acquire_time=mine.acquire_time,
                        renew_time=micro_time(self._clock.wall()))
 
     def _is_ours(self, current: Record | None, mine: Record) -> bool:

@@ -10,7 +10,10 @@
 //	          release on cancel has been written)
 //	wrote     a Create or Update of the Lease naming this process succeeded; carries
 //	          "renew_time" and "lease_seconds" as written, so a test can tell until when
-//	          the lease it wrote is valid by client-go's rules (used after a SIGKILL)
+//	          the lease it wrote is valid by client-go's rules (used after a SIGKILL),
+//	          and "resource_version", the Lease's as read right after the write (that
+//	          write's own while nobody else writes: a term's token, as lease-sidecar
+//	          counts them, is 2^52 + its acquiring write's resourceVersion)
 //	signal    SIGTERM or SIGINT arrived; the context is cancelled
 //	exit      the elector returned; the process exits 0
 //
@@ -58,23 +61,31 @@ func emit(event string, fields map[string]any) {
 // reporting delegates every call to client-go's LeaseLock and reports our own writes.
 type reporting struct {
 	resourcelock.Interface
+	lock *resourcelock.LeaseLock
 }
 
-func (r reporting) report(rec resourcelock.LeaderElectionRecord) {
+func (r reporting) report(ctx context.Context, rec resourcelock.LeaderElectionRecord) {
 	if rec.HolderIdentity != identity {
 		return // the release on cancel: not a claim
 	}
+	version := ""
+	meta := r.lock.LeaseMeta
+	if lease, err := r.lock.Client.Leases(meta.Namespace).Get(ctx, meta.Name,
+		metav1.GetOptions{}); err == nil {
+		version = lease.ResourceVersion
+	}
 	emit("wrote", map[string]any{
-		"renew_time":    float64(rec.RenewTime.UnixNano()) / 1e9,
-		"lease_seconds": rec.LeaseDurationSeconds,
-		"transitions":   rec.LeaderTransitions,
+		"renew_time":       float64(rec.RenewTime.UnixNano()) / 1e9,
+		"lease_seconds":    rec.LeaseDurationSeconds,
+		"transitions":      rec.LeaderTransitions,
+		"resource_version": version,
 	})
 }
 
 func (r reporting) Create(ctx context.Context, rec resourcelock.LeaderElectionRecord) error {
 	err := r.Interface.Create(ctx, rec)
 	if err == nil {
-		r.report(rec)
+		r.report(ctx, rec)
 	}
 	return err
 }
@@ -82,7 +93,7 @@ func (r reporting) Create(ctx context.Context, rec resourcelock.LeaderElectionRe
 func (r reporting) Update(ctx context.Context, rec resourcelock.LeaderElectionRecord) error {
 	err := r.Interface.Update(ctx, rec)
 	if err == nil {
-		r.report(rec)
+		r.report(ctx, rec)
 	}
 	return err
 }
@@ -127,7 +138,7 @@ func main() {
 		LockConfig: resourcelock.ResourceLockConfig{Identity: identity},
 	}
 	leaderelection.RunOrDie(ctx, leaderelection.LeaderElectionConfig{
-		Lock:            reporting{lock},
+		Lock:            reporting{lock, lock},
 		Name:            *name,
 		LeaseDuration:   *leaseDuration,
 		RenewDeadline:   *renewDeadline,
