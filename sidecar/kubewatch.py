@@ -98,6 +98,12 @@ class Backoff:
 class _Stalled(Exception):
     """The watch missed a change (or the look at the object failed)."""
 
+    def __init__(self, message: str, exists: bool = True) -> None:
+        super().__init__(message)
+        # Whether the object is there: a new watch from the current state then sends it
+        # at once, and is not up until it did.
+        self.exists = exists
+
 
 class Follower:
     """A task that follows object ``name`` of collection ``path`` and hands each change
@@ -167,7 +173,7 @@ class Follower:
                 self.error = str(exc)
                 log.info("watch stalled; opening a new one", extra={
                     "watch": self.what, "error": self.error})
-                self._version, self._wait_for_event = None, True
+                self._version, self._wait_for_event = None, exc.exists
                 delay = self._backoff.delay() if self._time() - started < 2 * self._quiet \
                     else 0.0
             except KubeError as exc:
@@ -250,8 +256,12 @@ class Follower:
                 # An event on its way as we looked is no stall: give it a moment.
                 await asyncio.sleep(min(1.0, self._quiet / 2))
                 if self._missed(version):
+                    quiet = self._time() - self._heard
+                    if version is None:  # it missed the deletion: say it now
+                        self._deliver("DELETED", {"metadata": {"name": self._name}})
+                        self._exists = False
                     raise _Stalled(f"{self.what}: the watch missed a change (quiet for "
-                                   f"{self._time() - self._heard:.1f}s)")
+                                   f"{quiet:.1f}s)", exists=version is not None)
             self._heard = self._time()
 
     def _missed(self, version: str | None) -> bool:

@@ -164,6 +164,10 @@ class FakeApiserver:
                                              for c in containers]}}
         self._call(lambda: self._store(PODS.format(ns=namespace) + f"/{name}", pod))
 
+    def delete(self, path: str) -> None:
+        """Delete an object (its watchers get DELETED)."""
+        self._call(lambda: self._remove(path))
+
     def end_watches(self) -> None:
         """End every open watch, as the apiserver does at their timeout."""
         self._call(self._end_watches)
@@ -279,6 +283,12 @@ class FakeApiserver:
         self._objects[path] = obj
         self._event("MODIFIED" if current else "ADDED", collection, obj)
         return obj
+
+    def _remove(self, path: str) -> None:
+        obj = self._objects.pop(path)
+        self._revision += 1
+        obj["metadata"]["resourceVersion"] = str(self._revision)
+        self._event("DELETED", path.rsplit("/", 1)[0], obj)
 
     def _event(self, kind: str, collection: str, obj: dict[str, Any]) -> None:
         event = {"type": kind, "object": obj}

@@ -218,6 +218,26 @@ async def test_a_stalled_watch_is_noticed_after_quiet_seconds(fake, tmp_path, mo
         await client.close()
 
 
+async def test_a_deletion_a_stalled_watch_missed_is_delivered(fake, tmp_path, monkeypatch):
+    client = client_of(fake, tmp_path, monkeypatch)
+    await client.post(LEASE, lease("jobs"))
+    seen: list[str] = []
+    follower = Follower(client, LEASE, "jobs", lambda kind, obj: seen.append(kind),
+                        quiet=0.5, what="t")
+    try:
+        await until(lambda: follower.up, 3)
+        fake.stall_watches = True
+        fake.delete(f"{LEASE}/jobs")
+        await until(lambda: seen == ["ADDED", "DELETED"], 3)
+        # A new watch of an object that is not there sends nothing, and is up at once.
+        await until(lambda: follower.up, 5)
+        await asyncio.sleep(1.5)  # and its quiet checks find nothing missed
+        assert follower.up and seen == ["ADDED", "DELETED"]
+    finally:
+        follower.stop()
+        await client.close()
+
+
 async def test_connections_probe_a_silent_peer(fake, tmp_path, monkeypatch):
     """TCP keepalive on the client's connections (a peer gone without a FIN or RST
     fails the connection within seconds); ``ss`` shows the kernel's keepalive timer."""
