@@ -105,9 +105,12 @@ class Renews:
         self._watch = watch.Watch()
 
         def follow() -> None:
-            for event in self._watch.stream(api.list_namespaced_lease, namespace,
-                                            timeout_seconds=3600, _request_timeout=3700):
-                self.seen.append((time.monotonic(), event["object"].metadata.name))
+            try:
+                for event in self._watch.stream(api.list_namespaced_lease, namespace,
+                                                timeout_seconds=3600, _request_timeout=3700):
+                    self.seen.append((time.monotonic(), event["object"].metadata.name))
+            except Exception:  # cut off when the row ends: nothing more to keep
+                pass
 
         threading.Thread(target=follow, daemon=True).start()
 
