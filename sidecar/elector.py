@@ -173,6 +173,10 @@ class Elector:
     async def _acquire_once(self) -> None:
         why_not = self._sits_out() if self._sits_out is not None else None
         if why_not is not None:
+            # A wait queued in the server before the application turned not ready (the
+            # advisory lock's) can be granted while we sit out, and nothing else gives
+            # it back: nobody could lead for as long as the application stays not ready.
+            await self._give_back(why_not)
             self.state.update(reason=why_not)
             await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
             return
@@ -217,17 +221,24 @@ class Elector:
         """The acquire won while a hand-over names another standby: a wait queued in the
         server (the advisory lock) can be granted at the leader's release, after this
         standby last looked for a hint. Give the lease back before any claim, so the
-        named one gets it (a failed release frees itself: the session drops, the row's
-        TTL runs out)."""
+        named one gets it."""
+        why = f"standing aside: the lease is being handed to {other}"
+        await self._give_back(why)
+        self.state.update(reason=why)
+        await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
+
+    async def _give_back(self, why: str) -> None:
+        """Release whatever the backend granted this contender that it will not use (no
+        claim of it was ever handed out, so no release record). Nothing to do, and no
+        round trip, where nothing was granted. Bounded: a release that fails or hangs
+        frees itself (the session drops, the row's TTL runs out)."""
         try:
             async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
                 await self.lease.release()
         except Exception as exc:
-            log.warning("could not give back a lease handed to another standby", extra={
-                "lease": self.state.lease, "identity": self.identity, "successor": other,
+            log.warning("could not give back a lease this contender will not use", extra={
+                "lease": self.state.lease, "identity": self.identity, "why": why,
                 "error": str(exc) or type(exc).__name__})
-        self.state.update(reason=f"standing aside: the lease is being handed to {other}")
-        await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
 
     async def _became_holder(self, sent: float, grant: Grant, replied: float) -> None:
         # Validity counts from the send time (the earliest the grant can have been

@@ -46,6 +46,24 @@ TIMELINE = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32
 CHECKPOINT = ("select timeline_id::int8, "
               "extract(epoch from clock_timestamp() - checkpoint_time)::float8 "
               "from pg_control_checkpoint()")
+# A commit that draws a token must be flushed before its reply: with synchronous_commit
+# off (set for a role, a database or the server), a crash right after it loses the commit
+# and the counters go back with it — the same transaction id or sequence value, the same
+# token, is drawn again, and a row lease's takeover vanishes while its holder claims. So
+# the sidecar's own statements turn "off" into "on" ({local}: for the statement's own
+# transaction, which works through a transaction pooler too, or for the session);
+# "local", "remote_write", "on" and "remote_apply" already flush before the reply and
+# stay as set (a failover that loses a commit is answered by the timeline).
+DURABLE_COMMIT = ("set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+                  "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, {local})")
+
+
+def durable_commit(transaction: bool) -> str:
+    """SQL that makes this transaction's (or this session's) commits flush before their
+    reply (see :data:`DURABLE_COMMIT`)."""
+    return DURABLE_COMMIT.format(local="true" if transaction else "false")
+
+
 # A token that would not fit tells the user what to read.
 OUT_OF_RANGE = ("fencing token out of range (timeline ≥ 2048 or counter ≥ 2^42, the "
                 "token would pass 2^53 - 1): refusing to hold; see "

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 class Verdict:
     claims: int = 0
     terms: int = 0
+    # Claims handed out inside a documented window (not judged for overlap).
+    excused: int = 0
     violations: list[str] = field(default_factory=list)
     # Seconds from "healed" to the first claim, per quiet phase.
     recoveries: list[float] = field(default_factory=list)
@@ -32,19 +34,25 @@ class Checker:
     def __init__(self) -> None:
         self.verdict = Verdict()
         self._ends: dict[str, float] = {}  # process -> latest claim end (true time)
+        # The same, of claims handed out outside a documented window (``excuse``).
+        self._strict_ends: dict[str, float] = {}
         self._terms: dict[str, tuple[int, int | None]] = {}  # process -> (term, token)
         self._highest = -math.inf
         self._highest_by = ""
-        # process -> true time until which its claims may overlap (advisory notices).
-        self._allowed: dict[str, float] = {}
+        # Processes inside a documented window: their claims may overlap others'.
+        self._excused: set[str] = set()
         self._quiet_since: float | None = None
         self._first_claim_after_quiet: float | None = None
         self.now = 0.0
 
-    def allow(self, process: str, until: float) -> None:
-        """Claims of ``process`` before ``until`` may overlap others' (a documented
-        window: the time a termination notice takes to reach a holder that hears it)."""
-        self._allowed[process] = max(self._allowed.get(process, -math.inf), until)
+    def excuse(self, process: str, on: bool) -> None:
+        """Open (or close) a documented window for ``process``: the claims it hands out
+        meanwhile may overlap others' (the advisory lock's termination notice, while it
+        travels to a holder that can hear it: docs/backends.md)."""
+        if on:
+            self._excused.add(process)
+        else:
+            self._excused.discard(process)
 
     def claimed(self, process: str, term: int, token: int | None, at: float,
                 until: float) -> None:
@@ -52,16 +60,21 @@ class Checker:
         verdict.claims += 1
         if self._quiet_since is not None and self._first_claim_after_quiet is None:
             self._first_claim_after_quiet = at
-        for other, end in self._ends.items():
-            if other != process and end > at:
-                excused = max(self._allowed.get(other, -math.inf),
-                              self._allowed.get(process, -math.inf))
-                if at >= excused:
+        excused = process in self._excused
+        if not excused:
+            for other, end in self._strict_ends.items():
+                if other != process and end > at:
                     self._violation(
                         f"overlap: {process} claims at {at:.4f} (term {term}, token {token}) "
                         f"while {other}'s claim runs until {end:.4f}")
-        if until > self._ends.get(process, -math.inf):
-            self._ends[process] = until
+            if until > self._strict_ends.get(process, -math.inf):
+                self._strict_ends[process] = until
+        else:
+            # Inside the window the old holder's claims carry its older token: the
+            # downstream refuses it (what the token is for), so neither overlap nor order
+            # is judged.
+            verdict.excused += 1
+            return
         current = self._terms.get(process)
         if current is not None and current[0] == term:
             if current[1] != token:

@@ -149,15 +149,16 @@ class Server:
             if queue is not None and session.pid in queue:
                 queue.remove(session.pid)
             session.waiting_for = None
+        held = bool(session.locks)
         for lock in list(session.locks):
             session.locks.pop(lock)
             self._unlocked(lock, session.pid)
-        pending, session.pending = session.pending, None
+        session.pending = None
         conn = session.conn
         if conn is not None and tell_client:
             error = why or pgerr.ConnectionDoesNotExistError(
                 "connection was closed in the middle of operation")
-            conn.server_ended(error, pending)
+            conn.server_ended(error, held)
 
     def crash(self) -> None:
         self.up = False
@@ -220,7 +221,7 @@ class Server:
             session.wait_timers.append(self.world.later(timeout, self._cancel, session,
                                                         "statement timeout"))
         try:
-            handler(self, session, args, answered)
+            handler(self, session, sql, args, answered)
         except pgerr.PostgresError as exc:
             answered(None, exc)
 
@@ -303,11 +304,12 @@ class Server:
                                                         "lock timeout"))
 
     # -- transactions -----------------------------------------------------------------
-    def commit(self, session: Session, answered: Reply,
-               value: Any) -> None:
+    def commit(self, session: Session, answered: Reply, value: Any,
+               mode: str | None = None) -> None:
         """The statement's transaction commits now; its reply waits for a synchronous
-        standby where one is configured and the commit is not asynchronous."""
-        mode = session.settings.get("synchronous_commit", "on")
+        standby where one is configured and the commit is not asynchronous. ``mode``:
+        the transaction's own synchronous_commit, where the statement set one."""
+        mode = mode or session.settings.get("synchronous_commit", "on")
         self.cluster.committed(mode)
         if mode != "off" and self.cluster.sync_standby_stalled_until > self.world.now():
             self.cluster.sync_waits[session.pid] = True
@@ -504,7 +506,7 @@ def _ms(value: str) -> float:
 
 
 # -- the statements -------------------------------------------------------------------
-Handler = Callable[[Server, Session, tuple[Any, ...], Reply], None]
+Handler = Callable[[Server, Session, str, tuple[Any, ...], Reply], None]
 
 
 def _ours(session: Session, marker: Any) -> bool:
@@ -518,22 +520,37 @@ def _poison(session: Session, ours: bool) -> str | None:
     return None
 
 
-def _apply(server: Server, session: Session, args: tuple[Any, ...],
+def _apply(server: Server, session: Session, sql: str, args: tuple[Any, ...],
            answer: Reply) -> None:
     names, values, marker = args
     session.settings.update(zip(names, values, strict=True))
+    durable = _durable(session, sql)
     session.settings[adv.MARKER_SETTING] = marker
-    answer([(session.pid, len(names), marker)], None)
+    row = (session.pid, len(names), marker) if durable is None else (
+        session.pid, len(names), durable, marker)
+    answer([row], None)
 
 
-def _set_session(server: Server, session: Session, args: tuple[Any, ...],
+def _durable(session: Session, sql: str, transaction: bool = False) -> str | None:
+    """What ``pg_timeline.DURABLE_COMMIT`` does, where the statement carries it: ``off``
+    becomes ``on``; for the session, or (``transaction``) for this statement's commit."""
+    if "set_config('synchronous_commit'" not in sql:
+        return None
+    value = session.settings.get("synchronous_commit", "on")
+    value = "on" if value == "off" else value
+    if not transaction:
+        session.settings["synchronous_commit"] = value
+    return value
+
+
+def _set_session(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                  answer: Reply) -> None:
     names, values = args
     session.settings.update(zip(names, values, strict=True))
     answer([(len(names),)], None)
 
 
-def _role_values(server: Server, session: Session, args: tuple[Any, ...],
+def _role_values(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                  answer: Reply) -> None:
     (names,) = args
     rows = [("sidecar", "app", name, value, "", "user")
@@ -542,12 +559,12 @@ def _role_values(server: Server, session: Session, args: tuple[Any, ...],
     answer(rows, None)
 
 
-def _backend_pid(server: Server, session: Session, args: tuple[Any, ...],
+def _backend_pid(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                  answer: Reply) -> None:
     answer([(session.pid,)], None)
 
 
-def _probe(server: Server, session: Session, args: tuple[Any, ...],
+def _probe(server: Server, session: Session, sql: str, args: tuple[Any, ...],
            answer: Reply) -> None:
     found = session.settings.get(adv.MARKER_SETTING)
     session.settings[adv.MARKER_SETTING] = "probe"
@@ -555,7 +572,7 @@ def _probe(server: Server, session: Session, args: tuple[Any, ...],
 
 
 def _lock(wait: bool) -> Handler:
-    def run(server: Server, session: Session, args: tuple[Any, ...],
+    def run(server: Server, session: Session, sql: str, args: tuple[Any, ...],
             answer: Reply) -> None:
         lock, marker = args[0], args[2]
         ours = _ours(session, marker)
@@ -583,7 +600,7 @@ def _lock(wait: bool) -> Handler:
     return run
 
 
-def _holds(server: Server, session: Session, args: tuple[Any, ...],
+def _holds(server: Server, session: Session, sql: str, args: tuple[Any, ...],
            answer: Reply) -> None:
     classid, objid, marker = args
     ours = _ours(session, marker)
@@ -591,7 +608,7 @@ def _holds(server: Server, session: Session, args: tuple[Any, ...],
     answer([(ours, session.locks.get(lock, 0) > 0, _poison(session, ours))], None)
 
 
-def _unlock(server: Server, session: Session, args: tuple[Any, ...],
+def _unlock(server: Server, session: Session, sql: str, args: tuple[Any, ...],
             answer: Reply) -> None:
     lock, marker, levels = args
     ours = _ours(session, marker)
@@ -601,7 +618,7 @@ def _unlock(server: Server, session: Session, args: tuple[Any, ...],
     answer([(ours, done)], None)
 
 
-def _holder(server: Server, session: Session, args: tuple[Any, ...],
+def _holder(server: Server, session: Session, sql: str, args: tuple[Any, ...],
             answer: Reply) -> None:
     lock = adv.key_from_halves(*args)
     pid = server.holders.get(lock)
@@ -609,14 +626,14 @@ def _holder(server: Server, session: Session, args: tuple[Any, ...],
     answer([(holder.settings.get("application_name"),)] if holder else [], None)
 
 
-def _checkpoint(server: Server, session: Session, args: tuple[Any, ...],
+def _checkpoint(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                 answer: Reply) -> None:
     timeline, at = server.checkpoint
     stored = math.floor(server.cluster.host.wall(at))  # checkpoint_time: whole seconds
     answer([(timeline, server.wall() - stored)], None)
 
 
-def _hints(server: Server, session: Session, args: tuple[Any, ...],
+def _hints(server: Server, session: Session, sql: str, args: tuple[Any, ...],
            answer: Reply) -> None:
     (pattern,) = args
     prefix = pattern.rstrip("%")
@@ -624,7 +641,7 @@ def _hints(server: Server, session: Session, args: tuple[Any, ...],
             if (s.settings.get("application_name") or "").startswith(prefix)], None)
 
 
-def _name_and_clear(server: Server, session: Session, args: tuple[Any, ...],
+def _name_and_clear(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                     answer: Reply) -> None:
     tag, classid, objid, named = args
     session.settings["application_name"] = tag
@@ -638,7 +655,7 @@ def _name_and_clear(server: Server, session: Session, args: tuple[Any, ...],
     answer([(tag, cancelled)], None)
 
 
-def _set_name(server: Server, session: Session, args: tuple[Any, ...],
+def _set_name(server: Server, session: Session, sql: str, args: tuple[Any, ...],
               answer: Reply) -> None:
     session.settings["application_name"] = args[0]
     answer([(args[0],)], None)
@@ -654,7 +671,7 @@ def _version(server: Server) -> int:
     return version
 
 
-def _row_acquire(server: Server, session: Session, args: tuple[Any, ...],
+def _row_acquire(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                  answer: Reply) -> None:
     name, owner, duration = args[0], args[1], float(args[2])
     now = server.wall()
@@ -675,27 +692,31 @@ def _row_acquire(server: Server, session: Session, args: tuple[Any, ...],
     for key in swept:
         server.notify(server.cluster.dialect.channel or "", key)
     if wrote:
-        server.commit(session, answer, [result])
+        server.commit(session, answer, [result], _durable(session, sql, transaction=True))
     else:
         answer([result], None)
 
 
-def _row_renew(server: Server, session: Session, args: tuple[Any, ...],
+def _row_renew(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                answer: Reply) -> None:
     values = dict(zip(_NAMES["renew"], args, strict=True))
     now = server.wall()
     row = server.data.rows.get(values["name"])
+    # The renew statement names the version it needs: ours exactly, or ours or later.
+    later_too = "version >= CAST(" in sql
     if (row is None or row.owner != values["owner"] or row.expires_at <= now
-            or row.version != int(values["version"])):
+            or not (row.version >= int(values["version"]) if later_too
+                    else row.version == int(values["version"]))):
         answer([], None)
         return
     row.renewed_at = now
     row.expires_at = now + float(values["duration"])
     row.version = _version(server)
-    server.commit(session, answer, [(row.owner, row.version, row.expires_at)])
+    server.commit(session, answer, [(row.owner, row.version, row.expires_at)],
+                  _durable(session, sql, transaction=True))
 
 
-def _row_release(server: Server, session: Session, args: tuple[Any, ...],
+def _row_release(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                  answer: Reply) -> None:
     values = dict(zip(_NAMES["release"], args, strict=True))
     now = server.wall()
@@ -711,7 +732,7 @@ def _row_release(server: Server, session: Session, args: tuple[Any, ...],
 
 
 def _row_read(live_only: bool) -> Handler:
-    def run(server: Server, session: Session, args: tuple[Any, ...],
+    def run(server: Server, session: Session, sql: str, args: tuple[Any, ...],
             answer: Reply) -> None:
         row = server.data.rows.get(args[0])
         if row is None or (live_only and row.expires_at <= server.wall()):
@@ -838,14 +859,18 @@ class FakeConnection:
         self.terminate()
 
     # -- the server's side -------------------------------------------------------------
-    def server_ended(self, error: BaseException,
-                     pending: Reply | None) -> None:
+    def server_ended(self, error: BaseException, held: bool) -> None:
         """The server ended the session: the client hears of it a latency later (a frozen
         client when it thaws; a cut-off one not until it tries)."""
         endpoint = self._endpoint
         if endpoint is not None and endpoint.partitioned:
             self._world.trace("pg: a session ended that its client cannot hear of")
             return
+        if endpoint is not None and held:
+            # The documented window: until the holder has heard of it and stopped
+            # claiming (:class:`testkit.sim.process.RecordingState`), its claims may
+            # overlap the next holder's.
+            self._world.excuse(endpoint, True)
         self._world.later(self._world.latency(endpoint), self._hear_end, error)
 
     def _hear_end(self, error: BaseException) -> None:
@@ -856,6 +881,7 @@ class FakeConnection:
         for callback in self._termination:
             # In the client's process: its termination listener runs there.
             self._call_in_client(callback, self)
+
 
     def notified(self, channel: str, payload: str, pid: int) -> None:
         endpoint = self._endpoint

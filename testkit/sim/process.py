@@ -37,6 +37,8 @@ class RecordingState(LeaseState):
         if event == "acquired":
             self.process.term += 1
         facts = super().update(event, **changes)
+        if not facts.holding or facts.released:
+            self.process.world.excuse(self.process, False)  # the term's claims stopped
         if event:
             self.process.world.trace(f"{self.process.name} {event}: token "
                                      f"{facts.fencing_token}, {facts.reason}")

@@ -21,7 +21,7 @@ import contextlib
 import gc
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,8 @@ class Setup:
     patches: list[tuple[Any, str, Any]] = field(default_factory=list)
     # One wall clock for every process (SQLite coordinates one host).
     one_host: bool = False
+    # The models by name ("cluster", "apiserver", ...), for scripted tests.
+    models: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -69,15 +71,17 @@ class Run:
     def __init__(self, backend: str, seed: int, faults: int,
                  setup: Callable[[World], Setup],
                  trace: Callable[[str], None] | None = None,
-                 exclude: frozenset[str] = frozenset()) -> None:
+                 exclude: frozenset[str] = frozenset(),
+                 env: dict[str, str] | None = None) -> None:
         self.backend = backend
         self.exclude = exclude
         self.world = World(seed, trace)
         self.checker = Checker()
+        self.world.excuse = lambda endpoint, on: self.checker.excuse(endpoint.name, on)
         self.target = faults
         self.setup = setup(self.world)
         self.settings = config.load(env={"LEASE_BACKEND": backend, "LEASE_IDENTITY": "sim",
-                                         **self.setup.env})
+                                         **self.setup.env, **(env or {})})
         self.entry = backend_entry(backend)
         shared = Host("host")
         self.hosts = {f"p{i}": shared if self.setup.one_host else Host(f"host-{i}")
@@ -118,16 +122,34 @@ class Run:
         self.world.later(delay, run)
 
     # -- the run ----------------------------------------------------------------------
-    def execute(self) -> Result:
+    def execute(self, script: Callable[[Run], Awaitable[None]] | None = None) -> Result:
+        """Run the seeded schedule of faults, or ``script`` (a scripted scenario: it
+        drives the run itself, from three started processes)."""
         with _patched(self.setup.patches):
             loop = self.world.loop
+            main = self._schedule() if script is None else self._scripted(script)
             try:
-                loop.run_until_complete(self.world.spawn(self._schedule()))
+                loop.run_until_complete(self.world.spawn(main))
             finally:
                 _end(loop, self.every)
         world = self.world
         return Result(self.backend, world.seed, sum(world.faults.values()), world.now(),
                       self.checker.verdict, dict(world.faults), world.errors)
+
+    async def _scripted(self, script: Callable[[Run], Awaitable[None]]) -> None:
+        for identity in self.hosts:
+            self.start(identity)
+        await script(self)
+
+    async def until(self, condition: Callable[[], object], timeout: float,
+                    step: float = 0.01) -> None:
+        """Wait (simulated time) until ``condition()`` holds; AssertionError after
+        ``timeout`` seconds."""
+        deadline = self.world.now() + timeout
+        while not condition():
+            if self.world.now() >= deadline:
+                raise AssertionError(f"not within {timeout}s of simulated time")
+            await asyncio.sleep(step)
 
     async def _schedule(self) -> None:
         world, rng = self.world, self.world.rng
@@ -159,16 +181,20 @@ class Run:
 
     def _heal(self) -> None:
         self.generation += 1
+        # Now and then one application stays not ready through the quiet phase: the
+        # others must lead all the same (a lease granted to one that sits out must not
+        # stay with it).
+        unready = self.world.rng.choice(list(self.live)) \
+            if self.world.rng.random() < 0.3 else None
         for identity, process in list(self.live.items()):
             if process.dead:
-                self.start(identity)
-                continue
+                process = self.start(identity)
             if process.frozen:
                 process.thaw()
             process.reconnect()
             process.lose_replies = 0.0
             process.extra_latency = 0.0
-            process.app_ready = True
+            process.app_ready = identity != unready
         self.setup.heal()
 
 

@@ -106,6 +106,10 @@ class World:
         # The servers' models: told when a client dies (its kernel closes its sockets)
         # or is cut off (``client_gone(endpoint)``, ``cut(endpoint)``).
         self.servers: list[Any] = []
+        # Set by the run: ``excuse(endpoint, True)`` opens a documented window in which
+        # the process's claims may overlap others' (the advisory lock's termination
+        # notice on its way), ``excuse(endpoint, False)`` closes it.
+        self.excuse: Callable[[Endpoint, bool], None] = lambda endpoint, on: None
 
     # -- time and scheduling ------------------------------------------------------------
     def now(self) -> float:

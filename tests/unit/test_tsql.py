@@ -89,8 +89,12 @@ def test_renew_and_release_filter_on_owner_and_renew_on_live_rows() -> None:
     assert conditions(renew.args["where"]) == {
         "LeaseName = ?", "OwnerInstanceId = ?", "ExpiresAtUtc > SYSDATETIMEOFFSET()"}
     assert [c.sql("tsql") for c in renew.args["returning"].expressions] == OUTPUT
+    # Release ends exactly our term's row as we last wrote it: a release whose worker
+    # thread outlived the elector's wait must not delete the next term's row.
     release = one(parse(DIALECT.release), exp.Delete)
-    assert conditions(release.args["where"]) == {"LeaseName = ?", "OwnerInstanceId = ?"}
+    assert conditions(release.args["where"]) == {
+        "LeaseName = ?", "OwnerInstanceId = ?",
+        "RowVersion = CAST(CAST(? AS BIGINT) AS BINARY(8))"}
 
 
 def test_replica_read_is_a_dirty_read_without_a_clock() -> None:
@@ -111,7 +115,7 @@ def test_all_time_comes_from_the_server(name: str) -> None:
                                   "CURRENT_TIMESTAMP"):
         assert client_or_other_clock not in text
     # The only time-like parameter is a duration, never a client timestamp.
-    assert set(STATEMENTS[name].names) <= {"name", "owner", "duration_ms"}
+    assert set(STATEMENTS[name].names) <= {"name", "owner", "duration_ms", "version"}
     if name in ("acquire", "renew", "read"):
         assert any(n for e in tree for n in e.find_all(exp.CurrentTimestampLTZ))
 

@@ -91,7 +91,11 @@ class AdvisoryLease:
             if self.pooler:
                 return self._refused()
             if self._link.levels and self._link.alive():
-                return self._held()
+                # Granted by the in-server wait, before this call: a round trip now
+                # proves the session still holds it, and the validity counts from this
+                # call's send time, not from a grant that may be seconds old (a hint read
+                # that hung until its timeout came in between).
+                return await self._heartbeat()
             loop = asyncio.get_running_loop()
             for attempt in (1, 2):
                 reused = self._link.session is not None
@@ -137,26 +141,30 @@ class AdvisoryLease:
                 return self._refused()
             if not self._link.levels or not self._link.alive():
                 return self._gone()
-            session = self._link.session
-            assert session is not None
-            self._start_probe(session)
-            try:
-                ours, holds, _ = await session.conn.fetchrow(HOLDS, *self._halves,
-                                                          session.marker)
-            except DB_ERRORS as exc:
-                if evidence := pooler_evidence(exc):
-                    return self.pooler_seen(evidence)
-                if session.conn.is_closed():
-                    return self._gone()
-                raise self._db.error("heartbeat", exc) from None
-            if not ours:
-                return self.pooler_seen("the heartbeat ran on a server session without this "
-                                        "connection's marker")
-            if not holds:
-                # Only our own session can unlock, and the statement ran on it.
-                self._link.drop()
-                return Grant(held=False, reason="the session no longer holds the lock")
-            return self._held()
+            return await self._heartbeat()
+
+    async def _heartbeat(self) -> Grant:
+        """Does our session still hold the lock? One round trip (the caller holds
+        ``_busy``; the session holds grants)."""
+        session = self._link.session
+        assert session is not None
+        self._start_probe(session)
+        try:
+            ours, holds, _ = await session.conn.fetchrow(HOLDS, *self._halves, session.marker)
+        except DB_ERRORS as exc:
+            if evidence := pooler_evidence(exc):
+                return self.pooler_seen(evidence)
+            if session.conn.is_closed():
+                return self._gone()
+            raise self._db.error("heartbeat", exc) from None
+        if not ours:
+            return self.pooler_seen("the heartbeat ran on a server session without this "
+                                    "connection's marker")
+        if not holds:
+            # Only our own session can unlock, and the statement ran on it.
+            self._link.drop()
+            return Grant(held=False, reason="the session no longer holds the lock")
+        return self._held()
 
     async def release(self, record: bool = False) -> None:
         await self._settle_waiter()

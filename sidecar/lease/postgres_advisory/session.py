@@ -144,7 +144,8 @@ class Connector:
             await pg_session.report(conn, backend="postgres", overridden=True)
         try:
             values = session_settings(self._timing, version_num(conn))
-            pid, _, _ = await conn.fetchrow(APPLY, list(values), list(values.values()), marker)
+            pid, _, _, _ = await conn.fetchrow(APPLY, list(values), list(values.values()),
+                                               marker)
         except DB_ERRORS as exc:
             conn.terminate()
             raise self.error("cannot apply session settings", exc) from None

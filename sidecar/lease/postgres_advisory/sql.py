@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 
-from sidecar.lease.pg_timeline import TIMELINE
+from sidecar.lease.pg_timeline import TIMELINE, durable_commit
 
 
 def lock_id(key: str) -> int:
@@ -57,10 +57,12 @@ HOLDS = (f"select ours, {_MINE.replace('$4', '$1').replace('$5', '$2')}, "
 # the statement may land on another client's.
 UNLOCK = (f"select {_OURS.replace('$3', '$2')}, case when {_OURS.replace('$3', '$2')} then "
           "(select bool_and(pg_advisory_unlock($1)) from generate_series(1, $3)) end")
-# Session settings ($1 names, $2 values) and the marker ($3) in one statement; the pid of
-# the server session comes back.
+# Session settings ($1 names, $2 values), commits that flush before their reply (the
+# token's transaction id must not repeat after a crash: pg_timeline.DURABLE_COMMIT) and
+# the marker ($3) in one statement; the pid of the server session comes back.
 APPLY = ("select pg_backend_pid(), (select count(set_config(name, value, false)) "
          "from unnest($1::text[], $2::text[]) s(name, value)), "
+         f"{durable_commit(transaction=False)}, "
          f"set_config('{MARKER_SETTING}', $3, false)")
 # What a fresh connection finds on the server session it was handed; it leaves a marker
 # of its own there, so a transaction pooler that later hands that session to the lease's

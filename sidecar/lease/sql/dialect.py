@@ -119,10 +119,15 @@ class PostgresDialect(Dialect):
         raw = "owner_instance_id, version, expires_at"
         row = "owner_instance_id, version, extract(epoch FROM expires_at)::float8"
         duration = "make_interval(secs => CAST(:duration AS float8))"
+        # Drawn with every write of a row (an acquire, a renew), in the write's own
+        # transaction, which is made to flush before its reply (pg_timeline's
+        # DURABLE_COMMIT: a lost takeover would bring the previous term's row back, and
+        # a lost sequence value come again).
         version = (f"(SELECT CASE WHEN t BETWEEN 1 AND {pg_timeline.TIMELINE_LIMIT - 1} "
                    f"AND c < {pg_timeline.COUNTER_LIMIT} THEN (t << "
                    f"{pg_timeline.COUNTER_BITS}) + c END "
-                   f"FROM (SELECT {pg_timeline.TIMELINE} AS t, nextval('{seq}') AS c) v)")
+                   f"FROM (SELECT {pg_timeline.TIMELINE} AS t, nextval('{seq}') AS c, "
+                   f"{pg_timeline.durable_commit(transaction=True)} AS d) v)")
         # ``metadata`` (a column of the design's table) holds the release record:
         # ``released:<version>`` once a holder released that term after its claims ran
         # out; the acquire that takes such a row over writes ``after-release``, any other
@@ -194,16 +199,24 @@ SELECT {row}, won, after_release, {pg_timeline.TIMELINE} FROM (
 ) AS r CROSS JOIN woken""")
         # Like ROWVERSION, every write draws a new version, so a replica showing the
         # version proves it has this exact write. Renew needs the version of our own
-        # last write: after a promotion the row may be missing or an older write of ours
-        # (the standby never got the newer one), and such a row proves nothing — the
-        # holder steps down instead of reviving it.
+        # last write or a later one: after a promotion the row may be missing or an
+        # older write of ours (the standby never got the newer one), and such a row
+        # proves nothing — the holder steps down instead of reviving it. A later one is
+        # our own renew that committed while its reply was lost (the driver timed out
+        # waiting for a stalled synchronous standby, say): refusing it ended the term
+        # and left the row blocking everyone, the holder too, for a whole lease. (A
+        # later term of a second process with our identity cannot be live while a renew
+        # of ours still counts: ours expires first, and a reply after our validity is
+        # not used.)
         self.renew = Statement(f"""UPDATE {t}
 SET renewed_at = now(), expires_at = now() + {duration},
     version = {version}
 WHERE lease_name = CAST(:name AS varchar) AND owner_instance_id = CAST(:owner AS varchar)
-  AND version = CAST(:version AS int8) AND expires_at > now()
+  AND version >= CAST(:version AS int8) AND expires_at > now()
 RETURNING {row}""")
-        # Release expires our row of this term (its version) in place and, when asked
+        # Release expires our row of this term (exactly its version: a later term of a
+        # second process with our identity must never get our release record) in place
+        # and, when asked
         # (:meth:`sidecar.lease.Lease.release`), records the release. (Other names'
         # acquires sweep it like any expired row; the next holder then inserts afresh
         # and, finding no record, waits one claim horizon.)
@@ -314,8 +327,13 @@ ELSE
 SET RenewedAtUtc = SYSDATETIMEOFFSET(), ExpiresAtUtc = {expiry}
 OUTPUT {out}
 WHERE LeaseName = :name AND OwnerInstanceId = :owner AND ExpiresAtUtc > SYSDATETIMEOFFSET();""")
+        # Only our term's row as we last wrote it (its RowVersion): the worker thread
+        # of a release the elector stopped waiting for still sends it, and without the
+        # version it could delete the next term's row — ours again, or a second
+        # process's under our identity.
         self.release = Statement(
-            f"DELETE FROM {t} WHERE LeaseName = :name AND OwnerInstanceId = :owner;")
+            f"DELETE FROM {t} WHERE LeaseName = :name AND OwnerInstanceId = :owner "
+            "AND RowVersion = CAST(CAST(:version AS BIGINT) AS BINARY(8));")
         self.read = Statement(
             f"SELECT OwnerInstanceId, ExpiresAtUtc, RowVersion FROM {t} "
             "WHERE LeaseName = :name AND ExpiresAtUtc > SYSDATETIMEOFFSET();")
