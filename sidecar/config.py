@@ -219,8 +219,11 @@ OPTIONS: tuple[Option, ...] = (
            "all | worker (contend) or api (never contend)",
            details="`api` reports `role: api` and the label `lease-role=api`."),
     Option("schema", "LEASE_SCHEMA", "--schema", _identifier, "lease",
-           "row-lease schema",
-           commands=_EVERY, details="A plain SQL identifier."),
+           "schema of the row-lease table and of the token era's table",
+           commands=_EVERY, details="A plain SQL identifier. The token era's table "
+           "(`postgres`, `postgres-row`) keeps fencing tokens growing across a "
+           "`pg_upgrade` ([high availability]"
+           "(high-availability.md#upgrading-postgresql-pgupgrade))."),
     Option("table", "LEASE_TABLE", "--table", _identifier, None,
            "row-lease table",
            commands=_EVERY, shown_default="the backend's own",
@@ -230,8 +233,9 @@ OPTIONS: tuple[Option, ...] = (
            commands=_EVERY, shown_default="`FreeTDS`",
            details="Used only when the DSN has no `DRIVER=`."),
     Option("ensure_schema", "LEASE_ENSURE_SCHEMA", "--ensure-schema", _bool, "false",
-           "postgres-row, sqlserver: create the lease table at start if missing "
-           "(idempotent; needs a role that may create it)",
+           "create the backend's tables at start if missing: the lease table "
+           "(postgres-row, sqlserver), the token era's (postgres) (idempotent; needs a "
+           "role that may create them)",
            details="A role that may not stays \"not leader\" with one line naming why "
            "([creating the table](database-operations.md#creating-the-table))."),
     Option("pod_label", "LEASE_POD_LABEL", "--pod-label", _Choice(POD_LABEL_MODES), "auto",

@@ -23,6 +23,19 @@ then. What proves a timeline old (:class:`Timelines`, :func:`checkpoint_age`): t
 was never promoted; this process saw the timeline earlier; or the server's latest
 checkpoint was taken on it (``pg_control_checkpoint()``, if the role may run it) that
 long ago. Anything else counts as "just promoted".
+
+``pg_upgrade`` starts the new cluster at timeline 1 again (it runs ``pg_resetwal -l
+00000001…``) while transaction ids and sequences go on: on a cluster that ever failed
+over, every token after the upgrade would be smaller than every token before. So the
+high bits are the *era*, ``timeline + base``, with ``base`` kept in a one-row table
+(:data:`ERA_TABLE`) that pg_upgrade carries over like any data. Whenever a sidecar's
+session starts it runs :func:`era_sql`: the table remembers the highest era handed out,
+and a timeline whose era would be lower (the upgrade) raises ``base`` to that highest
+era, so the next tokens outrank all earlier ones. ``base`` jumps to the highest era
+itself, not just past it: a standby promoted later without that write (the upgrade's
+first era lost with the last commits) computes ``timeline + highest`` from the highest
+era the upgrade copied, still above the era it lost. Without the table (created by
+``lease-sidecar schema --apply``) the era is the timeline, as before.
 """
 
 from __future__ import annotations
@@ -58,6 +71,40 @@ DURABLE_COMMIT = ("set_config('synchronous_commit', CASE current_setting('synchr
                   "WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, {local})")
 
 
+# The era table (one row) in the schema LEASE_SCHEMA names.
+ERA_TABLE = "token_era"
+
+
+def era_ddl(schema: str, create_schema: bool = True) -> str:
+    """The era table, idempotent (part of ``lease-sidecar schema``)."""
+    table = f'"{schema}"."{ERA_TABLE}"'
+    return ((f'CREATE SCHEMA IF NOT EXISTS "{schema}";\n' if create_schema else "")
+            + f"CREATE TABLE IF NOT EXISTS {table} (\n"
+            "    id      int PRIMARY KEY CHECK (id = 1),\n"
+            "    base    int NOT NULL,\n"
+            "    highest int NOT NULL\n"
+            ");\n"
+            f"INSERT INTO {table} (id, base, highest) VALUES (1, 0, 0) "
+            "ON CONFLICT (id) DO NOTHING;")
+
+
+def era_sql(schema: str) -> str:
+    """``(timeline, base)``: the server's timeline and the era's base, recording this
+    timeline's era (see the module doc), durably. The row is written every time, so that
+    sidecars starting together after an upgrade wait for one another's write and each
+    computes the base from the row as the last one left it (not from a snapshot older
+    than that write). Once per session (the advisory lock) or per connection of a row
+    lease store: rare."""
+    table = f'"{schema}"."{ERA_TABLE}"'
+    lower = "cur.t + e.base < e.highest"
+    return (f"WITH cur AS (SELECT {TIMELINE} AS t, {durable_commit(transaction=True)} AS d) "
+            f"UPDATE {table} e SET "
+            f"base = CASE WHEN {lower} THEN e.highest ELSE e.base END, "
+            f"highest = greatest(e.highest, cur.t + CASE WHEN {lower} THEN e.highest "
+            "ELSE e.base END) "
+            "FROM cur WHERE e.id = 1 RETURNING cur.t, e.base")
+
+
 def durable_commit(transaction: bool) -> str:
     """SQL that makes this transaction's (or this session's) commits flush before their
     reply (see :data:`DURABLE_COMMIT`)."""
@@ -70,15 +117,18 @@ OUT_OF_RANGE = ("fencing token out of range (timeline ≥ 2048 or counter ≥ 2^
                 "docs/high-availability.md")
 
 
-def token(timeline: int, counter: int) -> int | None:
-    """``timeline * 2^42 + counter``, or None when either part is out of range."""
-    if not (1 <= timeline < TIMELINE_LIMIT and 0 <= counter < COUNTER_LIMIT):
+def token(timeline: int, counter: int, base: int = 0) -> int | None:
+    """``(timeline + base) * 2^42 + counter`` (``base``: the era's, :func:`era_sql`), or
+    None when either part is out of range."""
+    era = timeline + base
+    if not (1 <= era < TIMELINE_LIMIT and 0 <= counter < COUNTER_LIMIT):
         return None
-    return (timeline << COUNTER_BITS) + counter
+    return (era << COUNTER_BITS) + counter
 
 
 def timeline_of(token: int) -> int:
-    """The timeline a token was drawn on (0 for a token from before this layout)."""
+    """The era a token was drawn in: its timeline where no pg_upgrade happened (0 for a
+    token from before this layout)."""
     return token >> COUNTER_BITS
 
 

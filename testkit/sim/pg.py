@@ -73,8 +73,9 @@ class Data:
     seq: int = 0  # the last value nextval() handed out
     seq_logged: int = 0  # the value the sequence's last WAL record covers
     next_xid: int = 1000
-    # Tables the sidecar's fix may add (the model keeps any table it is given).
-    tables: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Small tables by name: the token era's (created, as `lease-sidecar schema` does).
+    tables: dict[str, dict[str, Any]] = field(default_factory=lambda: {
+        pg_timeline.ERA_TABLE: {"base": 0, "highest": 0}})
 
 
 @dataclass
@@ -352,6 +353,7 @@ class Cluster:
         data = Data(next_xid=world.rng.randrange(1000, 100_000))
         self.timeline = 1
         self.server: Server | None = Server(self, data, 1, (1, world.now() - 3600))
+        self.server.started = world.now() - 3600  # up for an hour when the run begins
         self.wal: list[Commit] = [Commit(world.now() - 3600, world.now() - 3600,
                                          copy.deepcopy(data))]
         # Seconds the standby's replay lags the primary's commits.
@@ -463,11 +465,19 @@ class Cluster:
         for session in list(server.sessions.values()):
             if session.endpoint is endpoint:
                 self.world.later(server.keepalive_deadline(session), self._keepalive, server,
-                                 session)
+                                 session, self.world.now(), False)
 
-    def _keepalive(self, server: Server, session: Session) -> None:
+    def _keepalive(self, server: Server, session: Session, since: float,
+                   orphan: bool) -> None:
+        """The server's keepalive (or tcp_user_timeout) gives up on a client it has not
+        heard from since ``since``: one cut off all that time, or (``orphan``) whose side
+        of the connection is gone (dropped or dead behind a cut: its kernel answers the
+        next probe with a reset, or nothing does)."""
         endpoint = session.endpoint
-        if endpoint is not None and (endpoint.partitioned or endpoint.dead) and not session.ended:
+        if endpoint is None or session.ended:
+            return
+        cut_since = endpoint.partitioned_since
+        if orphan or endpoint.dead or (cut_since is not None and cut_since <= since):
             self.world.trace(f"pg: keepalive ends pid {session.pid}")
             server.end_session(session, None, tell_client=False)
 
@@ -481,7 +491,7 @@ class Cluster:
             if session.endpoint is endpoint:
                 if endpoint.partitioned:
                     self.world.later(server.keepalive_deadline(session), self._keepalive,
-                                     server, session)
+                                     server, session, self.world.now(), True)
                 else:
                     self.world.later(self.world.latency(None), server.end_session, session,
                                      None, False)
@@ -661,10 +671,32 @@ def _set_name(server: Server, session: Session, sql: str, args: tuple[Any, ...],
     answer([(args[0],)], None)
 
 
+def _era(server: Server, session: Session, sql: str, args: tuple[Any, ...],
+         answer: Reply) -> None:
+    """pg_timeline.era_sql: record this timeline's era, raising the base past a reset."""
+    era = server.data.tables.get(pg_timeline.ERA_TABLE)
+    if era is None:
+        raise pgerr.UndefinedTableError(f'relation "lease.{pg_timeline.ERA_TABLE}" does not '
+                                        'exist')
+    t, base, highest = server.timeline, era["base"], era["highest"]
+    new_base = highest if t + base < highest else base
+    era["highest"] = max(highest, t + new_base)
+    era["base"] = new_base
+    server.commit(session, answer, [(t, new_base)], _durable(session, sql, transaction=True))
+
+
 # -- the row lease (sidecar.lease.sql.dialect.PostgresDialect) -------------------------
-def _version(server: Server) -> int:
+def _version(server: Server, values: dict[str, Any]) -> int:
+    """A row version as the dialect's expression draws it: the era's base and the
+    timeline it was read on come with the statement (``era_tl`` -1: no era table)."""
     counter = server.nextval()
-    version = pg_timeline.token(server.timeline, counter)
+    base = 0
+    if "era_tl" in values:
+        tl, base = int(values["era_tl"]), int(values["era_base"])
+        if tl >= 0 and tl != server.timeline:
+            raise pgerr.NotNullViolationError('null value in column "version" violates '
+                                              'not-null constraint')
+    version = pg_timeline.token(server.timeline, counter, base)
     if version is None:
         raise pgerr.NotNullViolationError('null value in column "version" violates not-null '
                                           'constraint')
@@ -673,7 +705,8 @@ def _version(server: Server) -> int:
 
 def _row_acquire(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                  answer: Reply) -> None:
-    name, owner, duration = args[0], args[1], float(args[2])
+    values = dict(zip(_NAMES["acquire"], args, strict=True))
+    name, owner, duration = values["name"], values["owner"], float(values["duration"])
     now = server.wall()
     rows = server.data.rows
     row = rows.get(name)
@@ -681,7 +714,8 @@ def _row_acquire(server: Server, session: Session, sql: str, args: tuple[Any, ..
     if row is None or row.expires_at <= now:
         after = row is not None and row.metadata == f"released:{row.version}"
         row = rows[name] = LeaseRow(owner, now, now, now + duration,
-                                    "after-release" if after else None, _version(server))
+                                    "after-release" if after else None,
+                                    _version(server, values))
         result = (row.owner, row.version, row.expires_at, True, after, server.timeline)
     else:
         result = (row.owner, row.version, row.expires_at, False, False, server.timeline)
@@ -711,7 +745,7 @@ def _row_renew(server: Server, session: Session, sql: str, args: tuple[Any, ...]
         return
     row.renewed_at = now
     row.expires_at = now + float(values["duration"])
-    row.version = _version(server)
+    row.version = _version(server, values)
     server.commit(session, answer, [(row.owner, row.version, row.expires_at)],
                   _durable(session, sql, transaction=True))
 
@@ -751,6 +785,7 @@ def _handlers() -> dict[str, Handler]:
         adv.UNLOCK: _unlock, adv.HOLDER: _holder, pg_timeline.CHECKPOINT: _checkpoint,
         adv_hint.HINTS: _hints, adv_hint.NAME_AND_CLEAR: _name_and_clear,
         "select set_config('application_name', $1, false)": _set_name,
+        pg_timeline.era_sql("lease"): _era,
     }
     dialect = PostgresDialect()
     handlers[dialect.acquire.numeric()[0]] = _row_acquire
@@ -762,7 +797,8 @@ def _handlers() -> dict[str, Handler]:
 
 
 # The row statements' parameter names, in the order asyncpg passes them.
-_NAMES = {"renew": PostgresDialect().renew.numeric()[1],
+_NAMES = {"acquire": PostgresDialect().acquire.numeric()[1],
+          "renew": PostgresDialect().renew.numeric()[1],
           "release": PostgresDialect().release.numeric()[1]}
 
 
@@ -850,7 +886,7 @@ class FakeConnection:
             endpoint = self._endpoint
             if endpoint is not None and endpoint.partitioned:
                 self._world.later(server.keepalive_deadline(session), self._cluster._keepalive,
-                                  server, session)
+                                  server, session, self._world.now(), True)
             else:
                 self._world.later(self._world.latency(endpoint), server.end_session, session,
                                   None, False)

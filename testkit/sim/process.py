@@ -152,11 +152,13 @@ class SimSidecar(Endpoint):
 
     def cut_off(self) -> None:
         self.partitioned = True
+        self.partitioned_since = self.world.now()
         for server in self.world.servers:
             server.cut(self)
 
     def reconnect(self) -> None:
         self.partitioned = False
+        self.partitioned_since = None
 
     def leads(self) -> bool:
         now = self.clock.monotonic()

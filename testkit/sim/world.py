@@ -82,8 +82,10 @@ class Endpoint(Gate):
         super().__init__()
         self.name = name
         self.host = host
-        # Requests and replies are dropped while cut off from every server.
+        # Requests and replies are dropped while cut off from every server (since when:
+        # a server's keepalive gives up only on a cut that lasts).
         self.partitioned = False
+        self.partitioned_since: float | None = None
         # Each request's reply is lost with this probability (the request still lands).
         self.lose_replies = 0.0
         # Extra seconds on each delivery while a slow-network fault lasts.

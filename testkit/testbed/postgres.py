@@ -349,6 +349,24 @@ class PgStandby(PgServer):
             time.sleep(0.02)
 
 
+def pg_upgrade(old: PgServer, name: str = "upgraded") -> PgServer:
+    """``pg_upgrade`` of ``old`` (stopped first) into a new cluster of the same major
+    version beside it, started: what a major upgrade does to the cluster's identity —
+    timeline 1 again (``pg_resetwal -l 00000001…``), transaction ids, sequences and
+    every table carried over, roles and their passwords too."""
+    new = PgServer(bindir=old.bindir, root=old.root, name=name)
+    new.password = old.password
+    new._run(["initdb", "-D", str(new.data), "-U", SUPERUSER, "-A", "trust", "-E", "UTF8",
+              "--no-sync", "--locale=C"])
+    new._configure()
+    old.stop("fast")
+    new._run(["pg_upgrade", "-b", str(old.bindir), "-B", str(new.bindir),
+              "-d", str(old.data), "-D", str(new.data), "-U", SUPERUSER,
+              "-p", str(old.port), "-P", str(new.port)], timeout=300.0)
+    new._start_on_free_port()
+    return new
+
+
 def start_standby(primary: PgServer, name: str = "standby") -> PgStandby:
     return PgStandby(primary, name=name).init()
 

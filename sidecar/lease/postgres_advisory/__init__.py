@@ -46,9 +46,14 @@ from sidecar.base.clock import Clock
 from sidecar.base.dsn import check_postgres_url
 from sidecar.base.redact import redact
 from sidecar.lease import BackendEntry, LeaseInfo
-from sidecar.lease.pg_timeline import Timelines
+from sidecar.lease.pg_timeline import Timelines, era_ddl
 from sidecar.lease.postgres_advisory.lease import AdvisoryLease
-from sidecar.lease.postgres_advisory.session import DB_ERRORS, Connector, close
+from sidecar.lease.postgres_advisory.session import (
+    DB_ERRORS,
+    Connector,
+    close,
+    create_era_table,
+)
 from sidecar.lease.postgres_advisory.sql import ALL_LOCKS, key_from_halves, lock_id
 from sidecar.settings import Settings
 
@@ -91,7 +96,27 @@ class AdvisoryBackend:
 
 
 def connector(settings: Settings) -> Connector:
-    return Connector(settings.store.dsn, settings.identity, settings.timing)
+    return Connector(settings.store.dsn, settings.identity, settings.timing,
+                     settings.store.schema, settings.store.ensure_schema)
+
+
+def schema_sql(settings: Settings) -> str:
+    """The one table the advisory lock uses, and only if it is there: the token era's
+    (:mod:`sidecar.lease.pg_timeline`), which keeps tokens growing across a pg_upgrade."""
+    return era_ddl(settings.store.schema)
+
+
+async def apply_schema(settings: Settings) -> None:
+    """``schema --apply`` (LEASE_ENSURE_SCHEMA creates it when a session finds it
+    missing, :class:`~.session.Connector`)."""
+    db = connector(settings)
+    conn = (await db.open()).conn
+    try:
+        await create_era_table(conn, settings.store.schema)
+    except DB_ERRORS as exc:
+        raise db.error("create the token era table", exc) from None
+    finally:
+        await close(conn)
 
 
 async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list[LeaseInfo]:
@@ -133,4 +158,5 @@ def create(settings: Settings, clock: Clock) -> AdvisoryBackend:
 
 
 ENTRY = BackendEntry(create=create, holds_by="session", needs_dsn=True,
-                     check_dsn=check_postgres_url, list_leases=list_leases)
+                     check_dsn=check_postgres_url, list_leases=list_leases,
+                     schema_sql=schema_sql, apply_schema=apply_schema)

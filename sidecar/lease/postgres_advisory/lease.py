@@ -401,7 +401,7 @@ class AdvisoryLease:
         (uptime) and the timeline (:mod:`sidecar.lease.pg_timeline`) are known to be
         older than that.
         """
-        fencing_token = token(int(timeline), int(counter))
+        fencing_token = token(int(timeline), int(counter), session.era_base)
         if fencing_token is None:
             self._link.drop()  # ending the session gives the lock back
             if not self._out_of_range_logged:  # it never heals: once is enough

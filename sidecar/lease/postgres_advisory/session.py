@@ -36,6 +36,7 @@ from sidecar.base.errors import BackendError
 from sidecar.base.redact import redact
 from sidecar.lease import pg_session
 from sidecar.lease.pg_session import PREPARED_STATEMENT_ERRORS, error_line, version_num
+from sidecar.lease.pg_timeline import ERA_TABLE, era_ddl, era_sql
 from sidecar.lease.postgres_advisory.sql import APPLY, PROBE
 from sidecar.settings import Timing
 
@@ -109,13 +110,23 @@ class Session:
     # A fresh connection is to check that this session is not handed around: when it
     # opens, after each grant, and again after a check that could not tell.
     probe_due: bool = True
+    # The token era's base on this session's server (sidecar.lease.pg_timeline): tokens
+    # are (timeline + base) * 2^42 + counter. 0 where the era table is missing.
+    era_base: int = 0
 
 
 class Connector:
     """Opens the sessions of one DSN; errors become one redacted line."""
 
-    def __init__(self, dsn: str | None, identity: str, timing: Timing) -> None:
+    def __init__(self, dsn: str | None, identity: str, timing: Timing,
+                 schema: str = "lease", ensure_schema: bool = False) -> None:
         self.dsn = dsn
+        # Where the token era's table is (LEASE_SCHEMA), if it is anywhere; created where
+        # it is missing with LEASE_ENSURE_SCHEMA.
+        self._schema = schema
+        self._era = era_sql(schema)
+        self._ensure_schema = ensure_schema
+        self._era_missing_logged = False
         self.where = redact(dsn) or "postgres"
         self._application_name = application_name(identity)
         self._timing = timing
@@ -129,8 +140,9 @@ class Connector:
         detail = pg_session.describe(exc) or " ".join((str(exc) or type(exc).__name__).split())
         return BackendError(f"postgres {self.where}: {what}: {detail}")
 
-    async def open(self) -> Session:
-        """A session with our settings and a fresh marker."""
+    async def open(self, era: bool = False) -> Session:
+        """A session with our settings and a fresh marker; with ``era`` (a lease's own
+        session) also the token era's base, recorded for this server."""
         try:
             conn = await asyncpg.connect(
                 self.dsn, timeout=self.timeout, command_timeout=self.timeout,
@@ -146,10 +158,32 @@ class Connector:
             values = session_settings(self._timing, version_num(conn))
             pid, _, _, _ = await conn.fetchrow(APPLY, list(values), list(values.values()),
                                                marker)
+            era_base = await self._era_base(conn) if era else 0
         except DB_ERRORS as exc:
             conn.terminate()
             raise self.error("cannot apply session settings", exc) from None
-        return Session(conn, marker, int(pid), proxied=conn.get_server_pid() != pid)
+        return Session(conn, marker, int(pid), proxied=conn.get_server_pid() != pid,
+                       era_base=era_base)
+
+    async def _era_base(self, conn: asyncpg.Connection) -> int:
+        """The token era's base (:func:`sidecar.lease.pg_timeline.era_sql`), recording this
+        server's era; 0 where the era table is missing (the era is then the timeline,
+        and a warning says what a pg_upgrade would do)."""
+        try:
+            row = await conn.fetchrow(self._era)
+        except asyncpg.UndefinedTableError:
+            if self._ensure_schema:
+                await create_era_table(conn, self._schema)
+                self._ensure_schema = False
+                return await self._era_base(conn)
+            if not self._era_missing_logged:
+                self._era_missing_logged = True
+                log.warning("no token era table: after a pg_upgrade of a cluster that ever "
+                            "failed over, fencing tokens would be smaller than before; "
+                            "create it with `lease-sidecar schema --apply`",
+                            extra={"backend": "postgres", "table": ERA_TABLE})
+            return 0
+        return int(row[1]) if row is not None else 0
 
     async def hands_out_used_sessions(self, session: Session,
                                       quiet: asyncio.Lock) -> bool | None:
@@ -190,6 +224,16 @@ class Connector:
         return bool(pid == session.backend_pid or marker)
 
 
+async def create_era_table(conn: asyncpg.Connection, schema: str) -> None:
+    """The token era's table, idempotent: ``schema --apply`` and LEASE_ENSURE_SCHEMA.
+    Guarded like the row lease's provisioning: sidecars starting together would race on
+    the catalog."""
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))",
+                           f"lease-sidecar schema {schema}.{ERA_TABLE}")
+        await conn.execute(era_ddl(schema))
+
+
 class Link:
     """One lease's dedicated session over time, and the grants it holds on it.
 
@@ -221,7 +265,7 @@ class Link:
         """The live session, opened anew when there is none."""
         if self.session is None or self.session.conn.is_closed():
             self.drop()
-            session = await self._db.open()
+            session = await self._db.open(era=True)
             session.conn.add_termination_listener(self._terminated)
             self.session = session
         return self.session

@@ -76,15 +76,14 @@ class Dialect:
     list_all: Statement
     # The latest checkpoint's (timeline, age in seconds), where versions carry a timeline.
     checkpoint: Statement | None = None
+    # (timeline, base) of the token's era (sidecar.lease.pg_timeline), where versions
+    # carry one; its parameters ``era_tl`` and ``era_base`` then go with every write.
+    era: Statement | None = None
     # The acquire's row ends with the server's timeline (after ``won``), won or lost.
     acquire_reports_timeline = False
     # The release keeps the row, expired, with the release record in ``metadata``, and
     # the acquire reports whether the row it took over carried it (after ``won``).
     acquire_reports_release = False
-
-    def timeline_of(self, version: int) -> int | None:
-        """The server timeline a version was drawn on; None where versions carry none."""
-        return None
 
     def schema_script(self) -> str:
         """The DDL, idempotent, as ``lease-sidecar schema --print`` shows it."""
@@ -123,8 +122,14 @@ class PostgresDialect(Dialect):
         # transaction, which is made to flush before its reply (pg_timeline's
         # DURABLE_COMMIT: a lost takeover would bring the previous term's row back, and
         # a lost sequence value come again).
-        version = (f"(SELECT CASE WHEN t BETWEEN 1 AND {pg_timeline.TIMELINE_LIMIT - 1} "
-                   f"AND c < {pg_timeline.COUNTER_LIMIT} THEN (t << "
+        # The era (pg_timeline): the timeline plus the era's base, read by the store when
+        # it connects (``era``); NULL — the write fails and the store reads the era again
+        # — when the server's timeline is no longer the one it was read on. ``era_tl``
+        # -1: no era table, the timeline is the era.
+        era = "t + CAST(:era_base AS int8)"
+        version = (f"(SELECT CASE WHEN (CAST(:era_tl AS int8) < 0 OR t = CAST(:era_tl AS int8)) "
+                   f"AND {era} BETWEEN 1 AND {pg_timeline.TIMELINE_LIMIT - 1} "
+                   f"AND c < {pg_timeline.COUNTER_LIMIT} THEN (({era}) << "
                    f"{pg_timeline.COUNTER_BITS}) + c END "
                    f"FROM (SELECT {pg_timeline.TIMELINE} AS t, nextval('{seq}') AS c, "
                    f"{pg_timeline.durable_commit(transaction=True)} AS d) v)")
@@ -145,7 +150,9 @@ CREATE TABLE IF NOT EXISTS {t} (
     metadata          varchar(1024),
     version           bigint        NOT NULL
 );
-CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);"""
+CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);
+{pg_timeline.era_ddl(schema, create_schema=False)}"""
+        self.era: Statement | None = Statement(pg_timeline.era_sql(schema))
         # One statement. The sweep skips our own name on purpose: a data-modifying CTE
         # and the INSERT run on the same snapshot, so if the sweep deleted the very row
         # the upsert conflicts with, the outcome would hang on execution order. Our own
@@ -252,9 +259,6 @@ SELECT pg_notify('{self.channel}', lease_name) FROM gone""")
         owner, version, expires = row
         return Row(owner=owner, version=int(version),
                    expires_at=datetime.fromtimestamp(float(expires), tz=UTC))
-
-    def timeline_of(self, version: int) -> int | None:
-        return pg_timeline.timeline_of(version)
 
 
 class TsqlDialect(Dialect):

@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from sidecar.base.errors import BackendError, NotFound
+from sidecar.lease import pg_timeline
 from sidecar.lease.pg_timeline import Timelines, checkpoint_age, claim_delay
 from sidecar.lease.rowlease import Row
 from sidecar.lease.sql.dialect import Dialect, Statement
@@ -65,6 +66,10 @@ class SqlRowStore:
         self._last_acquire = float("-inf")
         # Server timelines this process has seen in its versions (PostgreSQL).
         self._timelines = Timelines()
+        # The token era's (timeline, base) as last read (pg_timeline; dialects with an
+        # ``era`` only); None: read it before the next write.
+        self._era: tuple[int, int] | None = None
+        self._era_missing_logged = False
 
     async def _one(self, statement: Statement, params: Mapping[str, object]) -> Row | None:
         rows = await self.driver.fetch(statement, params)
@@ -74,7 +79,7 @@ class SqlRowStore:
         not_created = await self._ensure_schema()
         self._last_acquire = asyncio.get_running_loop().time()
         try:
-            rows = await self.driver.fetch(self.dialect.acquire, {
+            rows = await self._write(self.dialect.acquire, {
                 "name": name, "owner": owner, "duration": duration,
                 "duration_ms": round(duration * 1000)})
         except NotFound as exc:
@@ -83,6 +88,7 @@ class SqlRowStore:
         if not rows:
             return None
         columns = list(rows[0])
+        timeline = None
         if self.dialect.acquire_reports_timeline:
             # Won or lost, the server's timeline is one this process has now seen.
             *columns, timeline = columns
@@ -96,18 +102,52 @@ class SqlRowStore:
         row = replace(self.dialect.decode(tuple(columns)), won=_flag(won))
         if not row.won:
             return row
-        return replace(row, claim_delay=await self._claim_delay(row.version, duration),
-                       previous_claims_ended=_flag(after_release))
+        delay = 0.0 if timeline is None else await self._claim_delay(int(timeline), duration)
+        return replace(row, claim_delay=delay, previous_claims_ended=_flag(after_release))
 
-    async def _claim_delay(self, version: int, duration: float) -> float:
-        """How long a holder of the version's timeline waits before its first claim: a
-        holder on the old primary may claim for up to ``duration`` after a promotion
-        (:mod:`sidecar.lease.pg_timeline`)."""
-        timeline = self.dialect.timeline_of(version)
-        if not timeline:
-            return 0.0
+    async def _write(self, statement: Statement,
+                     params: Mapping[str, object]) -> list[tuple[Any, ...]]:
+        """A statement that draws a version: with the token era's parameters, read once
+        and again when the server's timeline has moved since (the version comes out NULL
+        and the write fails: then the era is read anew and the write sent once more)."""
+        if self.dialect.era is None:
+            return await self.driver.fetch(statement, params)
+        for attempt in (1, 2):
+            era = await self._token_era()
+            try:
+                return await self.driver.fetch(statement, {
+                    **params, "era_tl": era[0], "era_base": era[1]})
+            except BackendError as exc:
+                if attempt == 2 or not _null_version(exc):
+                    raise
+                self._era = None
+        raise AssertionError("unreachable")
+
+    async def _token_era(self) -> tuple[int, int]:
+        """(timeline, base) of the token era (:func:`sidecar.lease.pg_timeline.era_sql`);
+        (-1, 0) where the era table is missing: the era is the timeline, as before it."""
+        if self._era is not None:
+            return self._era
+        assert self.dialect.era is not None
+        try:
+            rows = await self.driver.fetch(self.dialect.era, {})
+        except NotFound:
+            if not self._era_missing_logged:
+                self._era_missing_logged = True
+                log.warning("no token era table: after a pg_upgrade of a cluster that ever "
+                            "failed over, fencing tokens would be smaller than before; "
+                            "create it with `lease-sidecar schema --apply`", extra={
+                                "schema": self.dialect.schema,
+                                "table": pg_timeline.ERA_TABLE})
+            rows = []
+        self._era = (int(rows[0][0]), int(rows[0][1])) if rows else (-1, 0)
+        return self._era
+
+    async def _claim_delay(self, timeline: int, duration: float) -> float:
+        """How long a holder granted on the server's ``timeline`` waits before its first
+        claim: a holder on the old primary may claim for up to ``duration`` after a
+        promotion (:mod:`sidecar.lease.pg_timeline`)."""
         now = asyncio.get_running_loop().time()
-        self._timelines.saw(timeline, now)
         age = self._timelines.age(timeline, now)
         checkpoint = self.dialect.checkpoint
         if age < duration and checkpoint is not None:
@@ -118,12 +158,13 @@ class SqlRowStore:
 
     async def renew(self, name: str, owner: str, duration: float,
                     version: int) -> Row | None:
-        row = await self._one(self.dialect.renew, {
+        rows = await self._write(self.dialect.renew, {
             "name": name, "owner": owner, "duration": duration, "version": version,
             "duration_ms": round(duration * 1000)})
-        timeline = self.dialect.timeline_of(row.version) if row else None
-        if timeline:
-            self._timelines.saw(timeline, asyncio.get_running_loop().time())
+        row = self.dialect.decode(rows[0]) if rows else None
+        if row is not None and self._era is not None and self._era[0] > 0:
+            # The write went through on the timeline the era was read on.
+            self._timelines.saw(self._era[0], asyncio.get_running_loop().time())
         return row
 
     async def release(self, name: str, owner: str, version: int,
@@ -173,6 +214,13 @@ class SqlRowStore:
 
     async def close(self) -> None:
         await self.driver.close()
+
+
+def _null_version(exc: BackendError) -> bool:
+    """A write failed because its version came out NULL (the table refuses one): the era
+    it was given is not the server's any more, or the token is out of range."""
+    text = str(exc)
+    return "null value" in text and '"version"' in text
 
 
 def _not_created(missing: NotFound, not_created: BackendError | None) -> NotFound:
