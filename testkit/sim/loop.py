@@ -98,7 +98,7 @@ class SimLoop(asyncio.SelectorEventLoop):
         # offset, T may sit an ulp beyond any loop time) then sees T pass, as it does on
         # a real clock, instead of waking at the same instant forever.
         self._fake.now += TURN
-        super()._run_once()  # type: ignore[misc]
+        super()._run_once()  # type: ignore[misc]  # private in typeshed, there at runtime
 
     # -- every callback passes the gate of the process it belongs to ------------------
     def call_soon(self, callback: Callable[..., object], *args: Any,
@@ -107,7 +107,7 @@ class SimLoop(asyncio.SelectorEventLoop):
         if owner is None:
             return super().call_soon(callback, *args, context=context)
         handle = super().call_soon(_gated, owner, None, callback, args, context=context)
-        handle._args = (owner, handle, callback, args)  # type: ignore[attr-defined]
+        handle._args = (owner, handle, callback, args)  # type: ignore[attr-defined]  # see _gated
         return handle
 
     def call_at(self, when: float, callback: Callable[..., object], *args: Any,
@@ -116,7 +116,7 @@ class SimLoop(asyncio.SelectorEventLoop):
         if owner is None:
             return super().call_at(when, callback, *args, context=context)
         handle = super().call_at(when, _gated, owner, None, callback, args, context=context)
-        handle._args = (owner, handle, callback, args)  # type: ignore[attr-defined]
+        handle._args = (owner, handle, callback, args)  # type: ignore[attr-defined]  # see _gated
         return handle
 
     def thaw(self, gate: Gate) -> None:

@@ -345,7 +345,7 @@ def _end(loop: asyncio.AbstractEventLoop, processes: Any) -> None:
         for task in asyncio.all_tasks(loop):
             coro = task.get_coro()
             with contextlib.suppress(BaseException):
-                coro.close()  # type: ignore[union-attr]
+                coro.close()  # type: ignore[union-attr]  # tasks run coroutines here
         with contextlib.suppress(Exception):
             loop.close()
         del processes

@@ -53,7 +53,7 @@ def cached(name: str) -> Path:
     return root / name
 
 
-def locked(name: str):  # type: ignore[no-untyped-def]
+def locked(name: str):  # type: ignore[no-untyped-def]  # a test helper
     handle = open(cache_root() / "snippets" / f"{name}.lock", "w")  # noqa: SIM115
     fcntl.flock(handle, fcntl.LOCK_EX)
     return handle

@@ -38,7 +38,7 @@ def applied() -> None:
         assert result.returncode == 0, result.stderr
 
 
-def connect():  # type: ignore[no-untyped-def]
+def connect():  # type: ignore[no-untyped-def]  # a test helper
     import pyodbc
 
     return pyodbc.connect(DSN, autocommit=False, timeout=10)

@@ -84,7 +84,8 @@ def test_a_grant_from_the_server_wait_is_proved_again_before_it_counts() -> None
         second.kill()  # one standby queued: the release goes to ``first``
         leader.stop()
         lease = first.electors[0].lease
-        await sim.until(lambda: lease._link.levels > 0, 5, step=0.0005)  # type: ignore[attr-defined]
+        grant = lease._link  # type: ignore[attr-defined]  # the advisory lease's own link
+        await sim.until(lambda: grant.levels > 0, 5, step=0.0005)
         first.cut_off()  # the grant's reply came; nothing more will
         sim.start(second.identity)
         await asyncio.sleep(40)

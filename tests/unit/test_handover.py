@@ -179,7 +179,10 @@ async def test_a_standby_whose_application_is_not_ready_does_not_campaign():
     why = ["not campaigning: the application is not ready"]
     elector, state = contender(lease, sits_out=lambda: why[0])
     await elector._acquire_once()
-    assert lease.calls == [] and state.facts.reason == why[0]
+    # No attempt to acquire; only a release, which gives back a grant the backend may
+    # have made meanwhile (an advisory in-server wait) and is no round trip otherwise.
+    assert [call for call, _ in lease.calls if call != "release"] == []
+    assert state.facts.reason == why[0]
     why[0] = None
     await elector._acquire_once()
     assert state.facts.holding

@@ -400,9 +400,9 @@ def test_the_token_is_the_acquiring_writes_resource_version_above_2_52() -> None
     make a later term's token smaller. The old token (creation second above the count)
     went down with a count edited down."""
     assert fencing_token("1234") == 2**52 + 1234
-    assert fencing_token("1235") > fencing_token("1234")  # type: ignore[operator]
+    assert fencing_token("1235") > fencing_token("1234")  # type: ignore[operator]  # ints here
     # Above every token of the earlier layout until 2106, and JSON-safe.
-    assert fencing_token("1") > (2**32 - 1) * 2**20 + 2**20 - 1  # type: ignore[operator]
+    assert fencing_token("1") > (2**32 - 1) * 2**20 + 2**20 - 1  # type: ignore[operator]  # int
     assert fencing_token(str(2**52 - 1)) == 2**53 - 1
     assert fencing_token(str(2**52)) is None
     assert fencing_token("opaque-version") is None
