@@ -34,6 +34,7 @@ from sidecar.base.errors import ConfigError
 from sidecar.base.names import validate_identifier
 from sidecar.base.redact import remember_secrets
 from sidecar.lease import BACKENDS, BackendEntry, backend_entry, load_driver
+from sidecar.publish.shards import SHARDS_FILE
 from sidecar.settings import MAX_IDENTITY, Settings, StoreSettings, Timing, TimingError
 
 ROLES = ("all", "worker", "api")
@@ -62,6 +63,41 @@ def parse_names(text: str) -> tuple[str, ...]:
     if "leader" in names[1:]:
         raise ValueError("'leader' may only be the first name (it is the first lease's file)")
     return names
+
+
+# The most shards one set may have: the assignment weighs every (shard, member) pair.
+MAX_SHARDS = 4096
+
+
+def parse_shards(text: str) -> int | tuple[str, ...]:
+    """``LEASE_SHARDS``: a count, or the shards' names separated by commas."""
+    text = text.strip()
+    if text.isdigit():
+        count = int(text)
+        if not 1 <= count <= MAX_SHARDS:
+            raise ValueError(f"{count} shards: give 1 to {MAX_SHARDS}")
+        return count
+    names = parse_names(text)
+    if len(names) > MAX_SHARDS:
+        raise ValueError(f"{len(names)} shards: give at most {MAX_SHARDS}")
+    return names
+
+
+def shard_set(spec: int | tuple[str, ...] | None, lease: str,
+              names: tuple[str, ...]) -> tuple[str, ...]:
+    """The shards' lease names: ``<lease>-0`` … ``<lease>-<count-1>`` for a count, else the
+    names given; none of them a lease name too, nor ``leader`` or ``shards`` (files of
+    the state directory)."""
+    if spec is None:
+        return ()
+    shards = tuple(f"{lease}-{i}" for i in range(spec)) if isinstance(spec, int) else spec
+    for shard in shards:
+        if shard in names:
+            raise ValueError(f"{shard!r} is a lease name (LEASE_NAME) and a shard")
+        if shard in ("leader", SHARDS_FILE):
+            raise ValueError(f"{shard!r} cannot be a shard (it is a file of the state "
+                             "directory)")
+    return shards
 
 
 def parse_ready_url(text: str) -> str:
@@ -174,6 +210,14 @@ OPTIONS: tuple[Option, ...] = (
            commands=_READS,
            details="The primary is the one `/leader` and the file `leader` answer for; each "
            "name also has `/leader/{name}` and the file `{name}`."),
+    Option("shards", "LEASE_SHARDS", "--shards", parse_shards, None,
+           "a shard set beside the lease names: a count (shards <name>-0 … <name>-<count-1> "
+           "of the first name) or shard names separated by commas; each member holds about "
+           "its fair share", commands=_READS,
+           details=f"At most {MAX_SHARDS}. Each shard is a lease of its own (token, claims, "
+           "`/leader/{shard}`); the members spread them evenly and move as few as possible "
+           "when members come and go; which backends can: [sharding the work]"
+           "(sharding.md)."),
     Option("identity", "LEASE_IDENTITY", "--identity", _text, None,
            "this contender's unique id", shown_default="`POD_NAME`, else `host:pid`",
            details=f"At most {MAX_IDENTITY} characters. Two live processes with one identity "
@@ -377,6 +421,10 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         except ValueError as exc:
             raise ConfigError(f"{option.env} / {option.flag}: {exc}") from None
         _check_bounds(option, values[option.field])
+    try:
+        values["shards"] = shard_set(values["shards"], values["names"][0], values["names"])
+    except ValueError as exc:
+        raise _error("shards", str(exc)) from None
     entry = backend_entry(values["backend"])
     shares = derived(entry)
     for name, share in shares.items():
@@ -431,6 +479,8 @@ def _validate(s: Settings, entry: BackendEntry, blame: _Blame, *, dsn_required: 
     if store.replica_dsn and not entry.takes_replica:
         raise _error("replica_dsn", "replica confirmation needs a row backend on a server, "
                      f"not {store.backend}")
+    if s.shards and entry.shard_group is None:
+        raise _error("shards", f"the {store.backend} backend cannot hold shards")
     if store.ensure_schema and entry.apply_schema is None:
         raise _error("ensure_schema", f"the {store.backend} backend has no table to create")
     if len(s.identity) > MAX_IDENTITY:

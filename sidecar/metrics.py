@@ -30,6 +30,8 @@ from sidecar import __version__
 from sidecar.base.stats import OPERATIONS, OUTCOMES
 from sidecar.elector import HANDOVER_REASONS
 from sidecar.publish.http.limits import Limits
+from sidecar.publish.shards import ShardBoard
+from sidecar.shards.manager import MOVE_REASONS
 from sidecar.state import LeaseState
 
 PREFIX = "lease_sidecar_"
@@ -161,12 +163,63 @@ class LimitsCollector(Collector):
         yield refused
 
 
-def registry_for(states: list[LeaseState], limits: Limits | None = None) -> CollectorRegistry:
-    """What ``/metrics`` serves: the leases, the HTTP bounds (when given), the process."""
+class ShardCollector(Collector):
+    """The shard set (``LEASE_SHARDS``): counts over its leases, one line each, not the
+    per-lease families above (256 shards would be thousands of lines)."""
+
+    def __init__(self, board: ShardBoard) -> None:
+        self._board = board
+
+    def collect(self) -> Iterator[Metric]:
+        board = self._board
+        view = board.view()
+        now = [state for state in board.states if state.facts.holding]
+        gauges = {
+            "shards_owned": ("shards the backend grants this member now (also those whose "
+                             "first claim is due, or being handed over)", len(now)),
+            "shards_led": ("shards this member claims now (what GET /shards lists)",
+                           len(board.led())),
+            "shards_assigned": ("shards the assignment over the live members gives this "
+                                "member", len(view.get("assigned", []))),
+            "shard_members": ("live members of the shard group, as this member's last "
+                              "round trip saw them", view.get("members", 0)),
+        }
+        for name, (text, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, text, value=value)
+        moves = CounterMetricFamily(
+            f"{PREFIX}shard_moves",
+            "shards that left this member, by reason: rebalance (handed to the member the "
+            "assignment names), shutdown (handed over on SIGTERM), lost (a renew was "
+            "refused or ran out)", labels=["reason"])
+        counts = dict.fromkeys(MOVE_REASONS, 0)
+        acquired = 0
+        for state in board.states:
+            counts["rebalance"] += state.handovers.get("rebalance", 0)
+            counts["shutdown"] += state.handovers.get("shutdown", 0)
+            counts["lost"] += state.event_counts.get("lost", 0)
+            acquired += state.event_counts.get("acquired", 0)
+        for reason, count in counts.items():
+            moves.add_metric([reason], count)
+        yield moves
+        yield CounterMetricFamily(f"{PREFIX}shards_acquired",
+                                  "shards this member acquired", value=acquired)
+        yield CounterMetricFamily(
+            f"{PREFIX}shard_group_round_trips",
+            "round trips of the shard group: this member's record and every shard lease "
+            "renewed together (one a renew interval, whatever the number of shards, on "
+            "the database backends)", value=view.get("round_trips", 0))
+
+
+def registry_for(states: list[LeaseState], limits: Limits | None = None,
+                 shards: ShardBoard | None = None) -> CollectorRegistry:
+    """What ``/metrics`` serves: the leases, the HTTP bounds (when given), the shard set
+    (when there is one), the process."""
     registry = CollectorRegistry()
     registry.register(LeaseCollector(states))
     if limits is not None:
         registry.register(LimitsCollector(limits))
+    if shards is not None:
+        registry.register(ShardCollector(shards))
     # process_* (memory, CPU, open files): watched against the chart's memory limit.
     ProcessCollector(registry=registry)
     return registry

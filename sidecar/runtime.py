@@ -25,7 +25,7 @@ from sidecar.base.clock import SystemClock
 from sidecar.base.errors import ConfigError
 from sidecar.base.redact import redact_tree
 from sidecar.elector import Elector
-from sidecar.lease import Backend, create_backend
+from sidecar.lease import Backend, Lease, backend_entry, create_backend
 from sidecar.publish import Publisher, claim_body
 from sidecar.publish.file import FilePublisher
 from sidecar.publish.http import (
@@ -36,7 +36,9 @@ from sidecar.publish.http import (
     ReleaseOutcome,
     build_app,
 )
+from sidecar.publish.shards import SHARDS_FILE, ShardBoard
 from sidecar.settings import Settings
+from sidecar.shards.manager import ShardManager
 from sidecar.state import LeaseState
 from sidecar.statedir import resolve_state_dir
 from sidecar.watchdog import WorkWatchdog
@@ -79,7 +81,21 @@ class Sidecar:
                        claim_horizon=settings.timing.claim_horizon, clock=self.clock)
             for name in settings.names
         ]
-        self.publishers: list[Publisher] = [FilePublisher(self.states, self.state_dir)]
+        # The shard set (LEASE_SHARDS): a state per shard, its files beside the leases'
+        # ones; its electors run by the shard manager once started.
+        self.shard_states = [
+            LeaseState(lease=name, identity=settings.identity, role=settings.role,
+                       claim_horizon=settings.timing.claim_horizon, clock=self.clock)
+            for name in settings.shards
+        ]
+        self.shards: ShardManager | None = None
+        files = FilePublisher(self.states + self.shard_states, self.state_dir)
+        self.shard_board = ShardBoard(self.shard_states, settings.identity, self._shard_view,
+                                      self.state_dir / SHARDS_FILE) if settings.shards else None
+        self.shard_publishers: list[Publisher] = [files]
+        if self.shard_board is not None:
+            self.shard_publishers.append(self.shard_board)
+        self.publishers: list[Publisher] = [files]
         if pod_label_wanted(settings):
             from sidecar.publish import events, pod_label
 
@@ -96,7 +112,8 @@ class Sidecar:
         app = build_app(self.states, status=self.status, alive=self.alive, ready=self.ready,
                         release=self.release, heartbeat=self.heartbeat,
                         handover=self.handover, cannot_lead=self.cannot_lead,
-                        degraded=self.watch_problem, control_token=self.control_token)
+                        degraded=self.watch_problem, control_token=self.control_token,
+                        shards=self.shard_board)
         self.http = HttpServer(app, *settings.http_addr)
 
     @property
@@ -129,8 +146,10 @@ class Sidecar:
         await self.http.start()
         for publisher in self.publishers:
             await publisher.start()
+        if self.shard_board is not None:
+            await self.shard_board.start()
         if not self.contends:
-            for state in self.states:
+            for state in [*self.states, *self.shard_states]:
                 state.update("api role", backend_ok=True, reason="role api never contends")
             log.info("running in api role; not contending",
                      extra={"identity": self.settings.identity})
@@ -157,11 +176,43 @@ class Sidecar:
                                    elector.request_release)
                 self._tasks.append(asyncio.create_task(dog.run(),
                                                        name=f"watchdog-{state.lease}"))
+        if self.settings.shards:
+            await self._start_shards(readiness)
         if readiness is not None:
             self._tasks.append(asyncio.create_task(readiness.run(), name="app-readiness"))
         log.info("started", extra={"settings": self.settings.public(),
                                    "state_dir": str(self.state_dir),
                                    "http_port": self.http.bound_port})
+
+    async def _start_shards(self, readiness: AppReadiness | None) -> None:
+        """The shard group in the backend's store, and the manager that runs an elector
+        for each shard this member campaigns for (:mod:`sidecar.shards`)."""
+        settings = self.settings
+        make_group = backend_entry(settings.store.backend).shard_group
+        assert make_group is not None and self.backend is not None  # checked by config
+        group = make_group(self.backend, settings, self.clock,
+                           settings.store.key(settings.name))
+        sits_out = readiness.why_not if readiness else None
+
+        def elector(lease: Lease, state: LeaseState,
+                    successor: Callable[[], Awaitable[str | None]]) -> Elector:
+            return Elector(lease, state, settings.timing, settings.identity,
+                           self.shard_publishers, sits_out=sits_out,
+                           shutdown_successor=successor)
+
+        self.shards = ShardManager(group, {s.lease: s for s in self.shard_states},
+                                   settings.identity, settings.timing, self.clock, elector,
+                                   ready=sits_out)
+        await self.shards.start()
+
+    def _shard_view(self) -> dict[str, Any]:
+        """How the group looks to this member, for ``GET /shards`` and the metrics."""
+        manager = self.shards
+        if manager is None:
+            return {"members": 0, "assigned": [], "ok": False, "round_trips": 0}
+        return {"members": len(manager.view.members), "assigned": manager.assigned(),
+                "ok": manager.view.ok,
+                "round_trips": getattr(manager.group, "round_trips", 0)}
 
     def _app_readiness(self) -> AppReadiness | None:
         settings = self.settings
@@ -183,7 +234,9 @@ class Sidecar:
                             outage_grace=settings.app_ready_outage_grace)
 
     async def stop(self) -> None:
-        """Unpublish and release every lease, then close everything."""
+        """Unpublish and release every lease, then close everything. The shards are
+        handed to their next members meanwhile (:meth:`ShardManager.stop`)."""
+        shards = asyncio.ensure_future(self.shards.stop()) if self.shards else None
         for elector in self.electors.values():
             elector.stop()
         for task in self._tasks:
@@ -192,7 +245,10 @@ class Sidecar:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
-        for publisher in self.publishers:
+        if shards is not None:
+            with contextlib.suppress(Exception):
+                await shards
+        for publisher in [*self.publishers, *self.shard_publishers[1:]]:
             with contextlib.suppress(Exception):
                 await publisher.stop()
         await self.http.stop()
@@ -220,10 +276,11 @@ class Sidecar:
     def alive(self) -> bool:
         now = self.clock.monotonic()
         return all(e.alive(now) for e in self.electors.values()) and all(
-            not t.done() for t in self._tasks)
+            not t.done() for t in self._tasks) and (self.shards is None or self.shards.alive())
 
     def ready(self) -> bool:
-        return all(state.facts.backend_ok for state in self.states)
+        return all(state.facts.backend_ok for state in self.states) and (
+            self.shards is None or self.shards.view.ok)
 
     @staticmethod
     def watch_problem() -> str | None:
@@ -344,8 +401,20 @@ class Sidecar:
         # Reasons carry backend error text, which may echo a DSN.
         status: dict[str, Any] = redact_tree({
             "identity": self.settings.identity, "role": self.settings.role,
-            "settings": self.settings.public(), "leases": leases})
+            "settings": self.settings.public(), "leases": leases,
+            **({"shards": self._shard_status()} if self.settings.shards else {})})
         return status
+
+
+    def _shard_status(self) -> dict[str, Any]:
+        manager = self.shards
+        view = manager.view if manager is not None else None
+        return {"members": list(view.members) if view else [],
+                "group_ok": bool(view and view.ok), "error": view.error if view else "",
+                "assigned": manager.assigned() if manager else [],
+                "owned": manager.owned() if manager else [],
+                "campaigning": sorted(manager.electors) if manager else [],
+                "led": self.shard_board.led() if self.shard_board else []}
 
 
 def start_error(sidecar: Sidecar, exc: OSError) -> ConfigError:

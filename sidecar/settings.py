@@ -149,6 +149,8 @@ class Settings:
     timing: Timing = field(default_factory=Timing)
     """The durations of the election."""
     names: tuple[str, ...] = ("default",)
+    shards: tuple[str, ...] = ()
+    """The shard set's lease names (``LEASE_SHARDS`` expanded); empty: no shards."""
     identity: str = ""
     role: str = "all"
     http_addr: tuple[str, int] = ("127.0.0.1", 8099)
@@ -183,6 +185,7 @@ class Settings:
             "dsn": redact(self.store.dsn),
             "replica_dsn": redact(self.store.replica_dsn),
             "names": list(self.names),
+            "shards": len(self.shards),
             "identity": self.identity,
             "key_prefix": self.store.key_prefix,
             "lease_duration": t.lease_duration,

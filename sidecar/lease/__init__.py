@@ -156,6 +156,44 @@ def successor_of(lease: Lease) -> Successor | None:
     return None
 
 
+class ShardGroup(Protocol):
+    """Optional, made by a backend's :attr:`BackendEntry.shard_group`: the leases of one
+    shard set (``LEASE_SHARDS``) and the set's members, in the backend's own store.
+
+    Each member keeps a record of itself there with an expiry of one lease duration (a
+    row, a session's ``application_name``, a Lease object), renewed by :meth:`run` once a
+    renew interval, in the same round trip that renews every shard lease the group
+    handed out and holds (on the database backends; a Kubernetes Lease is renewed by its
+    own write). A shard lease's ``try_renew`` answers from that round trip when it was
+    sent recently enough (its ``valid_for`` counts from that send time, so the promise is
+    the round trip's), and asks for one at once otherwise: the cost per renew interval
+    does not grow with the number of shards. Membership is liveness only: which member
+    campaigns for a shard; every shard stays a :class:`Lease` under the usual rules.
+    """
+
+    def lease(self, name: str) -> Lease:
+        """The lease of shard ``name`` (one per name; renewed with the group)."""
+        ...
+
+    def advertise(self, member: bool) -> None:
+        """Whether this contender is a member: False drops its record at the next round
+        trip (stopping, or its application is not ready), True puts it back."""
+        ...
+
+    async def next_beat(self) -> tuple[str, ...]:
+        """Wait for the next round trip; the identities of the live members, this
+        contender's among them while it is one. Raises BackendError when it failed."""
+        ...
+
+    async def run(self) -> None:
+        """The round trips, one per renew interval (more only when a lease asks)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop :meth:`run`; this member's record, if any, runs out by itself."""
+        ...
+
+
 class Backend(Protocol):
     """A connection to where leases live; hands out one :class:`Lease` per name."""
 
@@ -176,6 +214,12 @@ class Backend(Protocol):
 
 
 ListLeases = Callable[[Settings, "tuple[str, ...] | None"], Awaitable["list[LeaseInfo]"]]
+# (the backend ``create`` made, its settings, its clock, the group's key: the store key of
+# the first lease name) -> the shard group of LEASE_SHARDS in that backend's store.
+MakeShardGroup = Callable[[Backend, Settings, Clock, str], ShardGroup]
+# (settings, the group's key) -> the identities of the group's live members, read only
+# (``lease-sidecar status``).
+ListMembers = Callable[[Settings, str], Awaitable["list[str]"]]
 
 
 @dataclass(frozen=True)
@@ -219,6 +263,10 @@ class BackendEntry:
     # ENTRY leaves it out so that ``schema --print`` works without it; ImportError when it
     # is missing. Called by config loading for every command that connects.
     load_driver: Callable[[], object] | None = None
+    # Where LEASE_SHARDS works: the shard group of a backend this entry created, and the
+    # live members as ``lease-sidecar status`` reads them (:class:`ShardGroup`).
+    shard_group: MakeShardGroup | None = None
+    list_members: ListMembers | None = None
 
 
 # backend name -> (module under sidecar.lease defining ENTRY, pip extra it needs)

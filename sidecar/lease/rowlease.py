@@ -56,6 +56,17 @@ def is_hint(key: str) -> bool:
     return key.endswith(HINT_SUFFIX)
 
 
+# A shard group's member record of group key G is the row G + MEMBER_MARK + a digest of
+# the member's identity (:mod:`sidecar.lease.rowgroup`).
+MEMBER_MARK = "#member#"
+
+
+def is_side_row(key: str) -> bool:
+    """A row that is not a lease: a hand-over hint or a member record ("#" is in no
+    lease name)."""
+    return "#" in key
+
+
 @dataclass(frozen=True)
 class Row:
     owner: str
@@ -117,6 +128,19 @@ def _release_to(store: RowStore
     return method if callable(method) else None
 
 
+class RenewBatch(Protocol):
+    """Renews shared by the leases of a shard group (:class:`sidecar.lease.beats.Beats`):
+    a lease registers the version its acquire won, its renews are answered from the
+    group's round trips, and it is forgotten before its release."""
+
+    def register(self, key: str, value: int) -> int: ...
+
+    async def renewed(self, key: str, registration: int,
+                      asked: float) -> tuple[int | None, float]: ...
+
+    async def forget(self, key: str, registration: int) -> int | None: ...
+
+
 @dataclass
 class ReplicaCheck:
     store: RowStore
@@ -141,6 +165,7 @@ class RowLease:
         safety_margin: float,
         replica: ReplicaCheck | None = None,
         clock: Clock | None = None,
+        batch: RenewBatch | None = None,
     ) -> None:
         self.name = name
         self._store = store
@@ -160,6 +185,10 @@ class RowLease:
         # (identity, bound): the hint the release writes, where the store writes both in
         # one commit (:meth:`hand_to`).
         self._successor: tuple[str, float] | None = None
+        # A shard group's renews (None: this lease renews on its own), and this term's
+        # registration with it.
+        self._batch = batch
+        self._registration = 0
 
     async def try_acquire(self) -> Grant:
         if self._token is not None:
@@ -178,6 +207,8 @@ class RowLease:
             await self._store.release(self._key, self._owner, row.version)
             return Grant(held=False, holder=None, reason="replica did not confirm in time")
         self._token = self._version = row.version
+        if self._batch is not None:
+            self._registration = self._batch.register(self._key, row.version)
         self._successor = None  # named in an earlier term that ended without a release
         self._own_row_until = sent + self._duration + self._margin
         self._duplicate_warned = False
@@ -204,6 +235,8 @@ class RowLease:
         sent = self._clock.monotonic()
         if self._version is None:
             return Grant(held=False, reason="not held")
+        if self._batch is not None:
+            return await self._renewed_with_group(sent)
         try:
             row = await self._store.renew(self._key, self._owner, self._duration,
                                           self._version)
@@ -218,12 +251,30 @@ class RowLease:
         return Grant(held=True, valid_for=self._valid_for, fencing_token=self._token,
                      holder=self._owner)
 
+    async def _renewed_with_group(self, asked: float) -> Grant:
+        """The renew of a shard group's lease, from the group's round trip sent at
+        ``sent``: valid from that send time, not from ``asked`` (which comes after it)."""
+        assert self._batch is not None
+        version, sent = await self._batch.renewed(self._key, self._registration, asked)
+        if version is None:
+            self._token = self._version = None
+            return Grant(held=False, reason="row expired, taken over, or missing or older "
+                                            "than our last write (a promotion)")
+        self._version = version
+        self._own_row_until = sent + self._duration + self._margin
+        return Grant(held=True, valid_for=max(0.0, self._valid_for - (asked - sent)),
+                     fencing_token=self._token, holder=self._owner)
+
     async def release(self, record: bool = False) -> None:
         version = self._version
         self._token = self._version = None
         successor, self._successor = self._successor, None
         if version is None:
             return  # nothing held: nothing of ours to end
+        if self._batch is not None:
+            # No round trip renews it from here on; one renewing it now ends first, and
+            # the release names the version it wrote.
+            version = await self._batch.forget(self._key, self._registration) or version
         release_to = _release_to(self._store)
         with contextlib.suppress(Refused):
             if successor is not None and release_to is not None:
@@ -316,11 +367,16 @@ class RowBackend:
         return cls(store, key=settings.store.key, identity=settings.identity,
                    timing=settings.timing, clock=clock, replica=check)
 
-    def lease(self, name: str) -> RowLease:
+    @property
+    def store(self) -> RowStore:
+        return self._store
+
+    def lease(self, name: str, batch: RenewBatch | None = None) -> RowLease:
+        """The lease of ``name``; with ``batch``, renewed with a shard group."""
         return RowLease(self._store, name, self._key(name), self._identity,
                         duration=self._timing.lease_duration,
                         safety_margin=self._timing.safety_margin, replica=self._replica,
-                        clock=self._clock)
+                        clock=self._clock, batch=batch)
 
     async def close(self) -> None:
         await self._store.close()

@@ -84,12 +84,12 @@ HOLDING = {"--backend", "--dsn", "--replica-dsn", "--replica-timeout", "--name",
            "--schema", "--table", "--odbc-driver", "--pod-label", "--log-level",
            "--work-stall-after", "--ensure-schema", "--app-ready-url", "--app-unready-after",
            "--app-ready-containers", "--shutdown-handover", "--app-ready-outage-grace",
-           "--control-token-file", "--help"}
+           "--control-token-file", "--shards", "--help"}
 FLAGS = {
     "run": HOLDING,
     "exec": HOLDING | {"--grace", "--acquire-timeout"},
     "status": {"--backend", "--dsn", "--name", "--key-prefix", "--schema", "--table",
-               "--odbc-driver", "--json", "--help"},
+               "--odbc-driver", "--shards", "--json", "--help"},
     "schema": {"--backend", "--dsn", "--schema", "--table", "--odbc-driver", "--print",
                "--apply", "--help"},
 }

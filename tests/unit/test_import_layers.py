@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sidecar.lease",),
     # The election loop and everything that reads the state.
     ("sidecar.elector", "sidecar.publish", "sidecar.watchdog", "sidecar.appready",
-     "sidecar.rollout",
+     "sidecar.rollout", "sidecar.shards",
      "sidecar.metrics"),
     # Loading settings (asks the backends' entries), wiring one sidecar.
     ("sidecar.config", "sidecar.statedir", "sidecar.runtime"),

@@ -26,7 +26,8 @@ from sidecar.base.clock import Clock
 from sidecar.base.dsn import check_sqlite
 from sidecar.base.errors import BackendError, ConfigError, NotFound
 from sidecar.lease import BackendEntry, LeaseInfo
-from sidecar.lease.rowlease import RowBackend, is_hint
+from sidecar.lease.rowgroup import make_row_group
+from sidecar.lease.rowlease import MEMBER_MARK, RowBackend, is_side_row
 from sidecar.lease.sqlite.store import NOW, SCHEMA, SqliteStore
 from sidecar.settings import Settings
 
@@ -91,11 +92,38 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
                       fencing_token=int(version),
                       expires_at=datetime.fromtimestamp(float(expires), tz=UTC))
             for name, owner, version, expires, live in await asyncio.to_thread(read)
-            if name.startswith(prefix) and not is_hint(name)]
+            if name.startswith(prefix) and not is_side_row(name)]
+
+
+_MEMBERS = ("SELECT owner FROM {table} WHERE substr(name, 1, length(?)) = ? "
+            "AND expires_at > {now} ORDER BY owner")
+
+
+async def list_members(settings: Settings, group_key: str) -> list[str]:
+    """The live members of a shard group, read as :func:`list_leases` reads."""
+    path = sqlite_path(settings.store.dsn or "")
+    prefix = group_key + MEMBER_MARK
+
+    def read() -> list[str]:
+        if not os.path.isfile(path):
+            raise NotFound(f"no such lease database: {path}")
+        uri = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+        try:
+            conn = sqlite3.connect(uri, uri=True, timeout=2.0)
+            try:
+                query = _MEMBERS.format(now=NOW, table=settings.store.table)
+                return [owner for (owner,) in conn.execute(query, (prefix, prefix))]
+            finally:
+                conn.close()
+        except sqlite3.Error as exc:
+            raise BackendError(f"sqlite {path}: {exc}") from None
+
+    return await asyncio.to_thread(read)
 
 
 # check_sqlite refuses up front a DSN that is not one file shared by the contenders on
 # this host (``:memory:``, a directory, a parent that is a file).
 ENTRY = BackendEntry(create=create, check_dsn=check_sqlite, schema_sql=schema_sql,
                      apply_schema=apply_schema, list_leases=list_leases,
-                     default_dsn="/var/tmp/lease-sidecar/leases.sqlite3")
+                     default_dsn="/var/tmp/lease-sidecar/leases.sqlite3",
+                     shard_group=make_row_group, list_members=list_members)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -78,6 +78,14 @@ _RELEASE = ("UPDATE {table} SET expires_at = min(expires_at, {now}), "
             "WHERE name = :name AND owner = :owner AND version = :version")
 _RELEASE_ANY = "DELETE FROM {table} WHERE name = :name"
 _READ = "SELECT owner, version, expires_at FROM {table} WHERE name = :name AND expires_at > {now}"
+# A shard group's member record (:mod:`sidecar.lease.rowgroup`): a row with the lease
+# columns (version 0: it is no lease and draws no token), and the live members.
+_MEMBER = """INSERT INTO {table} (name, owner, acquired_at, renewed_at, expires_at, version)
+             VALUES (:name, :owner, {now}, {now}, {now} + :duration, 0)
+             ON CONFLICT (name) DO UPDATE SET owner = excluded.owner,
+                 renewed_at = excluded.renewed_at, expires_at = excluded.expires_at"""
+_MEMBERS = ("SELECT owner FROM {table} WHERE substr(name, 1, length(:prefix)) = :prefix "
+            "AND expires_at > {now}")
 
 
 def _row(found: tuple[Any, ...] | None, won: bool = True) -> Row | None:
@@ -248,6 +256,35 @@ class SqliteStore:
                 raise
 
         await self._run(work)
+
+    async def beat_group(self, owner: str, duration: float, held: Mapping[str, int],
+                         member: str, advertise: bool,
+                         members: str) -> tuple[dict[str, int], list[str]]:
+        """A shard group's round trip (:class:`sidecar.lease.rowgroup.GroupStore`) in one
+        transaction: one commit, whatever the number of shards."""
+        def work(conn: sqlite3.Connection) -> tuple[dict[str, int], list[str]]:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                renewed = {}
+                for name in held:
+                    found = conn.execute(self._sql(_RENEW), {
+                        "name": name, "owner": owner, "duration": duration}).fetchone()
+                    if found is not None:
+                        renewed[name] = int(found[1])
+                if advertise:
+                    conn.execute(self._sql(_MEMBER), {"name": member, "owner": owner,
+                                                      "duration": duration})
+                else:
+                    conn.execute(self._sql(_RELEASE_ANY), {"name": member})
+                live = [owner for (owner,) in conn.execute(self._sql(_MEMBERS),
+                                                           {"prefix": members})]
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            return renewed, live
+
+        return await self._run(work)
 
     async def read(self, name: str) -> Row | None:
         return await self._run(

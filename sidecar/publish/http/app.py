@@ -10,10 +10,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from sidecar.publish.http import longpoll
+from sidecar.publish.http import longpoll, shardpoll
 from sidecar.publish.http.access import ControlToken, refusal
 from sidecar.publish.http.limits import Limits
 from sidecar.publish.http.server import Handler, HttpError, Request, Response
+from sidecar.publish.shards import ShardBoard
 from sidecar.state import LeaseState
 
 if TYPE_CHECKING:
@@ -109,11 +110,14 @@ def build_app(states: list[LeaseState],
               handover: Handover = _no_handover,
               degraded: Callable[[], str | None] | None = None,
               control_token: ControlToken | None = None,
+              shards: ShardBoard | None = None,
               ) -> App:
     # 404/405 are short text and an unexpected error a bare 500 (the traceback goes to
     # the log, never to the client): see .server.
     app = App(limits := limits or Limits())
     leases = {s.lease: longpoll.ServedLease(s) for s in states}
+    if shards is not None:  # /leader/{shard}; /metrics and /status count them apart
+        leases.update((s.lease, longpoll.ServedLease(s)) for s in shards.states)
     registry: CollectorRegistry | None = None
 
     async def metrics_handler(request: Request) -> Response:
@@ -126,7 +130,7 @@ def build_app(states: list[LeaseState],
         from sidecar.metrics import registry_for
 
         if registry is None:
-            registry = registry_for(states, limits)
+            registry = registry_for(states, limits, shards)
         return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
 
     async def status_handler(request: Request) -> Response:
@@ -182,6 +186,13 @@ def build_app(states: list[LeaseState],
         app.add("GET", path, get)
     for path in ("/leader", "/leader/{name}"):
         app.add("GET", path, leader_handler)
+    if shards is not None:
+        board = shards
+
+        async def shards_handler(request: Request) -> Response:
+            return await shardpoll.shards(request, board, limits)
+
+        app.add("GET", "/shards", shards_handler)
     for path, post in (("/release", release_handler), ("/handover", handover_handler),
                        ("/heartbeat", heartbeat_handler)):
         app.add("POST", path, post)
