@@ -4,17 +4,23 @@ driver uses, and the faults only those servers have."""
 from __future__ import annotations
 
 import random
+import shutil
+import sqlite3
+import tempfile
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from sidecar.lease.kubernetes import record as kube_record
 from sidecar.lease.kubernetes import transport as kube_transport
 from sidecar.lease.postgres_advisory import session as advisory_session
-from sidecar.lease.sql import asyncpg_driver
-from testkit.sim import kube, pg
+from sidecar.lease.sql import asyncpg_driver, pyodbc_driver
+from sidecar.lease.sqlite import store as sqlite_store
+from sidecar.lease.sqlite import watch as sqlite_watch
+from testkit.sim import kube, mssql, pg
 from testkit.sim.loop import PROCESS
 from testkit.sim.scenario import Fault, Run, Setup
-from testkit.sim.world import Endpoint, World
+from testkit.sim.world import Endpoint, Host, World
 
 
 def _endpoint() -> Endpoint | None:
@@ -248,7 +254,76 @@ def kubernetes(world: World) -> Setup:
                  patches=[(kube_transport, "KubeClient", client)], models={"apiserver": server})
 
 
+# -- SQL Server -------------------------------------------------------------------------------
+def sqlserver(world: World) -> Setup:
+    server = mssql.SqlServer(world)
+    world.servers.append(server)
+
+    def restart(run: Run, rng: random.Random) -> None:
+        down = rng.uniform(0.2, 8)
+        world.fault("mssql-restart", f"down {down:.2f}s")
+        server.up = False
+
+        def back() -> None:
+            server.up = True
+        world.later(down, back)
+
+    def heal() -> None:
+        server.up = True
+
+    return Setup(env={"LEASE_DSN": "Server=sim;Database=lease;UID=lease;PWD=secret"},
+                 faults=[(1.0, "mssql-restart", restart)], heal=heal,
+                 patches=[(pyodbc_driver, "pyodbc", mssql.fake_pyodbc(server, _endpoint)),
+                          (pyodbc_driver, "threading", mssql.fake_threading())],
+                 models={"server": server})
+
+
+# -- SQLite -------------------------------------------------------------------------------------
+class _SqliteOnHostClock:
+    """``sqlite3`` for the store: real SQLite on a real file, whose ``julianday('now')``
+    reads the simulated host's wall clock (SQLite lets a function of the application
+    replace a built-in one of the same name and arity)."""
+
+    def __init__(self, world: World, host: Host) -> None:
+        self._world = world
+        self._host = host
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sqlite3, name)
+
+    def connect(self, *args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn = sqlite3.connect(*args, **kwargs)
+        world, host = self._world, self._host
+
+        def julianday(value: str) -> float | None:
+            if value != "now":
+                return None
+            return host.wall(world.now()) / 86400.0 + 2440587.5
+        conn.create_function("julianday", 1, julianday)
+        return conn
+
+
+def sqlite(world: World) -> Setup:
+    host = Host("host")
+    directory = tempfile.mkdtemp(prefix="lease-sim-")
+    weakref.finalize(world, shutil.rmtree, directory, True)
+
+    def no_inotify(self: Any) -> None:
+        return None  # the simulated loop has no file descriptors: poll the file
+
+    return Setup(env={"LEASE_DSN": f"{directory}/leases.db"}, one_host=True, host=host,
+                 # One file on one host: no network between the sidecars and the store;
+                 # its wall clock steps forward by less than the safety margin (beyond
+                 # that, claims may overlap: docs/backends.md says so).
+                 excluded=frozenset({"partition", "lost-replies"}), max_forward_step=0.5,
+                 wall_clock_leases=True,
+                 patches=[(sqlite_store, "sqlite3", _SqliteOnHostClock(world, host)),
+                          (sqlite_watch.CommitWatch, "_open", no_inotify)])
+
+
 SETUPS: dict[str, Callable[[World], Setup]] = {
+    "sqlite": sqlite,
+    "sqlserver": sqlserver,
     "postgres": postgres,
     "postgres-row": postgres_row,
     "kubernetes": kubernetes,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import random
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -48,8 +49,16 @@ class Setup:
     heal: Callable[[], None] = lambda: None
     # Module attributes replaced for the run: (module, name, value).
     patches: list[tuple[Any, str, Any]] = field(default_factory=list)
-    # One wall clock for every process (SQLite coordinates one host).
+    # One wall clock for every process (SQLite coordinates one host): this one.
     one_host: bool = False
+    host: Host | None = None
+    # Common faults that do not apply (no network between the sidecars and the store).
+    excluded: frozenset[str] = frozenset()
+    # The largest forward step of a host's wall clock the backend's guarantee allows.
+    max_forward_step: float = math.inf
+    # Leases expire by the hosts' wall clock (SQLite): a step back lengthens them by as
+    # much, and the liveness bound with them.
+    wall_clock_leases: bool = False
     # The models by name ("cluster", "apiserver", ...), for scripted tests.
     models: dict[str, Any] = field(default_factory=dict)
 
@@ -83,7 +92,7 @@ class Run:
         self.settings = config.load(env={"LEASE_BACKEND": backend, "LEASE_IDENTITY": "sim",
                                          **self.setup.env, **(env or {})})
         self.entry = backend_entry(backend)
-        shared = Host("host")
+        shared = self.setup.host or Host("host")
         self.hosts = {f"p{i}": shared if self.setup.one_host else Host(f"host-{i}")
                       for i in range(1, self.PROCESSES + 1)}
         self.instances: dict[str, int] = dict.fromkeys(self.hosts, 0)
@@ -92,6 +101,7 @@ class Run:
         # never collected mid-run) until the run ends.
         self.every: list[SimSidecar] = []
         self.generation = 0  # undos of an earlier phase's faults do nothing
+        self.stepped_back = 0.0  # seconds the hosts' wall clocks went back this phase
 
     # -- processes --------------------------------------------------------------------
     def start(self, identity: str) -> SimSidecar:
@@ -156,7 +166,8 @@ class Run:
         for identity in self.hosts:
             self.start(identity)
         bound = self.setup.bound(self.settings)
-        menu = [f for f in (*common_faults(), *self.setup.faults) if f[1] not in self.exclude]
+        skipped = self.exclude | self.setup.excluded
+        menu = [f for f in (*common_faults(), *self.setup.faults) if f[1] not in skipped]
         weights = [weight for weight, _, _ in menu]
         while sum(world.faults.values()) < self.target and not self.checker.verdict.violations:
             phase_end = world.now() + rng.uniform(20, 120)
@@ -168,9 +179,11 @@ class Run:
             self._heal()
             self.checker.quiet_began(world.now())
             world.trace("quiet: everything healed")
-            await asyncio.sleep(bound)
+            wait = bound + (self.stepped_back if self.setup.wall_clock_leases else 0.0)
+            self.stepped_back = 0.0
+            await asyncio.sleep(wait)
             self.checker.now = world.now()
-            self.checker.quiet_ended(world.now(), bound)
+            self.checker.quiet_ended(world.now(), wait)
             for process in self.live.values():
                 for state in process.states:
                     facts = state.facts
@@ -331,6 +344,9 @@ def _release(run: Run, rng: random.Random) -> None:
 def _clock_step(run: Run, rng: random.Random) -> None:
     host = rng.choice(list(run.hosts.values()))
     step = rng.choice((-1, 1)) * rng.choice((0.05, 0.5, 5.0, 60.0))
+    if step > run.setup.max_forward_step:
+        step = -step
+    run.stepped_back += max(0.0, -step)
     run.world.fault("clock-step", f"{host.name} {step:+.2f}s")
     host.offset += step
 

@@ -116,3 +116,33 @@ def test_a_renew_that_committed_while_its_reply_was_lost_keeps_the_term() -> Non
     result = sim.execute(script)
     assert result.verdict.violations == [] and result.errors == []
     assert kept == [True], "the holder lost its term over a renew that had committed"
+
+
+def test_a_release_that_lands_late_leaves_the_next_term_alone() -> None:
+    """sqlserver (issue 29, hole 10): the elector stops waiting for a release after a
+    second or two; its worker thread sends the DELETE all the same, here 20 s late, when
+    the same sidecar (asked to release, so still running) has begun its next term. The
+    DELETE named only the owner, so it removed that term's row and a standby took the
+    lease beside it. It now names the RowVersion of the term it ends."""
+    sim = run("sqlserver")
+
+    async def script(sim: Run) -> None:
+        await sim.until(sim.leader, 10)
+        leader = leader_of(sim)
+        others = [p for p in sim.live.values() if p is not leader]
+        for other in others:  # the leader's next term comes first
+            other.app_ready = False
+        term = leader.term
+        latency = sim.world.latency
+        sim.world.latency = lambda endpoint: 20.0 if endpoint is leader else latency(endpoint)
+        for elector in leader.electors:
+            sim.world.loop.call_soon(elector.request_release, context=leader.context)
+        await sim.until(lambda: not leader.states[0].facts.holding, 5)  # release sent
+        sim.world.latency = latency
+        await sim.until(lambda: leader.term > term and leader.leads(), 20)
+        for other in others:
+            other.app_ready = True
+        await asyncio.sleep(30)
+
+    result = sim.execute(script)
+    assert result.verdict.violations == [] and result.errors == []
