@@ -79,6 +79,12 @@ class Dialect:
     # (timeline, base) of the token's era (sidecar.lease.pg_timeline), where versions
     # carry one; its parameters ``era_tl`` and ``era_base`` then go with every write.
     era: Statement | None = None
+    # A shard group's round trip (sidecar.lease.rowgroup: every held row renewed as
+    # ``renew`` renews one, the member row written or dropped, the live members read;
+    # rows ``('lease', name, version)`` and ``('member', owner, NULL)``) and the live
+    # members alone (``lease-sidecar status``); None: the dialect has no shard groups.
+    group_beat: Statement | None = None
+    group_members: Statement | None = None
     # The acquire's row ends with the server's timeline (after ``won``), won or lost.
     acquire_reports_timeline = False
     # The release keeps the row, expired, with the release record in ``metadata``, and
@@ -245,6 +251,44 @@ SELECT pg_notify('{self.channel}', lease_name) FROM gone""")
         self.list_all = Statement(
             f"SELECT lease_name, {row}, CASE WHEN expires_at > now() THEN 1 ELSE 0 END "
             f"FROM {t} ORDER BY lease_name")
+        # One statement whatever the number of shards. The renew is ``renew``'s, row by
+        # row (ours, unexpired, our last write's version or a later one; one version
+        # drawn for the statement); a member row is no lease (version 0, never a token)
+        # and is swept like any expired row. The members are read by prefix with
+        # ``left`` (LIKE would take a name's ``_`` for a wildcard), on the statement's
+        # snapshot: our own row as this statement leaves it comes from ``joined``
+        # (nothing when ``gone`` dropped it; data-modifying CTEs always run).
+        live_members = (f"SELECT lease_name, owner_instance_id FROM {t} WHERE left(lease_name, "
+                        "length(CAST(:prefix AS varchar))) = CAST(:prefix AS varchar) "
+                        "AND expires_at > now()")
+        self.group_beat = Statement(f"""WITH renewed AS (
+    UPDATE {t} AS l SET renewed_at = now(), expires_at = now() + {duration},
+        version = {version}
+    FROM unnest(CAST(:names AS varchar[]), CAST(:versions AS int8[])) AS h(name, held)
+    WHERE l.lease_name = h.name AND l.owner_instance_id = CAST(:owner AS varchar)
+      AND l.version >= h.held AND l.expires_at > now()
+    RETURNING l.lease_name, l.version
+), joined AS (
+    INSERT INTO {t} (lease_name, owner_instance_id, acquired_at, renewed_at, expires_at,
+                     version)
+    SELECT CAST(:member AS varchar), CAST(:owner AS varchar), now(), now(),
+           now() + {duration}, 0
+    WHERE CAST(:advertise AS int4) = 1
+    ON CONFLICT (lease_name) DO UPDATE SET owner_instance_id = excluded.owner_instance_id,
+        renewed_at = excluded.renewed_at, expires_at = excluded.expires_at
+    RETURNING owner_instance_id
+), gone AS (
+    DELETE FROM {t} WHERE lease_name = CAST(:member AS varchar)
+      AND CAST(:advertise AS int4) = 0
+    RETURNING lease_name
+)
+SELECT 'lease', lease_name, version FROM renewed
+UNION ALL
+SELECT 'member', owner_instance_id, NULL FROM joined
+UNION ALL
+SELECT 'member', owner_instance_id, NULL FROM ({live_members}) m
+WHERE lease_name <> CAST(:member AS varchar)""")
+        self.group_members = Statement(f"SELECT owner_instance_id FROM ({live_members}) m")
 
     def schema_script(self) -> str:
         return self._ddl

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from sidecar.base.clock import Clock
 from sidecar.base.errors import ConfigError
 from sidecar.lease import BackendEntry, LeaseInfo
-from sidecar.lease.rowlease import RowBackend, is_hint
+from sidecar.lease.rowgroup import make_row_group, member_key
+from sidecar.lease.rowlease import MEMBER_MARK, RowBackend, is_side_row
 from sidecar.lease.sql.dialect import MAX_ROW_NAME, Dialect
 from sidecar.lease.sql.store import Driver, SqlRowStore
 from sidecar.settings import Settings, StoreSettings, Timing
@@ -38,6 +39,16 @@ def check_names(settings: Settings) -> None:
         if len(key) > MAX_ROW_NAME:
             raise ConfigError(f"LEASE_NAME / --name: {key!r} (with the key prefix) is longer "
                               f"than {MAX_ROW_NAME} characters")
+    if settings.shards:
+        member = member_key(settings.store.key(settings.name), settings.identity)
+        if len(member) > MAX_ROW_NAME:
+            raise ConfigError(f"LEASE_NAME / --name: the shard group's member rows "
+                              f"({member!r}) would be longer than {MAX_ROW_NAME} characters")
+    for shard in settings.shards:
+        key = settings.store.key(shard)
+        if len(key) > MAX_ROW_NAME:
+            raise ConfigError(f"LEASE_SHARDS / --shards: {key!r} (with the key prefix) is "
+                              f"longer than {MAX_ROW_NAME} characters")
 
 
 @dataclass(frozen=True)
@@ -55,11 +66,14 @@ class SqlRowEntry:
     default_table: str = "leases"
 
     def entry(self) -> BackendEntry:
+        shards = self.dialect("lease", "leases").group_beat is not None
         return BackendEntry(create=self.create, needs_dsn=True, takes_replica=True,
                             default_table=self.default_table,
                             check_dsn=self.check_dsn, validate=check_names,
                             schema_sql=self.schema_sql, apply_schema=self.apply_schema,
-                            list_leases=self.list_leases, load_driver=self.load_driver)
+                            list_leases=self.list_leases, load_driver=self.load_driver,
+                            shard_group=make_row_group if shards else None,
+                            list_members=self.list_members if shards else None)
 
     def load_driver(self) -> object:
         return importlib.import_module(self.driver_module)
@@ -108,4 +122,13 @@ class SqlRowEntry:
             await store.close()
         return [LeaseInfo(lease=name[len(prefix):], holder=row.owner if live else None,
                           expires_at=row.expires_at, details={"row_version": row.version})
-                for name, row, live in rows if name.startswith(prefix) and not is_hint(name)]
+                for name, row, live in rows
+                if name.startswith(prefix) and not is_side_row(name)]
+
+    async def list_members(self, settings: Settings, group_key: str) -> list[str]:
+        """The live members of a shard group, for ``lease-sidecar status``; only reads."""
+        store = self._primary(settings)
+        try:
+            return await store.members(group_key + MEMBER_MARK)
+        finally:
+            await store.close()

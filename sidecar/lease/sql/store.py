@@ -167,6 +167,35 @@ class SqlRowStore:
             self._timelines.saw(self._era[0], asyncio.get_running_loop().time())
         return row
 
+    async def beat_group(self, owner: str, duration: float, held: Mapping[str, int],
+                         member: str, advertise: bool,
+                         members: str) -> tuple[dict[str, int], list[str]]:
+        """A shard group's round trip (:class:`sidecar.lease.rowgroup.GroupStore`): one
+        statement (``Dialect.group_beat``), whatever the number of shards."""
+        statement = self.dialect.group_beat
+        assert statement is not None, "this dialect has no shard groups"
+        not_created = await self._ensure_schema()
+        names = list(held)
+        try:
+            rows = await self._write(statement, {
+                "names": names, "versions": [held[name] for name in names],
+                "owner": owner, "duration": duration, "member": member,
+                "advertise": int(advertise), "prefix": members})
+        except NotFound as exc:
+            raise _not_created(exc, not_created) from None
+        renewed = {str(name): int(version) for kind, name, version in rows if kind == "lease"}
+        if renewed and self._era is not None and self._era[0] > 0:
+            # The writes went through on the timeline the era was read on.
+            self._timelines.saw(self._era[0], asyncio.get_running_loop().time())
+        return renewed, [str(name) for kind, name, _ in rows if kind == "member"]
+
+    async def members(self, prefix: str) -> list[str]:
+        """The live members of a shard group (``lease-sidecar status``)."""
+        statement = self.dialect.group_members
+        assert statement is not None, "this dialect has no shard groups"
+        return [str(owner) for (owner,) in await self.driver.fetch(statement,
+                                                                   {"prefix": prefix})]
+
     async def release(self, name: str, owner: str, version: int,
                       record: bool = False) -> None:
         await self.driver.fetch(self.dialect.release, {
