@@ -171,6 +171,10 @@ class ShardGroup(Protocol):
     campaigns for a shard; every shard stays a :class:`Lease` under the usual rules.
     """
 
+    # This contender's name among the members (its identity, where the record holds it
+    # whole): what the assignment gives shards to.
+    member: str
+
     def lease(self, name: str) -> Lease:
         """The lease of shard ``name`` (one per name; renewed with the group)."""
         ...

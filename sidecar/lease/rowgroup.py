@@ -52,6 +52,7 @@ class RowShardGroup:
         self._backend = backend
         self._store = store
         self._identity = identity
+        self.member = identity
         self._duration = timing.lease_duration
         self._member = member_key(group_key, identity)
         self._members = group_key + MEMBER_MARK

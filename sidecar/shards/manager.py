@@ -83,7 +83,8 @@ class ShardManager:
         self.group = group
         self.states = dict(states)
         self.shards: Sequence[str] = tuple(states)
-        self.identity = identity
+        # Our name among the members: the identity, as the group's records hold it.
+        self.identity = group.member
         self._timing = timing
         self._clock = clock
         self._make_elector = make_elector

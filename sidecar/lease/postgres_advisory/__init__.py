@@ -47,6 +47,11 @@ from sidecar.base.dsn import check_postgres_url
 from sidecar.base.redact import redact
 from sidecar.lease import BackendEntry, LeaseInfo
 from sidecar.lease.pg_timeline import Timelines, era_ddl
+from sidecar.lease.postgres_advisory.group import (
+    holder_name,
+    list_members,
+    make_advisory_group,
+)
 from sidecar.lease.postgres_advisory.lease import AdvisoryLease
 from sidecar.lease.postgres_advisory.session import (
     DB_ERRORS,
@@ -148,7 +153,7 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
         if holder is not None:
             details.update(pid=holder["pid"], backend_start=holder["backend_start"])
         result.append(LeaseInfo(lease=name, details=details,
-                                holder=holder["application_name"] if holder else None))
+                                holder=holder_name(holder["application_name"]) if holder else None))
     return result
 
 
@@ -159,4 +164,5 @@ def create(settings: Settings, clock: Clock) -> AdvisoryBackend:
 
 ENTRY = BackendEntry(create=create, holds_by="session", needs_dsn=True,
                      check_dsn=check_postgres_url, list_leases=list_leases,
-                     schema_sql=schema_sql, apply_schema=apply_schema)
+                     schema_sql=schema_sql, apply_schema=apply_schema,
+                     shard_group=make_advisory_group, list_members=list_members)

@@ -1,0 +1,384 @@
+"""The shard group of the ``postgres`` backend: one session per member holds every shard
+lock it wins, and is the member's record.
+
+Per shard, the advisory lock's rules are the backend's own (:mod:`.lease`): the lock is
+taken with ``pg_try_advisory_lock`` by a statement that checks it runs on our own marked
+session and that the session does not hold the key yet; the fencing token is a
+transaction id drawn after the grant and committed durably, above the server's timeline
+(and token era); a grant on a server that restarted or was promoted less than a renew
+deadline ago waits that out before its first claim; a renew proves the session still
+holds the lock, and is valid for the renew deadline from its send time. What differs:
+
+- One session, not one per shard: a member holding 256 shards keeps one connection, and
+  one heartbeat statement a renew interval reads every lock the session holds
+  (``pg_locks``): the renew of every shard at once (:mod:`sidecar.lease.beats`). The
+  statements of the group take turns on the session.
+- The session's ``application_name`` is the member record: ``lease-shards <group> <id>``
+  while the member is one (visible to every role in ``pg_stat_activity``, as the lock
+  holder's name is); the live members are the sessions showing the group's prefix. A
+  member that dies takes its record and its locks with its session, at once.
+- No in-server wait: a standby of a shard tries the lock when the shard may have become
+  free — a release sends ``NOTIFY`` on the group's channel, which the session listens
+  to — or at its next retry (a member that died: its session ends, its locks pass, and
+  the assignment's next member campaigns within a renew interval).
+- No hand-over hint (a session has one ``application_name``, and it is the member
+  record): only the member the assignment names campaigns for a shard, so a released
+  shard goes to it anyway.
+- Whatever makes the session's lock state uncertain (a lock or unlock statement that
+  failed half-way) drops the session, and with it every shard: that is the price of one
+  session, and it fails closed. A connection through a proxy (a pooler's session mode
+  included) is refused for shards: the backend's pooler probe watches one lease's
+  session, and a refusal here keeps that case out rather than half-checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import asyncpg
+
+from sidecar.base.clock import Clock
+from sidecar.base.errors import BackendError
+from sidecar.lease import Backend, Grant, Holder
+from sidecar.lease.beats import Beats
+from sidecar.lease.pg_session import version_num
+from sidecar.lease.pg_timeline import CHECKPOINT, OUT_OF_RANGE, Timelines, checkpoint_age, token
+from sidecar.lease.postgres_advisory.session import (
+    DB_ERRORS,
+    Connector,
+    Session,
+    application_name,
+    close,
+)
+from sidecar.lease.postgres_advisory.sql import (
+    MARKER_SETTING,
+    lock_halves,
+    lock_id,
+    try_lock_sql,
+)
+from sidecar.settings import Settings
+
+log = logging.getLogger("sidecar.lease.postgres")
+
+PREFIX = "lease-shards "
+# Our session (marker $1): every advisory lock it holds, its member record set to $2, the
+# other sessions of this database whose application_name starts with $3.
+BEAT = f"""select current_setting('{MARKER_SETTING}', true) is not distinct from $1::text,
+       array(select (l.classid::int8 << 32) | l.objid::int8 from pg_locks l
+             where l.locktype = 'advisory' and l.granted and l.objsubid = 1
+               and l.pid = pg_backend_pid()),
+       set_config('application_name', $2, false),
+       array(select a.application_name from pg_stat_activity a
+             where a.datname = current_database() and a.pid <> pg_backend_pid()
+               and left(a.application_name, length($3)) = $3)"""
+# Give one grant of $1 back on our session (marker $2), and wake the group's standbys
+# (channel $3; the key is the payload).
+UNLOCK = f"""select current_setting('{MARKER_SETTING}', true) is not distinct from $2::text,
+       case when current_setting('{MARKER_SETTING}', true) is not distinct from $2::text
+            then pg_advisory_unlock($1) end,
+       pg_notify($3, $1::text)"""
+MEMBERS = """select application_name from pg_stat_activity
+             where datname = current_database() and left(application_name, length($1)) = $1"""
+PROXY = ("LEASE_SHARDS on the postgres backend needs a connection straight to PostgreSQL: "
+         "the session that holds every shard lock was answered through a proxy or pooler")
+
+
+def group_tag(group_key: str) -> str:
+    """The members' ``application_name`` prefix of a group: a digest, so any key fits."""
+    return f"{PREFIX}{hashlib.sha256(group_key.encode()).hexdigest()[:8]} "
+
+
+def member_name(group_key: str, identity: str) -> str:
+    """A member's name as others see it: its identity, cut where PostgreSQL cuts the
+    ``application_name`` (63 bytes with the prefix)."""
+    prefix = group_tag(group_key)
+    return application_name(prefix + identity)[len(prefix):]
+
+
+def holder_name(session_name: str) -> str:
+    """The holder a lock's session names: a shard group's session carries the member
+    record's prefix before the member's name."""
+    if session_name.startswith(PREFIX):
+        return session_name[len(PREFIX):].partition(" ")[2]
+    return session_name
+
+
+class AdvisoryShardGroup:
+    """A :class:`~sidecar.lease.ShardGroup` on one advisory-lock session (module doc)."""
+
+    def __init__(self, settings: Settings, clock: Clock, group_key: str) -> None:
+        store = settings.store
+        self._db = Connector(store.dsn, settings.identity, settings.timing, store.schema,
+                             store.ensure_schema)
+        self._timing = settings.timing
+        self._clock = clock
+        self._identity = settings.identity
+        self._prefix = group_tag(group_key)
+        self.member = member_name(group_key, settings.identity)
+        self._own_name = application_name(settings.identity)
+        self._channel = self._prefix.strip()
+        self._key = settings.store.key
+        self._session: Session | None = None
+        self._busy = asyncio.Lock()  # one statement at a time on the session
+        self._advertise = True
+        self._free = asyncio.Event()  # a NOTIFY: some shard of the group was released
+        self._timelines = Timelines()
+        self._refusal: str | None = None
+        self._leases: dict[str, SharedLease] = {}
+        self._beats = Beats(self._round_trip, settings.timing, clock, group_key)
+
+    @property
+    def round_trips(self) -> int:
+        return self._beats.round_trips
+
+    # -- ShardGroup --------------------------------------------------------------------
+    def lease(self, name: str) -> SharedLease:
+        if name not in self._leases:
+            self._leases[name] = SharedLease(self, name, lock_id(self._key(name)))
+        return self._leases[name]
+
+    def advertise(self, member: bool) -> None:
+        self._advertise = member
+
+    async def next_beat(self) -> tuple[str, ...]:
+        return await self._beats.next_beat()
+
+    async def run(self) -> None:
+        await self._beats.run()
+
+    async def close(self) -> None:
+        await self._beats.close()
+        async with self._busy:
+            session, self._session = self._session, None
+            if session is not None:
+                await close(session.conn)  # ends the session: every lock and the record
+
+    # -- the session ---------------------------------------------------------------------
+    async def session(self) -> Session:
+        """The group's session (the caller holds ``_busy``), opened when there is none."""
+        if self._refusal is not None:
+            raise BackendError(self._refusal)
+        session = self._session
+        if session is not None and not session.conn.is_closed():
+            return session
+        self._gone()
+        session = await self._db.open(era=True)
+        if session.proxied:
+            self._refusal = PROXY
+            log.error(PROXY, extra={"dsn": self._db.where})
+            session.conn.terminate()
+            raise BackendError(PROXY)
+        try:
+            await session.conn.add_listener(self._channel, self._notified)
+        except DB_ERRORS as exc:
+            session.conn.terminate()
+            raise self._db.error("listen", exc) from None
+        session.conn.add_termination_listener(self._terminated)
+        self._session = session
+        return session
+
+    def drop(self) -> None:
+        """End the session (its locks with it): its lock state is uncertain."""
+        session, self._session = self._session, None
+        if session is not None and not session.conn.is_closed():
+            session.conn.terminate()
+        self._gone()
+
+    def _gone(self) -> None:
+        for lease in self._leases.values():
+            lease.session_ended()
+
+    def _terminated(self, conn: asyncpg.Connection) -> None:
+        if self._session is not None and self._session.conn is conn:
+            self._session = None
+            self._gone()
+
+    def _notified(self, conn: object, pid: int, channel: str, payload: object) -> None:
+        free, self._free = self._free, asyncio.Event()
+        free.set()
+
+    async def wait_for_free(self, timeout: float) -> None:
+        event = self._free
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await event.wait()
+
+    # -- the round trip ----------------------------------------------------------------
+    async def _round_trip(self, held: Mapping[str, Any],
+                          advertise: bool) -> tuple[Mapping[str, Any], tuple[str, ...]]:
+        """Every lock the session holds, this member's record, the other members."""
+        async with self._busy:
+            session = await self.session()
+            name = (self._prefix + self._identity) if advertise else self._identity
+            try:
+                ours, locks, _, others = await session.conn.fetchrow(
+                    BEAT, session.marker, application_name(name), self._prefix)
+            except DB_ERRORS as exc:
+                if session.conn.is_closed():
+                    self._terminated(session.conn)
+                raise self._db.error("heartbeat", exc) from None
+            if not ours:
+                self._refuse("the heartbeat ran on a server session without this "
+                             "connection's marker")
+                raise BackendError(self._refusal or PROXY)
+        holding = set(locks or ())
+        renewed = {key: value for key, value in held.items() if value in holding}
+        members = {str(other)[len(self._prefix):] for other in others or ()}
+        if advertise:
+            members.add(self.member)
+        return renewed, tuple(sorted(members))
+
+    def _refuse(self, evidence: str) -> None:
+        if self._refusal is None:
+            self._refusal = f"{PROXY} ({evidence})"
+            log.error(self._refusal, extra={"dsn": self._db.where})
+        self.drop()
+
+    async def take(self, lease: SharedLease) -> Grant:
+        """One attempt at ``lease``'s lock (its acquire)."""
+        async with self._busy:
+            session = await self.session()
+            conn = session.conn
+            try:
+                ours, already, counter, timeline, uptime, _, _ = await conn.fetchrow(
+                    try_lock_sql(version_num(conn)), lease.lock_id,
+                    f"{self._identity} acquired {lease.name}", session.marker,
+                    *lock_halves(lease.lock_id))
+            except DB_ERRORS as exc:
+                self.drop()  # granted or not: a dropped session holds nothing
+                raise self._db.error("acquire", exc) from None
+            replied = self._clock.monotonic()
+            self._timelines.saw(int(timeline), replied)
+            if not ours:
+                self._refuse("a lock statement ran on a server session without this "
+                             "connection's marker")
+                return Grant(held=False, reason=self._refusal or PROXY)
+            if already:
+                # Our session holds a lock we do not count (a release that failed
+                # half-way): its state is uncertain, and only ending the session frees it.
+                log.warning("the shard group's session held a lock unknown to it; "
+                            "reconnecting to free it (every shard of the group goes)",
+                            extra={"lease": lease.name, "lock_id": lease.lock_id})
+                self.drop()
+                return Grant(held=False, reason="the session held the lock unknown to us")
+            if counter is None:
+                return Grant(held=False, reason="held by another session")
+            fencing_token = token(int(timeline), int(counter), session.era_base)
+            if fencing_token is None:
+                await self._unlock(session, lease)
+                log.error(OUT_OF_RANGE, extra={"lease": lease.name, "timeline": timeline})
+                return Grant(held=False, reason=OUT_OF_RANGE)
+            age = self._timelines.age(int(timeline), replied)
+            if age < self._timing.renew_deadline:
+                age = max(age, await checkpoint_age(lambda: conn.fetchrow(CHECKPOINT),
+                                                    int(timeline), self._db.where))
+            delay = max(0.0, self._timing.renew_deadline - min(float(uptime), age))
+            lease.granted(session, fencing_token)
+            return Grant(held=True, valid_for=self._timing.renew_deadline,
+                         fencing_token=fencing_token, holder=self._identity,
+                         claim_delay=delay)
+
+    async def give_back(self, lease: SharedLease, session: Session) -> None:
+        """Unlock ``lease`` on ``session`` if that is still the group's session."""
+        async with self._busy:
+            if self._session is session and not session.conn.is_closed():
+                await self._unlock(session, lease)
+
+    async def _unlock(self, session: Session, lease: SharedLease) -> None:
+        try:
+            ours, _, _ = await session.conn.fetchrow(UNLOCK, lease.lock_id, session.marker,
+                                                     self._channel)
+        except DB_ERRORS as exc:
+            self.drop()  # closing the session frees the lock as well
+            raise self._db.error("release", exc) from None
+        if not ours:
+            self._refuse("the release ran on a server session without this connection's "
+                         "marker")
+
+
+class SharedLease:
+    """One shard's lock on the group's session: the :class:`~sidecar.lease.Lease`
+    protocol, renewed with the group."""
+
+    def __init__(self, group: AdvisoryShardGroup, name: str, key: int) -> None:
+        self.name = name
+        self.lock_id = key
+        self._group = group
+        self._session: Session | None = None  # the session our lock is on
+        self._token: int | None = None
+        self._registration = 0
+        # Set the moment the session holding our lock ends: the elector renews at once.
+        self.lost: asyncio.Event | None = asyncio.Event()
+
+    def granted(self, session: Session, fencing_token: int) -> None:
+        self._session, self._token = session, fencing_token
+        self._registration = self._group._beats.register(self.name, self.lock_id)
+        assert self.lost is not None
+        self.lost.clear()
+
+    def session_ended(self) -> None:
+        if self._session is not None:
+            self._session, self._token = None, None
+            assert self.lost is not None
+            self.lost.set()
+
+    async def try_acquire(self) -> Grant:
+        if self._session is not None:
+            return await self.try_renew()
+        return await self._group.take(self)
+
+    async def try_renew(self) -> Grant:
+        """From the group's heartbeat: valid for the renew deadline from the send time
+        of the heartbeat that saw our lock (:mod:`sidecar.lease.beats`)."""
+        group = self._group
+        asked = group._clock.monotonic()
+        if self._session is None:
+            return Grant(held=False, reason="connection to PostgreSQL lost")
+        value, sent = await group._beats.renewed(self.name, self._registration, asked)
+        if value is None or self._session is None:
+            self._session, self._token = None, None
+            return Grant(held=False, reason="the session no longer holds the lock")
+        return Grant(held=True, valid_for=max(0.0, group._timing.renew_deadline - (asked - sent)),
+                     fencing_token=self._token, holder=group._identity)
+
+    async def release(self, record: bool = False) -> None:
+        session, self._session, self._token = self._session, None, None
+        if session is None:
+            return
+        await self._group._beats.forget(self.name, self._registration)
+        await self._group.give_back(self, session)
+
+    async def describe(self) -> Holder:
+        return Holder(holder=self._group._identity if self._session is not None else None,
+                      fencing_token=self._token)
+
+    async def wait_for_change(self, timeout: float) -> None:
+        await self._group.wait_for_free(timeout)
+
+
+def make_advisory_group(backend: Backend, settings: Settings, clock: Clock,
+                        group_key: str) -> AdvisoryShardGroup:
+    """``BackendEntry.shard_group`` of ``postgres``: a session of the group's own, apart
+    from the backend's per-lease sessions."""
+    return AdvisoryShardGroup(settings, clock, group_key)
+
+
+async def list_members(settings: Settings, group_key: str) -> list[str]:
+    """The live members of a shard group (``lease-sidecar status``), from
+    ``pg_stat_activity``: read only."""
+    db = Connector(settings.store.dsn, settings.identity, settings.timing)
+    session = await db.open()
+    prefix = group_tag(group_key)
+    try:
+        rows = await session.conn.fetch(MEMBERS, prefix)
+    except DB_ERRORS as exc:
+        raise db.error("list members", exc) from None
+    finally:
+        await close(session.conn)
+    return [str(row[0])[len(prefix):] for row in rows]
+
