@@ -179,6 +179,11 @@ class ShardGroup(Protocol):
         """The lease of shard ``name`` (one per name; renewed with the group)."""
         ...
 
+    def retire(self, name: str) -> None:
+        """Nobody here campaigns for shard ``name`` any more (its elector has stopped):
+        what its lease keeps open (a watch) may close; :meth:`lease` makes it anew."""
+        ...
+
     def advertise(self, member: bool) -> None:
         """Whether this contender is a member: False drops its record at the next round
         trip (stopping, or its application is not ready), True puts it back."""

@@ -65,6 +65,9 @@ class RowShardGroup:
     def lease(self, name: str) -> RowLease:
         return self._backend.lease(name, batch=self._beats)
 
+    def retire(self, name: str) -> None:
+        """Nothing to close: the lease keeps nothing open of its own."""
+
     def advertise(self, member: bool) -> None:
         self._beats.advertise(member)
 

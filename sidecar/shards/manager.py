@@ -92,6 +92,7 @@ class ShardManager:
         self.view = View()
         self.electors: dict[str, Elector] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ending: dict[str, asyncio.Task[None]] = {}  # electors told to stop
         self._joined: float | None = None  # monotonic: our first successful round trip
         self._leaving: tuple[str, ...] | None = None  # members without us, once stopping
         self._changed = asyncio.Event()  # a new view: the mover looks again
@@ -131,7 +132,8 @@ class ShardManager:
         electors = list(self.electors.values())
         for elector in electors:
             elector.stop()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*self._tasks.values(), *self._ending.values(),
+                             return_exceptions=True)
         self._tasks.clear()
         self.electors.clear()
         await self.group.close()
@@ -211,6 +213,9 @@ class ShardManager:
                 self._stop_elector(shard)
 
     def _start_elector(self, shard: str) -> None:
+        ending = self._ending.get(shard)
+        if ending is not None and not ending.done():
+            return  # its last elector is still finishing (a call in flight): next time
         state = self.states[shard]
         elector = self._make_elector(self.group.lease(shard), state,
                                      lambda: self._successor(shard))
@@ -218,10 +223,21 @@ class ShardManager:
         self._tasks[shard] = asyncio.create_task(elector.run(), name=f"elector-{shard}")
 
     def _stop_elector(self, shard: str) -> None:
+        """Stop campaigning for ``shard``. Not by cancelling: a call in flight (an acquire
+        that may win) ends first, and the elector's own shutdown gives back whatever it
+        won; the lease's resources close once it has."""
         elector = self.electors.pop(shard)
         elector.stop()
         task = self._tasks.pop(shard)
-        task.cancel()
+        self._ending[shard] = task
+
+        def ended(_: asyncio.Task[None]) -> None:
+            if self._ending.get(shard) is task:
+                del self._ending[shard]
+                if shard not in self.electors:
+                    self.group.retire(shard)
+
+        task.add_done_callback(ended)
 
     async def _successor(self, shard: str) -> str | None:
         """Who gets ``shard`` when this member stops: its member once we are gone."""

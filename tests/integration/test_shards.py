@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import struct
 import subprocess
@@ -15,9 +16,9 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 from sidecar.shards.assign import assign
@@ -27,52 +28,79 @@ from testkit.support import REPO, SidecarProcess, get_json, serving, wait_until
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
+# The kubernetes backend's least safety margin is 1 s, and its Leases count whole seconds.
+KUBE_FAST = ["--lease-duration", "3s", "--renew-interval", "500ms", "--safety-margin", "1s",
+             "--claim-horizon", "100ms"]
 HORIZON = 0.1
-INTERVAL = 0.3
 SHARDS = 12
-BACKENDS = [pytest.param("sqlite", id="sqlite"),
-            pytest.param("postgres-row", id="postgres-row", marks=pytest.mark.postgres),
-            pytest.param("postgres", id="postgres", marks=pytest.mark.postgres)]
+DATABASES = [pytest.param("sqlite", id="sqlite"),
+             pytest.param("postgres-row", id="postgres-row", marks=pytest.mark.postgres),
+             pytest.param("postgres", id="postgres", marks=pytest.mark.postgres)]
+BACKENDS = [*DATABASES, pytest.param("kubernetes", id="kubernetes", marks=pytest.mark.kube)]
 
 
-@pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> list[str]:
-    """The flags that point a sidecar (and ``status``) at this test's store."""
+@dataclass
+class Store:
+    """Where this test's shards live: flags and environment for a sidecar and for
+    ``status``, the timing the sidecars run with."""
+
+    flags: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    timing: list[str] = field(default_factory=lambda: FAST)
+    lease_duration: float = 2.0
+    renew_interval: float = 0.3
+
+    @property
+    def ttl(self) -> float:
+        """How long a dead member's shards stay taken: 0 where they go with its session;
+        on kubernetes its record's lease duration, then the shard's own Lease judged on
+        the new member's clock from when it first reads it (client-go's rule), another."""
+        if self.flags[:2] == ["--backend", "postgres"]:
+            return 0.0
+        if self.flags[:2] == ["--backend", "kubernetes"]:
+            return 2 * self.lease_duration
+        return self.lease_duration
+
+
+def make_store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
     backend = request.param
     if backend == "sqlite":
-        return ["--dsn", str(tmp_path / "leases.db")]
+        return Store(["--dsn", str(tmp_path / "leases.db")])
+    if backend == "kubernetes":
+        cp = request.getfixturevalue("control_plane")
+        namespace = request.getfixturevalue("kube_namespace")
+        return Store(["--backend", "kubernetes", "--pod-label", "off"],
+                     {"KUBECONFIG": str(cp.kubeconfig), "POD_NAMESPACE": namespace},
+                     KUBE_FAST, lease_duration=3.0, renew_interval=0.5)
     dsn = request.getfixturevalue("pg_dsn")
     if backend == "postgres-row":
-        asyncpg_run(dsn, "select 1")  # the database is there
         subprocess.run([sys.executable, "-m", "sidecar", "schema", "--apply", "--backend",
                         backend, "--dsn", dsn], check=True, cwd=REPO, capture_output=True,
                        timeout=60)
-    return ["--backend", backend, "--dsn", dsn]
+    return Store(["--backend", backend, "--dsn", dsn])
 
 
-def asyncpg_run(dsn: str, query: str) -> list[asyncpg.Record]:
-    import asyncio
-
-    async def run() -> list[asyncpg.Record]:
-        conn = await asyncpg.connect(dsn)
-        try:
-            return list(await conn.fetch(query))
-        finally:
-            await conn.close()
-
-    return asyncio.run(run())
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    return make_store(request, tmp_path)
 
 
-def member(tmp_path: Path, store: list[str], name: str,
-           shards: int = SHARDS) -> SidecarProcess:
-    return SidecarProcess(tmp_path, name, args=[*store, "--name", "work", "--shards",
-                                                 str(shards), *FAST])
+@pytest.fixture(params=DATABASES)
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    return make_store(request, tmp_path)
 
 
-def status(store: list[str]) -> dict:
-    done = subprocess.run([sys.executable, "-m", "sidecar", "status", "--json", *store,
+def member(tmp_path: Path, store: Store, name: str, shards: int = SHARDS) -> SidecarProcess:
+    return SidecarProcess(tmp_path, name, args=[*store.flags, "--name", "work", "--shards",
+                                                 str(shards), *store.timing], env=store.env)
+
+
+def status(store: Store) -> dict:
+    flags = [f for f in store.flags if f not in ("--pod-label", "off")]
+    done = subprocess.run([sys.executable, "-m", "sidecar", "status", "--json", *flags,
                            "--name", "work", "--shards", str(SHARDS)], capture_output=True,
-                          text=True, timeout=30, cwd=REPO, check=True)
+                          text=True, timeout=30, cwd=REPO, check=True,
+                          env={**os.environ, **store.env})
     return json.loads(done.stdout)["shards"]
 
 
@@ -84,7 +112,7 @@ def changes(before: list[str], after: list[str]) -> dict[str, list[tuple[str, st
 
 
 def test_members_share_the_shards_and_move_them_without_two_claimants(
-        tmp_path: Path, store: list[str]) -> None:
+        tmp_path: Path, store: Store) -> None:
     first = [member(tmp_path, store, f"m{i}") for i in range(2)]
     with serving(first) as procs, ShardRecorder(
             {p.identity: p.url for p in procs}, HORIZON) as recorder:
@@ -136,35 +164,36 @@ def file_change_counter(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def counted(store: list[str]) -> Iterator[tuple[list[str], Callable[[], int]]]:
-    """The store's flags and a count of its round trips: for SQLite the transactions that
-    wrote the file, for PostgreSQL the client's round trips through a counting proxy."""
-    if "--backend" not in store:
-        db = Path(store[store.index("--dsn") + 1])
+def counted(store: Store) -> Iterator[tuple[Store, Callable[[], int]]]:
+    """The store and a count of its round trips: for SQLite the transactions that wrote
+    the file, for PostgreSQL the client's round trips through a counting proxy."""
+    flags = store.flags
+    if "--backend" not in flags:
+        db = Path(flags[flags.index("--dsn") + 1])
         yield store, lambda: file_change_counter(db)
         return
-    dsn = store[store.index("--dsn") + 1]
+    dsn = flags[flags.index("--dsn") + 1]
     parts = urllib.parse.urlsplit(dsn)
     with CountingProxy((parts.hostname or "127.0.0.1", parts.port or 5432)) as proxy:
-        flags = list(store)
-        flags[store.index("--dsn") + 1] = proxy.dsn(dsn)
-        yield flags, lambda: proxy.round_trips
+        proxied = list(flags)
+        proxied[flags.index("--dsn") + 1] = proxy.dsn(dsn)
+        yield Store(proxied), lambda: proxy.round_trips
 
 
 def test_one_round_trip_a_renew_interval_renews_every_shard(
-        tmp_path: Path, store: list[str]) -> None:
+        tmp_path: Path, database: Store) -> None:
     """One member holding 64 shards: about two round trips per renew interval reach the
     store — its group's (all 64 shards and its member record) and the renew of the lease
     ``work`` itself — not one per shard; all 64 stay led throughout."""
-    with counted(store) as (flags, count), \
-            serving([member(tmp_path, flags, "solo", shards=64)]) as (proc,), \
+    with counted(database) as (store, count), \
+            serving([member(tmp_path, store, "solo", shards=64)]) as (proc,), \
             ShardRecorder({"solo": proc.url}, HORIZON) as recorder:
         wait_until(lambda: recorder.settled(["solo"], 64), timeout=30)
-        time.sleep(2 * INTERVAL)  # the first claims' acquires are behind us
+        time.sleep(2 * store.renew_interval)  # the first claims' acquires are behind us
         before, started = count(), time.monotonic()
         time.sleep(6.0)
         seen = count() - before
-        intervals = (time.monotonic() - started) / INTERVAL
+        intervals = (time.monotonic() - started) / store.renew_interval
         assert recorder.settled(["solo"], 64)
         metrics = get_json(proc.url + "/metrics")[1]
     # 20 renew intervals: about 20 round trips (±5 % period) and 20 renews of ``work``
@@ -175,7 +204,7 @@ def test_one_round_trip_a_renew_interval_renews_every_shard(
 
 
 def test_a_killed_members_shards_are_taken_within_the_takeover_bound(
-        tmp_path: Path, store: list[str]) -> None:
+        tmp_path: Path, store: Store) -> None:
     """SIGKILL: no hand-over, no goodbye. Its record runs out with its shards' leases (TTL
     backends: one lease duration after its last round trip) or goes with its session at
     once (postgres); the next members then campaign at their next round trip."""
@@ -187,9 +216,8 @@ def test_a_killed_members_shards_are_taken_within_the_takeover_bound(
         recorder.remove("k0")
         wait_until(lambda: recorder.settled(["k1"], SHARDS), timeout=20)
         taken = time.time() - killed
-    ttl = 0.0 if "postgres" in store else 2.0  # the lease duration of FAST
     # The record's expiry (TTL backends), a round trip to see it, one to campaign in, the
     # new term's first claim (one horizon), and slack for a loaded machine.
-    assert taken <= ttl + 2 * INTERVAL * 1.05 + HORIZON + 1.5, taken
+    assert taken <= store.ttl + 2 * store.renew_interval * 1.05 + HORIZON + 1.5, taken
     assert overlaps(recorder.spans) == {}
     assert token_problems(recorder.spans) == []

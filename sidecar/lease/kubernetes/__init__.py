@@ -21,7 +21,7 @@ from fractions import Fraction
 from sidecar.base.clock import Clock, SystemClock
 from sidecar.base.errors import ConfigError
 from sidecar.base.names import object_name_problem
-from sidecar.lease import BackendEntry, LeaseInfo
+from sidecar.lease import Backend, BackendEntry, LeaseInfo, ShardGroup
 from sidecar.lease.kubernetes.lease import KubeLease
 from sidecar.lease.kubernetes.record import Record
 from sidecar.lease.kubernetes.transport import Connection
@@ -38,6 +38,17 @@ def check_name(store: StoreSettings, name: str) -> None:
 def validate(settings: Settings) -> None:
     for name in settings.names:
         check_name(settings.store, name)
+    for shard in settings.shards:
+        problem = object_name_problem(settings.store.key_prefix, shard)
+        if problem:
+            raise ConfigError(f"LEASE_SHARDS / --shards: {problem}")
+    if settings.shards:
+        # The member Leases: the group's key, ".member-" and a 16-digit digest.
+        problem = object_name_problem(settings.store.key_prefix,
+                                      f"{settings.name}.member-{'0' * 16}")
+        if problem:
+            raise ConfigError(f"LEASE_NAME / --name: the shard group's member Leases: "
+                              f"{problem}")
 
 
 class KubeBackend:
@@ -53,6 +64,11 @@ class KubeBackend:
         self._clock = clock
         self._connection = Connection(settings)
         self._leases: list[KubeLease] = []
+
+    @property
+    def connection(self) -> Connection:
+        """The backend's one connection (a shard group's member Leases use it too)."""
+        return self._connection
 
     def lease(self, name: str) -> KubeLease:
         check_name(self._settings.store, name)
@@ -104,8 +120,24 @@ async def list_leases(settings: Settings, names: tuple[str, ...] | None) -> list
         await connection.close()
 
 
+def shard_group(backend: Backend, settings: Settings, clock: Clock,
+                group_key: str) -> ShardGroup:
+    """The shard group: member Leases beside a Lease per shard (:mod:`.group`, imported
+    only where LEASE_SHARDS is set)."""
+    from sidecar.lease.kubernetes.group import make_kube_group
+
+    return make_kube_group(backend, settings, clock, group_key)
+
+
+async def list_members(settings: Settings, group_key: str) -> list[str]:
+    from sidecar.lease.kubernetes.group import list_members as members
+
+    return await members(settings, group_key)
+
+
 ENTRY = BackendEntry(
     create=create, validate=validate, list_leases=list_leases,
+    shard_group=shard_group, list_members=list_members,
     # Each renew is a PUT to the apiserver, the only request an idle group makes besides
     # one watch per sidecar (standbys follow the watch: a crashed holder is taken over at
     # the lease's expiry, whatever the renew period). A third of the validity (4.67s for

@@ -142,6 +142,9 @@ class AdvisoryShardGroup:
             self._leases[name] = SharedLease(self, name, lock_id(self._key(name)))
         return self._leases[name]
 
+    def retire(self, name: str) -> None:
+        """Nothing to close: the lease keeps nothing open of its own."""
+
     def advertise(self, member: bool) -> None:
         self._advertise = member
 
