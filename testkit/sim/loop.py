@@ -40,7 +40,7 @@ class Gate:
     def __init__(self) -> None:
         # Callbacks due while frozen, with their handle (a handle cancelled meanwhile,
         # such as an ``asyncio.timeout`` left before the thaw, is skipped).
-        self.held: list[tuple[asyncio.Handle, Callable[..., object], tuple[Any, ...],
+        self.held: list[tuple[_Slot, Callable[..., object], tuple[Any, ...],
                               contextvars.Context]] = []
 
 
@@ -106,25 +106,26 @@ class SimLoop(asyncio.SelectorEventLoop):
         owner = PROCESS.get() if context is None else context.get(PROCESS)
         if owner is None:
             return super().call_soon(callback, *args, context=context)
-        handle = super().call_soon(_gated, owner, None, callback, args, context=context)
-        handle._args = (owner, handle, callback, args)  # type: ignore[attr-defined]  # see _gated
-        return handle
+        slot = _Slot()
+        slot.handle = super().call_soon(_gated, owner, slot, callback, args, context=context)
+        return slot.handle
 
     def call_at(self, when: float, callback: Callable[..., object], *args: Any,
                 context: contextvars.Context | None = None) -> asyncio.TimerHandle:
         owner = PROCESS.get() if context is None else context.get(PROCESS)
         if owner is None:
             return super().call_at(when, callback, *args, context=context)
-        handle = super().call_at(when, _gated, owner, None, callback, args, context=context)
-        handle._args = (owner, handle, callback, args)  # type: ignore[attr-defined]  # see _gated
-        return handle
+        slot = _Slot()
+        slot.handle = super().call_at(when, _gated, owner, slot, callback, args,
+                                      context=context)
+        return slot.handle
 
     def thaw(self, gate: Gate) -> None:
         """Run what a process's freeze held back, in the order it came."""
         held, gate.held = gate.held, []
-        for handle, callback, args, context in held:
-            if not handle.cancelled():
-                super().call_soon(_gated, gate, handle, callback, args, context=context)
+        for slot, callback, args, context in held:
+            if not slot.handle.cancelled():
+                super().call_soon(_gated, gate, slot, callback, args, context=context)
 
     def run_in_executor(self, executor: Executor | None, func: Callable[..., Any],
                         *args: Any) -> asyncio.Future[Any]:
@@ -136,11 +137,24 @@ class SimLoop(asyncio.SelectorEventLoop):
         return self.call_soon(callback, *args, context=context)
 
 
-def _gated(owner: Gate, handle: asyncio.Handle, callback: Callable[..., object],
+class _Slot:
+    """The handle a gated callback runs under, so that the gate can tell it was cancelled
+    (an ``asyncio.timeout`` left before a frozen process thawed cancels its timer handle,
+    which had already fired into the freeze). Not a reference from the handle to itself:
+    asyncio's debug mode prints handles."""
+
+    __slots__ = ("handle",)
+    handle: asyncio.Handle
+
+    def __repr__(self) -> str:
+        return "<gated>"
+
+
+def _gated(owner: Gate, slot: _Slot, callback: Callable[..., object],
            args: tuple[Any, ...]) -> None:
-    if owner.dead or handle.cancelled():
+    if owner.dead or slot.handle.cancelled():
         return
     if owner.frozen:
-        owner.held.append((handle, callback, args, contextvars.copy_context()))
+        owner.held.append((slot, callback, args, contextvars.copy_context()))
         return
     callback(*args)

@@ -34,6 +34,10 @@ class RecordingState(LeaseState):
     process: SimSidecar
 
     def update(self, event: str | None = None, **changes: Any) -> Any:
+        # The application asks right before every change of the facts: the latest claim
+        # the facts that end now can hand out (an application that polls without pause
+        # would get it), so the checker sees each term's claims at their longest.
+        self.claim()
         if event == "acquired":
             self.process.term += 1
         facts = super().update(event, **changes)
@@ -46,7 +50,7 @@ class RecordingState(LeaseState):
 
     def claim(self) -> Claim:
         claim = super().claim()
-        if claim.leader and claim.valid_until is not None:
+        if claim.leader and claim.valid_until is not None and not self.process.dead:
             process = self.process
             now = process.world.now()
             process.checker.now = now
@@ -101,16 +105,18 @@ class SimSidecar(Endpoint):
         return None if self.app_ready else "the application is not ready"
 
     async def _app(self, state: LeaseState) -> None:
-        """The application: asks for a claim whenever the answer may have changed."""
+        """The application: asks for a claim every so often, and at each moment the claim
+        rule can flip with no change of the facts (a term's first claim, the end of its
+        validity); :meth:`RecordingState.update` asks before every change."""
         rng = self.world.rng
-        while not self.stopping:  # a flag too: 3.11's asyncio.timeout can eat a cancel
+        while not self.stopping:
             claim = state.claim()
-            wait = rng.uniform(0.01, 0.08) if claim.leader else rng.uniform(0.1, 1.0)
+            wait = rng.uniform(0.05, 0.3) if claim.leader else rng.uniform(0.3, 2.0)
             now = self.clock.monotonic()
             flip = state.facts.next_flip(now)
             if flip is not None:
                 wait = min(wait, max(0.0, flip - now))
-            await state.wait_for_change(state.facts.version, wait)
+            await asyncio.sleep(wait)
 
     def stop(self) -> None:
         """SIGTERM: every elector steps down (unpublish, wait out claims, release), then
@@ -133,11 +139,11 @@ class SimSidecar(Endpoint):
             with contextlib.suppress(Exception):
                 await self.backend.close()
         self.exited = True
-        self.dead = True
+        self.died()
 
     def kill(self) -> None:
         """SIGKILL: nothing of the process runs again; the kernel closes its sockets."""
-        self.dead = True
+        self.died()
         self.exited = True
         self.held.clear()
         for server in self.world.servers:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import math
 import random
 import sys
@@ -355,8 +356,10 @@ def _end(loop: asyncio.AbstractEventLoop, processes: Any) -> None:
     """Every process dies with the run; their coroutines are closed while the loop is
     still open (their ``finally`` blocks find a loop that drops what they schedule)."""
     for process in processes:
-        process.dead = True
+        process.died()
     hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+    disabled = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)  # what the closed coroutines' handlers would log
     try:
         for task in asyncio.all_tasks(loop):
             coro = task.get_coro()
@@ -368,6 +371,7 @@ def _end(loop: asyncio.AbstractEventLoop, processes: Any) -> None:
         gc.collect()
     finally:
         sys.unraisablehook = hook
+        logging.disable(disabled)
 
 
 @contextlib.contextmanager

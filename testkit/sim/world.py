@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import random
+import weakref
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -90,6 +91,15 @@ class Endpoint(Gate):
         self.lose_replies = 0.0
         # Extra seconds on each delivery while a slow-network fault lasts.
         self.extra_latency = 0.0
+        # The answers to its calls: those it had no time to take when it died are marked
+        # taken (:meth:`died`), not reported as errors of the sidecar's.
+        self.answers: weakref.WeakSet[asyncio.Future[Any]] = weakref.WeakSet()
+
+    def died(self) -> None:
+        self.dead = True
+        for future in list(self.answers):
+            if future.done() and not future.cancelled():
+                future.exception()
 
 
 class World:
@@ -105,6 +115,7 @@ class World:
         self.context = contextvars.Context()  # the world's: PROCESS unset
         self.faults: Counter[str] = Counter()
         self.errors: list[str] = []
+
         # The servers' models: told when a client dies (its kernel closes its sockets)
         # or is cut off (``client_gone(endpoint)``, ``cut(endpoint)``).
         self.servers: list[Any] = []
@@ -149,6 +160,8 @@ class World:
         calls ``reply(value, error)`` when it has an answer (at once, or later: a lock
         wait); the answer reaches ``future`` after another latency. A partitioned or dead
         endpoint's requests and replies vanish; so does a reply the link loses."""
+        if endpoint is not None:
+            endpoint.answers.add(future)
         if endpoint is not None and (endpoint.partitioned or endpoint.dead):
             return
 
@@ -170,6 +183,8 @@ class World:
         arrives a latency later."""
         future: asyncio.Future[Any] = self.loop.create_future()
         endpoint = owner if isinstance(owner, Endpoint) else None
+        if endpoint is not None:
+            endpoint.answers.add(future)
 
         def run() -> None:
             delay = self.latency(endpoint)

@@ -146,3 +146,33 @@ def test_a_release_that_lands_late_leaves_the_next_term_alone() -> None:
 
     result = sim.execute(script)
     assert result.verdict.violations == [] and result.errors == []
+
+
+def test_a_term_given_back_during_its_wait_passes_the_wait_on() -> None:
+    """kubernetes (found by the simulator): a person clears the holder of a Lease whose
+    holder is cut off and claims on; a standby takes it at once but must wait before it
+    claims. Stopped during that wait, it released the usual way (holder "", duration 1):
+    a standby starting then read a release and claimed at once, beside the cut-off holder.
+    The release now passes the wait on."""
+    sim = run("kubernetes")
+    server = sim.setup.models["apiserver"]
+
+    async def script(sim: Run) -> None:
+        await sim.until(sim.leader, 20)  # a new Lease waits out one lease duration
+        holder = leader_of(sim)
+        name = sim.settings.store.key(sim.settings.name)
+        holder.cut_off()
+        server.edit(name, lambda obj: obj["spec"].update(holderIdentity=""))
+        await sim.until(lambda: any(p.states[0].facts.holding for p in sim.live.values()
+                                    if p is not holder), 5)
+        waiting = next(p for p in sim.live.values() if p is not holder
+                       and p.states[0].facts.holding)
+        waiting.stop()  # during its wait for the cut-off holder's claims
+        third = next(p for p in sim.live.values() if p not in (holder, waiting))
+        third.kill()
+        await asyncio.sleep(0.5)
+        sim.start(third.identity)  # a fresh standby: it never saw the cleared term
+        await asyncio.sleep(30)
+
+    result = sim.execute(script)
+    assert result.verdict.violations == [] and result.errors == []

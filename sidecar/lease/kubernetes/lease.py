@@ -188,16 +188,26 @@ class KubeLease:
         """Give the lease back as client-go's ``ReleaseOnCancel`` does: holder ``""``,
         ``leaseDurationSeconds`` 1, ``acquireTime`` = ``renewTime`` = now, the count
         kept; standbys of either kind take over at once. With ``record`` the same write
-        records the release (:data:`.record.RELEASED_ANNOTATION`)."""
+        records the release (:data:`.record.RELEASED_ANNOTATION`). A term that has not
+        waited out an earlier one yet passes the wait on instead (below)."""
         mine, self._mine = self._mine, None
         if mine is None or self._ended:
             return
         api = await self._connected()
         base = self._unpreferred(self._latest_ours(mine))
+        # A term given back while it still waited for an earlier term's claims to run
+        # out (one ended by a hand edit, say) hands that wait on: holder cleared with the
+        # seconds left as its duration, and its own acquireTime kept, so that no standby
+        # reads a release and claims at once (a fresh one, that never saw the earlier
+        # term, least of all).
+        waiting = 0.0 if record else self._observer.claim_delay()
         for _ in range(2):
             now = micro_time(self._clock.wall())
-            released = replace(base, holder="", duration=1, transitions=mine.transitions,
-                               acquire_time=now, renew_time=now).recording_release(record)
+            duration, acquired = (1, now) if waiting <= 0 else (
+                math.ceil(waiting), mine.acquire_time)
+            released = replace(base, holder="", duration=duration,
+                               transitions=mine.transitions, acquire_time=acquired,
+                               renew_time=now).recording_release(record)
             try:
                 self._observe(await api.replace(self._object, released))
                 return
