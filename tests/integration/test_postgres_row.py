@@ -45,6 +45,10 @@ def settings_for(dsn: str, identity: str = "a", **extra: str):
     return load({"backend": "postgres-row", "dsn": dsn, "identity": identity, **extra}, env={})
 
 
+# The statements' token-era parameters when no era table is read: the era is the timeline.
+NO_ERA = {"era_tl": -1, "era_base": 0}
+
+
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True,
                           text=True, timeout=60)
@@ -53,7 +57,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 async def takeover_in_open_transaction(pg_dsn: str, name: str) -> tuple:
     """Rival ``b`` takes ``name`` over inside a transaction left open (the row stays locked)."""
     text, names = PostgresDialect().acquire.numeric()
-    params = {"name": name, "owner": "b", "duration": LONG}
+    params = {"name": name, "owner": "b", "duration": LONG, **NO_ERA}
     conn = await asyncpg.connect(pg_dsn)
     transaction = conn.transaction()
     await transaction.start()
@@ -75,7 +79,7 @@ async def test_a_takeover_committed_during_our_acquire_is_never_read_as_ours(
     await asyncio.sleep(0.6)
     conn, transaction = await takeover_in_open_transaction(pg_dsn, name)
     try:
-        params = {"name": name, "owner": "a", "duration": LONG}
+        params = {"name": name, "owner": "a", "duration": LONG, **NO_ERA}
         pending = asyncio.ensure_future(
             store.driver.fetch(store.dialect.acquire, params) if raw
             else store.acquire(name, "a", LONG))
