@@ -95,6 +95,10 @@ class Sidecar:
         self.shard_publishers: list[Publisher] = [files]
         if self.shard_board is not None:
             self.shard_publishers.append(self.shard_board)
+        if settings.shards and pod_label_wanted(settings):
+            from sidecar.publish.shard_count import ShardCountPublisher
+
+            self.shard_publishers.append(ShardCountPublisher(settings, self.shard_states))
         self.publishers: list[Publisher] = [files]
         if pod_label_wanted(settings):
             from sidecar.publish import events, pod_label
@@ -146,8 +150,8 @@ class Sidecar:
         await self.http.start()
         for publisher in self.publishers:
             await publisher.start()
-        if self.shard_board is not None:
-            await self.shard_board.start()
+        for publisher in self.shard_publishers[1:]:  # the file publisher has started
+            await publisher.start()
         if not self.contends:
             for state in [*self.states, *self.shard_states]:
                 state.update("api role", backend_ok=True, reason="role api never contends")

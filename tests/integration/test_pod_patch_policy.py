@@ -87,6 +87,7 @@ def _labels(**labels: str | None) -> dict[str, Any]:
 ROLE = "lease-role"
 GROUP = "lease-sidecar/group"
 LEASE_ANNOTATION = "lease-sidecar/lease"
+SHARDS_ANNOTATION = "lease-sidecar/shards"
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +139,8 @@ def test_the_sidecar_may_set_its_lease_labels_and_annotation(bed: Bed, bound: bo
     bed.pod(pod)
     kubeconfig = bed.kubeconfig(pod if bound else None)
     body = {"metadata": {"labels": {ROLE: "leader", GROUP: "lease-sidecar.jobs"},
-                         "annotations": {LEASE_ANNOTATION: '{"role": "leader"}'}}}
+                         "annotations": {LEASE_ANNOTATION: '{"role": "leader"}',
+                                         SHARDS_ANNOTATION: "12"}}}
     proc = bed.patch(kubeconfig, pod, body)
     assert proc.returncode == 0, proc.stderr
     for role in ("standby", "api", "leader"):
@@ -146,6 +148,7 @@ def test_the_sidecar_may_set_its_lease_labels_and_annotation(bed: Bed, bound: bo
     meta = bed.get(pod)["metadata"]
     assert meta["labels"] == {"app": "shop", ROLE: "leader", GROUP: "lease-sidecar.jobs"}
     assert meta["annotations"][LEASE_ANNOTATION] == '{"role": "leader"}'
+    assert meta["annotations"][SHARDS_ANNOTATION] == "12"
 
 
 DENIED = [
@@ -156,9 +159,9 @@ DENIED = [
     ("a removed label", _labels(app=None), "merge",
      "may change only the lease-role and lease-sidecar/group labels"),
     ("another annotation", {"metadata": {"annotations": {"team": "x"}}}, "merge",
-     "may change only the lease-sidecar/lease annotation"),
+     "may change only the lease-sidecar/lease and lease-sidecar/shards annotations"),
     ("a removed annotation", {"metadata": {"annotations": {"team": None}}}, "merge",
-     "may change only the lease-sidecar/lease annotation"),
+     "may change only the lease-sidecar/lease and lease-sidecar/shards annotations"),
     ("the image", {"spec": {"containers": [{"name": "app", "image": "example.invalid/evil:1"}]}},
      "strategic", "may not change a pod's spec"),
     ("a toleration", {"spec": {"tolerations": [{"key": "k", "operator": "Exists"}]}},
@@ -203,7 +206,8 @@ def test_a_pod_token_promotes_only_its_own_pod(bed: Bed) -> None:
     assert bed.patch(mine, "theirs", _labels(lease_role="standby")).returncode == 0
     for body in (_labels(lease_role="leader"), _labels(lease_role="api"),
                  {"metadata": {"labels": {GROUP: "other"}}},
-                 {"metadata": {"annotations": {LEASE_ANNOTATION: "{}"}}}):
+                 {"metadata": {"annotations": {LEASE_ANNOTATION: "{}"}}},
+                 {"metadata": {"annotations": {SHARDS_ANNOTATION: "0"}}}):
         proc = bed.patch(mine, "theirs", body)
         assert proc.returncode != 0, body
         assert ("a lease sidecar may change another pod only to demote it from leader to "

@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 
 from sidecar.shards.assign import assign
+from testkit.kube_support import SERVICE_ACCOUNT, create_pods
 from testkit.pgcount import CountingProxy
 from testkit.shards import ShardRecorder, moves, overlaps, token_problems
 from testkit.support import REPO, SidecarProcess, get_json, serving, wait_until
+from testkit.testbed.kube import ControlPlane
 
 FAST = ["--lease-duration", "2s", "--renew-interval", "300ms", "--renew-deadline", "1500ms",
         "--safety-margin", "300ms", "--claim-horizon", "100ms"]
@@ -221,3 +223,33 @@ def test_a_killed_members_shards_are_taken_within_the_takeover_bound(
     assert taken <= store.ttl + 2 * store.renew_interval * 1.05 + HORIZON + 1.5, taken
     assert overlaps(recorder.spans) == {}
     assert token_problems(recorder.spans) == []
+
+
+@pytest.mark.kube
+def test_each_pod_shows_how_many_shards_it_holds(
+        tmp_path: Path, control_plane: ControlPlane, kube_namespace: str) -> None:
+    """The annotation lease-sidecar/shards, read with the command docs/sharding.md gives
+    (kubectl's custom columns), follows the spread as pods come and go."""
+    control_plane.kubectl("-n", kube_namespace, "create", "serviceaccount", SERVICE_ACCOUNT)
+    create_pods(control_plane, kube_namespace, "pod-0", "pod-1")
+    env = {"KUBECONFIG": str(control_plane.kubeconfig), "POD_NAMESPACE": kube_namespace}
+    procs = [SidecarProcess(tmp_path, pod, env={**env, "POD_NAME": pod}, args=[
+        "--backend", "kubernetes", "--name", "work", "--shards", str(SHARDS), *KUBE_FAST])
+        for pod in ("pod-0", "pod-1")]
+
+    def shown() -> dict[str, str]:
+        out = control_plane.kubectl(
+            "-n", kube_namespace, "get", "pods", "--no-headers", "-o",
+            "custom-columns=POD:.metadata.name,SHARDS:.metadata.annotations.lease-sidecar/shards"
+        ).stdout
+        return dict(line.split() for line in out.strip().splitlines())
+
+    with serving(procs), ShardRecorder({p.identity: p.url for p in procs}, HORIZON) as rec:
+        wait_until(lambda: rec.settled(["pod-0", "pod-1"], SHARDS), timeout=30)
+        wait_until(lambda: shown() == {"pod-0": "6", "pod-1": "6"}, timeout=10)
+        procs[0].signal(signal.SIGTERM)
+        assert procs[0].proc is not None and procs[0].proc.wait(15) == 0
+        rec.remove("pod-0")
+        wait_until(lambda: rec.settled(["pod-1"], SHARDS), timeout=30)
+        wait_until(lambda: shown() == {"pod-0": "0", "pod-1": "12"}, timeout=10)
+    assert overlaps(rec.spans) == {}
