@@ -15,11 +15,12 @@ over the live members (:func:`sidecar.shards.assign.assign`) and
   with the release record, the successor named where the backend keeps a hint), once
   its view of the members has not changed for :data:`MOVE_AFTER` renew intervals — so
   the successor, which sees the same members at its own round trip, campaigns by then;
-- when it stops: leaves the group (its member record goes), waits until the others have
-  seen that (:data:`LEAVE_WAIT` renew intervals), then stops every elector at once,
-  each naming its shard's next member as its successor.
+- when it stops: leaves the group (its member record goes), follows the group until the
+  others have had a round trip since (:data:`LEAVE_WAIT` renew intervals), then stops
+  every elector at once, each naming its shard's next member — by the freshest view, so
+  members leaving together do not hand shards to each other — as its successor.
 
-A member that has just joined waits :data:`JOIN_WAIT` renew intervals before it campaigns,
+A member that has just joined waits for its :data:`JOIN_BEATS`-th round trip before it campaigns,
 so a group that starts together sees itself whole first instead of the first member up
 taking every shard. A member whose application is not ready (``LEASE_APP_READY_URL``,
 ``LEASE_APP_READY_CONTAINERS``) drops its member record until it is, so its shards go to
@@ -46,15 +47,21 @@ from sidecar.state import LeaseState
 
 log = logging.getLogger("sidecar.shards")
 
-# Renew intervals a newly joined member waits before it campaigns: the others' round
-# trips (one a renew interval, ±5 %) have shown them to it by then.
-JOIN_WAIT = 1.1
+# Round trips a newly joined member makes before it campaigns: its first writes its
+# record, and by its second (a renew interval later) the others' round trips (one a renew
+# interval, ±5 %) have shown them to it, and it to them.
+JOIN_BEATS = 2
 # Renew intervals the view of the members must stay the same before a member hands a
-# shard over: longer than JOIN_WAIT, so the successor campaigns when the release comes.
+# shard over. It saw a newcomer at a round trip after the newcomer's first, so the
+# newcomer campaigns (its second round trip, a renew interval ±5 % after its first) by
+# then.
 MOVE_AFTER = 1.5
-# Renew intervals a stopping member waits between dropping its record and handing its
-# shards over: every other member has had a round trip since.
+# Renew intervals a stopping member's view must hold still, after it dropped its record,
+# before it hands its shards over: every other member has had a round trip since the
+# last departure it saw.
 LEAVE_WAIT = 1.1
+# Renew intervals a stopping member follows the group at most before it hands over.
+LEAVE_LIMIT = 3
 # Why a shard leaves this member, as the metrics count it.
 MOVE_REASONS = ("rebalance", "shutdown", "lost")
 
@@ -93,7 +100,7 @@ class ShardManager:
         self.electors: dict[str, Elector] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ending: dict[str, asyncio.Task[None]] = {}  # electors told to stop
-        self._joined: float | None = None  # monotonic: our first successful round trip
+        self._beats = 0  # successful round trips so far
         self._leaving: tuple[str, ...] | None = None  # members without us, once stopping
         self._changed = asyncio.Event()  # a new view: the mover looks again
         self._loops: list[asyncio.Task[None]] = []
@@ -148,23 +155,32 @@ class ShardManager:
         self._loops.clear()
 
     async def _leave(self) -> None:
-        """Drop our record, learn who is left, and give the others a round trip to see
-        it; bounded, since a backend that does not answer must not hold the stop up
-        (every shard is then released with no successor named: first come wins)."""
+        """Drop our record; while we hold shards, keep following the group until the
+        others have had a round trip since (:data:`LEAVE_WAIT`), so the successors, seen
+        from the freshest view (members leaving at the same time are gone from it too),
+        campaign when the shards come. Bounded: a backend that does not answer must not
+        hold the stop up (the shards then go with no successor named: first come wins)."""
         self.group.advertise(False)
         interval = self._timing.renew_interval
         try:
             async with asyncio.timeout(3 * interval):
                 members = await self.group.next_beat()
+            changed = self._clock.monotonic()
+            self._leaving = tuple(m for m in members if m != self.identity)
+            log.info("left the shard group", extra={"members": len(self._leaving),
+                                                    "owned": len(self.owned())})
+            # Until the view has held still that long: members leaving at the same time
+            # drop their records at their own round trips, a renew interval apart.
+            async with asyncio.timeout(LEAVE_LIMIT * interval):
+                while self.owned() and self._clock.monotonic() - changed < LEAVE_WAIT * interval:
+                    members = await self.group.next_beat()
+                    left = tuple(m for m in members if m != self.identity)
+                    if left != self._leaving:
+                        self._leaving, changed = left, self._clock.monotonic()
         except Exception as exc:
-            log.warning("could not leave the shard group in time; handing shards over "
-                        "without successors", extra={"error": str(exc) or type(exc).__name__})
-            return
-        self._leaving = tuple(m for m in members if m != self.identity)
-        log.info("left the shard group", extra={"members": len(self._leaving),
-                                                "owned": len(self.owned())})
-        if self.owned():
-            await asyncio.sleep(LEAVE_WAIT * interval)
+            log.warning("could not follow the shard group while leaving; handing shards "
+                        "over to the last members seen", extra={
+                            "error": str(exc) or type(exc).__name__})
 
     # -- following the group -------------------------------------------------------------
     async def _follow(self) -> None:
@@ -178,8 +194,7 @@ class ShardManager:
                                  ok=False, error=str(exc) or type(exc).__name__)
                 continue
             now = self._clock.monotonic()
-            if self._joined is None:
-                self._joined = now
+            self._beats += 1
             if members != self.view.members or self.view.assignment is None:
                 assignment = self._assignment(members)
                 self.view = View(members, assignment, now, ok=True)
@@ -201,7 +216,7 @@ class ShardManager:
     def _campaign(self, now: float) -> None:
         """Start the electors of our shards, stop those of shards we neither get nor
         hold."""
-        if self._joined is None or now - self._joined < JOIN_WAIT * self._timing.renew_interval:
+        if self._beats < JOIN_BEATS:
             return
         assignment = self.view.assignment or {}
         for shard in self.shards:
