@@ -523,6 +523,30 @@ def chaos(r: Row) -> list[str]:
                 f"{r['restarts']} sidecar restarts, "
                 f"`{checkout_free(r['command'])}`."]
 
+def simulation(r: Row) -> list[str]:
+    """The deterministic simulator (testkit/sim): faults and simulated time per backend,
+    every claim judged, and how soon someone led once the faults stopped."""
+    rows = [[x["backend"], f"{x['faults']:,}", f"{x['simulated_h']:,.0f}", x["runs"],
+             f"{x['claims']:,}", f"{x['terms']:,}", x["violations"], x["errors"],
+             tenths(x["recovery_p50_s"]), tenths(x["recovery_max_s"])]
+            for x in r["backends"]]
+    total = sum(x["faults"] for x in r["backends"])
+    hours = sum(x["simulated_h"] for x in r["backends"])
+    bad = sum(x["violations"] + x["errors"] for x in r["backends"])
+    verdict = "**PASS**" if not bad else f"**FAIL** ({bad} violations or errors)"
+    return [*table(["backend", "faults", "simulated h", "runs", "claims judged", "terms",
+                    "violations", "errors", "leader back p50", "leader back max"], rows),
+            "", f"Verdict: {verdict}; {total:,} faults, {hours:,.0f} simulated hours in "
+                f"{r['wall_s']:,.0f} s of wall time on {r['cores']} cores. \"Leader back\": "
+                "seconds from the end of a phase of faults (everything healed, a hand edit "
+                "written back, now and then one application left not ready) to the first "
+                "claim."]
+
+
+def tenths(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f} s"
+
+
 # -- tables from several files -------------------------------------------------------------
 BACKENDS = ("sqlite", "postgres", "postgres-row", "kubernetes")
 
@@ -826,6 +850,7 @@ TABLES: dict[str, Table | Combined] = {
     "lean-apiserver": Table("lean.json", lean_apiserver, "lean"),
     "fence-zombie": Table("fence.json", fence_zombie, "fence"),
     "fence-cost": Table("fence.json", fence_cost, "fence"),
+    "simulation": Table("simulation.json", simulation, "simulation"),
     **{f"chaos-{b}": Table(f"chaos-{b}.json", chaos, f"chaos-{b}")
        for b in ("sqlite", "postgres", "postgres-row", "kubernetes")},
     "handover-answer": Combined(HANDOVER_SOURCES, handover_answer),

@@ -107,6 +107,9 @@ BENCHES: tuple[Bench, ...] = (
     Bench("fence", "bench.bench_fence", ("--zombie-writes", "10000"),
           ("--zombie-writes", "200", "--backends", "postgres-row", "--rounds", "1",
            "--seconds", "1"), ("postgres", "pgbouncer", "apiserver"), ("fence.json",)),
+    # The deterministic simulator: 10^6 faults over the five backends, as scripts/test runs.
+    Bench("simulation", "bench.bench_simulation", ("--faults", "1000000"),
+          ("--faults", "5000", "--chunk", "1000"), (), ("simulation.json",)),
     Bench("image", "bench.bench_image", (), (), ("image",), ("image.json",)),
     Bench("rollout", "bench.bench_rollout", ("--trials", "10"), ("--trials", "1"), ("pods",),
           ("rollout.json",)),

@@ -50,6 +50,12 @@ def _postgres(world: World, backend: str) -> Setup:
         cluster.crash_restart(down)
 
     def failover(run: Run, rng: random.Random) -> None:
+        if world.now() - cluster.upgraded_at < 60:
+            # An upgraded cluster runs a while before its standbys lag behind commits
+            # again: a promotion that lost the first commits after a pg_upgrade, then a
+            # second pg_upgrade before any later token, could repeat the lost era's
+            # tokens (outside the fault model, docs/design.md).
+            return
         cluster.standby_lag = rng.choice((0.0, 0.01, 0.3, 1.5))
         down = rng.uniform(0.5, 6)
         world.fault("pg-failover", f"lag {cluster.standby_lag}s down {down:.2f}s")

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -42,6 +43,8 @@ class Checker:
         # Processes inside a documented window: their claims may overlap others'.
         self._excused: set[str] = set()
         self._quiet_since: float | None = None
+        # The world's trace (the first claim of each term goes there).
+        self.trace: Callable[[str], None] | None = None
         self._first_claim_after_quiet: float | None = None
         self.now = 0.0
 
@@ -83,6 +86,8 @@ class Checker:
             return
         verdict.terms += 1
         self._terms[process] = (term, token)
+        if self.trace is not None:
+            self.trace(f"{process} claims: term {term}, token {token}")
         if token is None:
             self._violation(f"{process} claims without a fencing token (term {term})")
             return
@@ -95,6 +100,9 @@ class Checker:
     def quiet_began(self, at: float) -> None:
         self._quiet_since = at
         self._first_claim_after_quiet = None
+
+    def led_since_quiet(self) -> bool:
+        return self._first_claim_after_quiet is not None
 
     def quiet_ended(self, at: float, bound: float, leader_expected: bool = True) -> None:
         """Judge one quiet phase: a claim within ``bound`` of its start."""

@@ -358,6 +358,7 @@ class Cluster:
                                          copy.deepcopy(data))]
         # Seconds the standby's replay lags the primary's commits.
         self.standby_lag = 0.0
+        self.upgraded_at = float("-inf")  # when the last pg_upgrade's cluster came up
         self.sync_standby_stalled_until = float("-inf")
         self.sync_waits: dict[int, bool] = {}
         self.handlers = _handlers()
@@ -437,6 +438,7 @@ class Cluster:
         server = self.server
         if server is None:
             return
+        self.upgraded_at = self.world.now() + down_for
         server.crash()  # a clean shutdown first; clients see their sessions end
         self.server = None
         data = copy.deepcopy(server.data)

@@ -88,6 +88,7 @@ class Run:
         self.world = World(seed, trace)
         self.checker = Checker()
         self.world.excuse = lambda endpoint, on: self.checker.excuse(endpoint.name, on)
+        self.checker.trace = self.world.trace if trace is not None else None
         self.target = faults
         self.setup = setup(self.world)
         self.settings = config.load(env={"LEASE_BACKEND": backend, "LEASE_IDENTITY": "sim",
@@ -172,7 +173,7 @@ class Run:
         weights = [weight for weight, _, _ in menu]
         while sum(world.faults.values()) < self.target and not self.checker.verdict.violations:
             phase_end = world.now() + rng.uniform(20, 120)
-            rate = rng.choice((0.5, 2.0, 5.0))  # faults per second in this phase
+            rate = rng.choice((0.5, 2.0, 5.0, 20.0))  # faults per second in this phase
             while world.now() < phase_end and sum(world.faults.values()) < self.target:
                 await asyncio.sleep(rng.expovariate(rate))
                 inject = rng.choices(menu, weights)[0][2]
@@ -182,7 +183,15 @@ class Run:
             world.trace("quiet: everything healed")
             wait = bound + (self.stepped_back if self.setup.wall_clock_leases else 0.0)
             self.stepped_back = 0.0
-            await asyncio.sleep(wait)
+            # Until someone leads and a little after (renews, a release or two), at most
+            # the bound: then the next phase of faults.
+            ends = world.now() + wait
+            while world.now() < ends and not self.checker.led_since_quiet():
+                await asyncio.sleep(min(1.0, ends - world.now()))
+                for identity, process in list(self.live.items()):
+                    if process.exited:  # stopped during the faults, gone only now
+                        self.start(identity).app_ready = process.app_ready
+            await asyncio.sleep(min(5.0, max(0.0, ends - world.now())))
             self.checker.now = world.now()
             self.checker.quiet_ended(world.now(), wait)
             for process in self.live.values():
