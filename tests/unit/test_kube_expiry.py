@@ -306,6 +306,24 @@ def test_a_free_lease_with_a_preferred_holder_waits_for_it(clock: FakeClock) -> 
     assert observer.free_in("me") == pytest.approx(10.0)
 
 
+def test_a_sidecars_hint_counts_only_as_long_as_its_bound(clock: FakeClock) -> None:
+    """A hand-over hint names a standby that never comes (a typo, outside a pod where the
+    target cannot be checked): the others defer to it for the hint's own bound, not a
+    whole lease duration."""
+    obj = {"metadata": {"name": "lease-sidecar.x", "resourceVersion": "8", "uid": "u",
+                        "annotations": {"lease-sidecar/preferred-holder": "pdo-b",
+                                        "lease-sidecar/preferred-until":
+                                            "2026-12-01T10:00:03.000000Z"}},
+           "spec": {"holderIdentity": "", "leaseDurationSeconds": 1,
+                    "acquireTime": "2026-12-01T10:00:00.500000Z",
+                    "renewTime": "2026-12-01T10:00:00.500000Z"}}
+    observer = Observer(clock, cap=10)
+    observer.observe(record("other", "7"))
+    observer.observe(Record.from_object(obj))
+    assert observer.free_in("me") == pytest.approx(2.5)
+    assert observer.free_in("pdo-b") == 0.0
+
+
 def test_opaque_versions_compare_by_difference(clock: FakeClock) -> None:
     observer = Observer(clock, cap=10)
     observer.observe(record("other", "abc"))

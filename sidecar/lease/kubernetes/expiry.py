@@ -160,8 +160,11 @@ class Observer:
             wait = float(max(record.duration, min(self._term_longest, self._cap)))
         elif record.preferred_holder not in ("", identity):
             # Free, but someone is preferred: give it one (capped) lease duration to come
-            # and take it, as client-go's non-preferred candidates do.
-            wait = self._cap
+            # and take it, as client-go's non-preferred candidates do; a sidecar's hint
+            # only as long as its own bound (a named pod that never comes, a typo, costs
+            # the group that much, not a lease duration).
+            wait = self._cap if record.preference_for is None else min(
+                self._cap, max(0.0, record.preference_for))
         else:
             return 0.0
         return max(0.0, self.changed_at + wait - self._monotonic())

@@ -129,6 +129,10 @@ class Record:
     renew_time: str | None = None
     # spec.preferredHolder: someone asks the holder to end its term in this one's favour.
     preferred_holder: str = ""
+    # Seconds the preference counts from the write that carries it, where the hint
+    # annotations name it (their bound less renewTime, both of the writer's clock); None
+    # for the spec field, which carries no bound.
+    preference_for: float | None = None
     # metadata.creationTimestamp as Unix seconds: the fencing token's high part.
     created: int = 0
     # The release record's term (RELEASED_ANNOTATION), "" when there is none.
@@ -156,6 +160,8 @@ class Record:
                    renew_time=_micro(spec, "renewTime"),
                    preferred_holder=_text(spec, "preferredHolder") or _hinted(spec,
                                                                                annotations),
+                   preference_for=None if _text(spec, "preferredHolder") else
+                   _hint_left(spec, annotations),
                    created=_unix_seconds(metadata.get("creationTimestamp")),
                    released_term=_text(annotations, RELEASED_ANNOTATION),
                    uid=str(metadata.get("uid") or ""),
@@ -315,6 +321,18 @@ def _hinted(spec: dict[str, Any], annotations: dict[str, Any]) -> str:
     if renewed is None:
         return ""
     return holder if renewed <= until else ""
+
+
+def _hint_left(spec: dict[str, Any], annotations: dict[str, Any]) -> float | None:
+    """Seconds from the write to the hint's bound (both times written by the same
+    holder, so no two clocks are compared); None without a hint that counts."""
+    if not _hinted(spec, annotations):
+        return None
+    until = _instant(_text(annotations, HINT_UNTIL_ANNOTATION))
+    renewed = _instant(str(spec.get("renewTime")))
+    if until is None or renewed is None:
+        return None
+    return (until - renewed).total_seconds()
 
 
 def _instant(stamp: str) -> datetime | None:
