@@ -4,8 +4,8 @@
   the label) covers ``[asked, valid_until)`` on the true clock. It must not begin before
   every other process's claims have ended. (A process's ``valid_until`` is on its own
   monotonic clock; the world knows that clock's offset.) The one documented exception,
-  the advisory lock's termination notice, is an allowance the model grants while the
-  notice travels (:meth:`allow`).
+  the advisory lock's termination notice, is a window the model opens while the notice
+  travels to a holder that can hear it and closes when its claims stop (:meth:`excuse`).
 - **Tokens grow**: a term is one process's run of claims between two acquisitions. Its
   token never changes, and each term's token is larger than every token of the terms
   whose claims came before it.
@@ -34,9 +34,9 @@ class Verdict:
 class Checker:
     def __init__(self) -> None:
         self.verdict = Verdict()
-        self._ends: dict[str, float] = {}  # process -> latest claim end (true time)
-        # The same, of claims handed out outside a documented window (``excuse``).
-        self._strict_ends: dict[str, float] = {}
+        # process -> the latest end (true time) of the claims it handed out outside a
+        # documented window (``excuse``)
+        self._ends: dict[str, float] = {}
         self._terms: dict[str, tuple[int, int | None]] = {}  # process -> (term, token)
         self._highest = -math.inf
         self._highest_by = ""
@@ -63,21 +63,19 @@ class Checker:
         verdict.claims += 1
         if self._quiet_since is not None and self._first_claim_after_quiet is None:
             self._first_claim_after_quiet = at
-        excused = process in self._excused
-        if not excused:
-            for other, end in self._strict_ends.items():
-                if other != process and end > at:
-                    self._violation(
-                        f"overlap: {process} claims at {at:.4f} (term {term}, token {token}) "
-                        f"while {other}'s claim runs until {end:.4f}")
-            if until > self._strict_ends.get(process, -math.inf):
-                self._strict_ends[process] = until
-        else:
+        if process in self._excused:
             # Inside the window the old holder's claims carry its older token: the
             # downstream refuses it (what the token is for), so neither overlap nor order
             # is judged.
             verdict.excused += 1
             return
+        for other, end in self._ends.items():
+            if other != process and end > at:
+                self._violation(
+                    f"overlap: {process} claims at {at:.4f} (term {term}, token {token}) "
+                    f"while {other}'s claim runs until {end:.4f}")
+        if until > self._ends.get(process, -math.inf):
+            self._ends[process] = until
         current = self._terms.get(process)
         if current is not None and current[0] == term:
             if current[1] != token:
