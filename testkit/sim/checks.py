@@ -1,16 +1,18 @@
-"""The checkers, judged on the world's true clock as each claim is handed out.
+"""The checkers, judged on the world's true clock as each claim is handed out, for each
+lease name (a shard is one) on its own.
 
 - **No overlap**: a claim handed out by one process (a ``GET /leader`` answer, the file,
   the label) covers ``[asked, valid_until)`` on the true clock. It must not begin before
-  every other process's claims have ended. (A process's ``valid_until`` is on its own
-  monotonic clock; the world knows that clock's offset.) The one documented exception,
-  the advisory lock's termination notice, is a window the model opens while the notice
-  travels to a holder that can hear it and closes when its claims stop (:meth:`excuse`).
-- **Tokens grow**: a term is one process's run of claims between two acquisitions. Its
-  token never changes, and each term's token is larger than every token of the terms
-  whose claims came before it.
+  every other process's claims of the same lease have ended. (A process's
+  ``valid_until`` is on its own monotonic clock; the world knows that clock's offset.)
+  The one documented exception, the advisory lock's termination notice, is a window the
+  model opens while the notice travels to a holder that can hear it and closes when its
+  claims stop (:meth:`Checker.excuse`).
+- **Tokens grow**: a term is one process's run of claims of a lease between two
+  acquisitions. Its token never changes, and each term's token is larger than every
+  token of the lease's terms whose claims came before it.
 - **Liveness**: after the faults stop and everything is healed, some process claims
-  within the backend's bound (:meth:`quiet_began` / :meth:`quiet_ended`).
+  within the backend's bound (:meth:`Checker.quiet_began` / :meth:`Checker.quiet_ended`).
 """
 
 from __future__ import annotations
@@ -31,21 +33,28 @@ class Verdict:
     recoveries: list[float] = field(default_factory=list)
 
 
+@dataclass
+class _Lease:
+    """What the checker keeps of one lease name."""
+
+    # process -> the latest end (true time) of the claims it handed out outside a
+    # documented window
+    ends: dict[str, float] = field(default_factory=dict)
+    terms: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # process -> term
+    highest: float = -math.inf
+    highest_by: str = ""
+
+
 class Checker:
     def __init__(self) -> None:
         self.verdict = Verdict()
-        # process -> the latest end (true time) of the claims it handed out outside a
-        # documented window (``excuse``)
-        self._ends: dict[str, float] = {}
-        self._terms: dict[str, tuple[int, int | None]] = {}  # process -> (term, token)
-        self._highest = -math.inf
-        self._highest_by = ""
+        self._leases: dict[str, _Lease] = {}
         # Processes inside a documented window: their claims may overlap others'.
         self._excused: set[str] = set()
         self._quiet_since: float | None = None
+        self._first_claim_after_quiet: float | None = None
         # The world's trace (the first claim of each term goes there).
         self.trace: Callable[[str], None] | None = None
-        self._first_claim_after_quiet: float | None = None
         self.now = 0.0
 
     def excuse(self, process: str, on: bool) -> None:
@@ -57,7 +66,7 @@ class Checker:
         else:
             self._excused.discard(process)
 
-    def claimed(self, process: str, term: int, token: int | None, at: float,
+    def claimed(self, process: str, lease: str, term: int, token: int | None, at: float,
                 until: float) -> None:
         verdict = self.verdict
         verdict.claims += 1
@@ -69,31 +78,32 @@ class Checker:
             # is judged.
             verdict.excused += 1
             return
-        for other, end in self._ends.items():
+        seen = self._leases.setdefault(lease, _Lease())
+        for other, end in seen.ends.items():
             if other != process and end > at:
                 self._violation(
-                    f"overlap: {process} claims at {at:.4f} (term {term}, token {token}) "
-                    f"while {other}'s claim runs until {end:.4f}")
-        if until > self._ends.get(process, -math.inf):
-            self._ends[process] = until
-        current = self._terms.get(process)
+                    f"overlap on {lease}: {process} claims at {at:.4f} (term {term}, token "
+                    f"{token}) while {other}'s claim runs until {end:.4f}")
+        if until > seen.ends.get(process, -math.inf):
+            seen.ends[process] = until
+        current = seen.terms.get(process)
         if current is not None and current[0] == term:
             if current[1] != token:
-                self._violation(f"token changed within a term: {process} term {term} "
-                                f"{current[1]} -> {token}")
+                self._violation(f"token changed within a term of {lease}: {process} term "
+                                f"{term} {current[1]} -> {token}")
             return
         verdict.terms += 1
-        self._terms[process] = (term, token)
+        seen.terms[process] = (term, token)
         if self.trace is not None:
-            self.trace(f"{process} claims: term {term}, token {token}")
+            self.trace(f"{process} claims {lease}: term {term}, token {token}")
         if token is None:
-            self._violation(f"{process} claims without a fencing token (term {term})")
+            self._violation(f"{process} claims {lease} without a fencing token (term {term})")
             return
-        if token <= self._highest:
-            self._violation(f"token did not grow: {process} term {term} claims with {token} "
-                            f"after {self._highest_by}'s {self._highest:.0f}")
-        if token > self._highest:
-            self._highest, self._highest_by = token, process
+        if token <= seen.highest:
+            self._violation(f"token of {lease} did not grow: {process} term {term} claims "
+                            f"with {token} after {seen.highest_by}'s {seen.highest:.0f}")
+        if token > seen.highest:
+            seen.highest, seen.highest_by = token, process
 
     def quiet_began(self, at: float) -> None:
         self._quiet_since = at

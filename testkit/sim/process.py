@@ -33,13 +33,16 @@ class RecordingState(LeaseState):
 
     process: SimSidecar
 
+    # This lease's terms so far in this process (each acquisition begins one).
+    term = 0
+
     def update(self, event: str | None = None, **changes: Any) -> Any:
         # The application asks right before every change of the facts: the latest claim
         # the facts that end now can hand out (an application that polls without pause
         # would get it), so the checker sees each term's claims at their longest.
         self.claim()
         if event == "acquired":
-            self.process.term += 1
+            self.term += 1
         facts = super().update(event, **changes)
         if not facts.holding or facts.released:
             self.process.world.excuse(self.process, False)  # the term's claims stopped
@@ -54,8 +57,9 @@ class RecordingState(LeaseState):
             process = self.process
             now = process.world.now()
             process.checker.now = now
-            process.checker.claimed(process.name, process.term, claim.facts.fencing_token,
-                                    now, claim.valid_until - process.clock.mono_offset)
+            process.checker.claimed(process.name, self.lease, self.term,
+                                    claim.facts.fencing_token, now,
+                                    claim.valid_until - process.clock.mono_offset)
         return claim
 
 
@@ -72,7 +76,6 @@ class SimSidecar(Endpoint):
         # Seconds since its host booted, as CLOCK_MONOTONIC counts (never negative).
         self.clock = SimClock(world.loop, host, world.rng.uniform(0, 1e6))
         self._make_backend = backend
-        self.term = 0
         self.app_ready = True
         self.backend: Backend | None = None
         self.states: list[RecordingState] = []

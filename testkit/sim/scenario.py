@@ -91,8 +91,10 @@ class Run:
         self.checker.trace = self.world.trace if trace is not None else None
         self.target = faults
         self.setup = setup(self.world)
+        # Now and then a sidecar holds two lease names, each judged on its own.
+        names = {"LEASE_NAME": "default,reports"} if self.world.rng.random() < 0.2 else {}
         self.settings = config.load(env={"LEASE_BACKEND": backend, "LEASE_IDENTITY": "sim",
-                                         **self.setup.env, **(env or {})})
+                                         **names, **self.setup.env, **(env or {})})
         self.entry = backend_entry(backend)
         shared = self.setup.host or Host("host")
         self.hosts = {f"p{i}": shared if self.setup.one_host else Host(f"host-{i}")

@@ -107,11 +107,11 @@ def test_a_renew_that_committed_while_its_reply_was_lost_keeps_the_term() -> Non
     async def script(sim: Run) -> None:
         await sim.until(sim.leader, 10)
         leader = leader_of(sim)
-        term = leader.term
+        term = leader.states[0].term
         await asyncio.sleep(1.0)
         cluster.sync_standby_stalled_until = sim.world.now() + 6.0
         await asyncio.sleep(12.0)
-        kept.append(leader.term == term and leader.leads())
+        kept.append(leader.states[0].term == term and leader.leads())
 
     result = sim.execute(script)
     assert result.verdict.violations == [] and result.errors == []
@@ -132,14 +132,14 @@ def test_a_release_that_lands_late_leaves_the_next_term_alone() -> None:
         others = [p for p in sim.live.values() if p is not leader]
         for other in others:  # the leader's next term comes first
             other.app_ready = False
-        term = leader.term
+        term = leader.states[0].term
         latency = sim.world.latency
         sim.world.latency = lambda endpoint: 20.0 if endpoint is leader else latency(endpoint)
         for elector in leader.electors:
             sim.world.loop.call_soon(elector.request_release, context=leader.context)
         await sim.until(lambda: not leader.states[0].facts.holding, 5)  # release sent
         sim.world.latency = latency
-        await sim.until(lambda: leader.term > term and leader.leads(), 20)
+        await sim.until(lambda: leader.states[0].term > term and leader.leads(), 20)
         for other in others:
             other.app_ready = True
         await asyncio.sleep(30)
