@@ -24,7 +24,7 @@ import pytest
 from sidecar.shards.assign import assign
 from testkit.kube_support import SERVICE_ACCOUNT, create_pods
 from testkit.pgcount import CountingProxy
-from testkit.shards import ShardRecorder, moves, overlaps, token_problems
+from testkit.shards import ShardRecorder, moves, overlaps, token_problems, unowned
 from testkit.support import REPO, SidecarProcess, get_json, serving, wait_until
 from testkit.testbed.kube import ControlPlane
 
@@ -253,3 +253,32 @@ def test_each_pod_shows_how_many_shards_it_holds(
         wait_until(lambda: rec.settled(["pod-1"], SHARDS), timeout=30)
         wait_until(lambda: shown() == {"pod-0": "0", "pod-1": "12"}, timeout=10)
     assert overlaps(rec.spans) == {}
+
+
+def test_members_leaving_together_hand_their_shards_to_the_ones_that_stay(
+        tmp_path: Path, store: Store) -> None:
+    """Two of four members get SIGTERM at once: each drops its record, waits until its
+    view holds still (the other leaver gone too), then hands every shard straight to its
+    member among the two that stay: each shard moves once, with no unowned time beyond a
+    hand-over's (a claim horizon and a few round trips)."""
+    names = ["a", "b", "c", "d"]
+    # A renew interval long against the claim horizon: a shard released before its next
+    # member campaigns would wait for that member's next round trip, a second.
+    store.timing = ["--lease-duration", "5s", "--renew-interval", "1s", "--renew-deadline",
+                    "4s", "--safety-margin", "1s", "--claim-horizon", "100ms"]
+    with serving([member(tmp_path, store, n) for n in names]) as procs, \
+            ShardRecorder({p.identity: p.url for p in procs}, HORIZON) as recorder:
+        wait_until(lambda: recorder.settled(names, SHARDS), timeout=30)
+        left = time.time()
+        for proc in procs[2:]:
+            proc.signal(signal.SIGTERM)
+        for proc in procs[2:]:
+            assert proc.proc is not None and proc.proc.wait(30) == 0
+            recorder.remove(proc.identity)
+        wait_until(lambda: recorder.settled(names[:2], SHARDS), timeout=30)
+        time.sleep(0.5)
+        moved = moves(recorder.spans, left)
+        gaps = unowned(recorder.spans, left)
+    assert moved == changes(names, names[:2])
+    assert max(gaps) <= 3 * HORIZON + 0.3, sorted(gaps)
+    assert overlaps(recorder.spans) == {}

@@ -125,8 +125,8 @@ class AdvisoryShardGroup:
         self._key = settings.store.key
         self._session: Session | None = None
         self._busy = asyncio.Lock()  # one statement at a time on the session
-        self._advertise = True
         self._free = asyncio.Event()  # a NOTIFY: some shard of the group was released
+        self._last_free = float("-inf")  # monotonic: the last NOTIFY
         self._timelines = Timelines()
         self._refusal: str | None = None
         self._leases: dict[str, SharedLease] = {}
@@ -146,7 +146,7 @@ class AdvisoryShardGroup:
         """Nothing to close: the lease keeps nothing open of its own."""
 
     def advertise(self, member: bool) -> None:
-        self._advertise = member
+        self._beats.advertise(member)
 
     async def next_beat(self) -> tuple[str, ...]:
         return await self._beats.next_beat()
@@ -202,10 +202,16 @@ class AdvisoryShardGroup:
             self._gone()
 
     def _notified(self, conn: object, pid: int, channel: str, payload: object) -> None:
+        self._last_free = self._clock.monotonic()
         free, self._free = self._free, asyncio.Event()
         free.set()
 
-    async def wait_for_free(self, timeout: float) -> None:
+    async def wait_for_free(self, timeout: float, since: float) -> None:
+        """Until a release in the group is announced, or ``timeout``; at once if one was
+        since ``since`` (the caller's last try: a release between that try and this
+        wait must not be slept through)."""
+        if self._last_free > since:
+            return
         event = self._free
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
@@ -315,6 +321,7 @@ class SharedLease:
         self._session: Session | None = None  # the session our lock is on
         self._token: int | None = None
         self._registration = 0
+        self._tried = float("-inf")  # monotonic: our last acquire's send time
         # Set the moment the session holding our lock ends: the elector renews at once.
         self.lost: asyncio.Event | None = asyncio.Event()
 
@@ -333,6 +340,7 @@ class SharedLease:
     async def try_acquire(self) -> Grant:
         if self._session is not None:
             return await self.try_renew()
+        self._tried = self._group._clock.monotonic()
         return await self._group.take(self)
 
     async def try_renew(self) -> Grant:
@@ -361,7 +369,7 @@ class SharedLease:
                       fencing_token=self._token)
 
     async def wait_for_change(self, timeout: float) -> None:
-        await self._group.wait_for_free(timeout)
+        await self._group.wait_for_free(timeout, self._tried)
 
 
 def make_advisory_group(backend: Backend, settings: Settings, clock: Clock,
