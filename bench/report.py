@@ -296,6 +296,54 @@ def kube_names(r: Row) -> list[str]:
                 f"{extra['cpu_percent']:g} % of a core."]
 
 
+def shards_moves(r: Row) -> list[str]:
+    """bench_shards' scale rows: per backend and change of members."""
+    rows = []
+    for backend, entry in r["backends"].items():
+        part = entry.get("scale")
+        if not part:
+            continue
+        for change, x in part["per_change"].items():
+            balanced, gaps = x["balanced_s"], x["unowned_ms"]
+            rows.append([
+                f"`{backend}`", change,
+                " / ".join(f"{m} / {least}" for m, least in zip(x["moved"], x["least"],
+                                                                 strict=True)),
+                f"{x['worst_ratio']:.2f}", x["moved_twice"],
+                "—" if not balanced else f"{balanced['p50']:g} / {balanced['p99']:g} s",
+                "—" if not gaps else f"{ms(gaps['p50'])} / {ms(gaps['p99'])} ms "
+                                     f"(n {gaps['n']})",
+                f"{ms(part['unowned_bound_ms'])} ms", part["overlaps"]])
+    return [*table(["backend", "members", "moved / least", "worst moved ÷ least",
+                    "moved twice", "to balanced p50 / p99", "unowned per move p50 / p99",
+                    "two horizons + a round trip", "moments with two claimants"], rows,
+                   right=2),
+            "", f"{r['shards']} shards, default timing; every member's `GET /shards` "
+                f"recorded every {r['poll_ms']:g} ms."]
+
+
+def shards_cost(r: Row) -> list[str]:
+    """bench_shards' cost rows: round trips per renew interval of one member."""
+    counts = sorted({row["shards"] for entry in r["backends"].values()
+                     for row in entry.get("cost", [])})
+    rows = []
+    for backend, entry in r["backends"].items():
+        by = {row["shards"]: row for row in entry.get("cost", [])}
+        if not by:
+            continue
+        cells = []
+        for count in counts:
+            row = by.get(count)
+            if row is None or "error" in row:
+                cells.append("not measured" if row is None else f"failed: {row['error']}")
+            else:
+                cells.append(f"{row['round_trips_per_renew_interval']:g} "
+                             f"({row['rss_mib']:g} MiB)")
+        rows.append([f"`{backend}`", f"{entry['renew_interval_s']:g} s", *cells])
+    return table(["backend", "renew interval", *(f"{c:,} shards" for c in counts)], rows,
+                 right=1)
+
+
 def clientgo_interop(r: Row) -> list[str]:
     labels = {"SIGTERM sidecar->client-go": "SIGTERM, sidecar → client-go (`OnStartedLeading`)",
               "SIGTERM client-go->sidecar": "SIGTERM, client-go → sidecar (first `200`)",
@@ -851,6 +899,8 @@ TABLES: dict[str, Table | Combined] = {
     "fence-zombie": Table("fence.json", fence_zombie, "fence"),
     "fence-cost": Table("fence.json", fence_cost, "fence"),
     "simulation": Table("simulation.json", simulation, "simulation"),
+    "shards-moves": Table("shards.json", shards_moves, "shards"),
+    "shards-cost": Table("shards.json", shards_cost, "shards"),
     **{f"chaos-{b}": Table(f"chaos-{b}.json", chaos, f"chaos-{b}")
        for b in ("sqlite", "postgres", "postgres-row", "kubernetes")},
     "handover-answer": Combined(HANDOVER_SOURCES, handover_answer),

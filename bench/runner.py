@@ -110,6 +110,12 @@ BENCHES: tuple[Bench, ...] = (
     # The deterministic simulator: 10^6 faults over the five backends, as scripts/test runs.
     Bench("simulation", "bench.bench_simulation", ("--faults", "1000000"),
           ("--faults", "5000", "--chunk", "1000"), (), ("simulation.json",)),
+    # A shard set of 256 shards on 3 -> 4 -> 8 -> 3 members, and one member's round
+    # trips per renew interval for 16, 256 and 1,024 shards, on every backend.
+    Bench("shards", "bench.bench_shards", ("--trials", "2"),
+          ("--trials", "1", "--shards", "24", "--cost", "16", "--backends",
+           "sqlite,postgres-row,postgres,kubernetes"), ("postgres", "apiserver"),
+          ("shards.json",)),
     Bench("image", "bench.bench_image", (), (), ("image",), ("image.json",)),
     Bench("rollout", "bench.bench_rollout", ("--trials", "10"), ("--trials", "1"), ("pods",),
           ("rollout.json",)),
