@@ -103,11 +103,15 @@ def metrics_table() -> str:
 
     from sidecar.metrics import registry_for
     from sidecar.publish.http.limits import Limits
+    from sidecar.publish.shards import ShardBoard
     from sidecar.state import LeaseState
 
-    # What /metrics serves: the lease collector, the process collector, the HTTP bounds.
+    # What /metrics serves: the lease collector, the process collector, the HTTP bounds,
+    # and the shard set's collector where LEASE_SHARDS is set.
     state = LeaseState(lease="x", identity="me", role="all", claim_horizon=0.25)
-    registry: CollectorRegistry = registry_for([state], Limits())
+    shard = LeaseState(lease="x-0", identity="me", role="all", claim_horizon=0.25)
+    board = ShardBoard([shard], "me", lambda: {"members": 1, "assigned": [], "ok": True})
+    registry: CollectorRegistry = registry_for([state], Limits(), board)
     rows = ["| name | type | labels | meaning |", "|---|---|---|---|"]
     process = False
     for family in registry.collect():
