@@ -3,13 +3,17 @@ driver uses, and the faults only those servers have."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import shutil
 import sqlite3
 import tempfile
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from asyncinotify import Mask
 
 from sidecar.lease.kubernetes import record as kube_record
 from sidecar.lease.kubernetes import transport as kube_transport
@@ -285,26 +289,102 @@ def sqlserver(world: World) -> Setup:
 
 
 # -- SQLite -------------------------------------------------------------------------------------
+class _CommitEvents:
+    """The database file's side of the processes. inotify on its directory, for the
+    simulated loop (it has no file descriptors): every commit on the file, by any
+    connection, reaches each open watch as the event a real commit ends with, its
+    rollback journal deleted. Polling instead (the fallback where inotify is missing)
+    cost the loop ten wake-ups a second per standby and left the production path
+    untested."""
+
+    def __init__(self, basename: str) -> None:
+        self._journal = basename + "-journal"
+        self._open: set[_Watch] = set()
+        # Each process's connections: its kernel closes them when it is killed (and
+        # with them its locks on the file), as the servers' models drop its sockets.
+        self._connections: dict[Endpoint, list[sqlite3.Connection]] = {}
+
+    def opened(self, conn: sqlite3.Connection) -> None:
+        if (owner := _endpoint()) is not None:
+            self._connections.setdefault(owner, []).append(conn)
+
+    def client_gone(self, endpoint: Endpoint) -> None:
+        for conn in self._connections.pop(endpoint, []):
+            conn.close()
+
+    def cut(self, endpoint: Endpoint) -> None:
+        pass  # a file on the same host: nothing between the process and it
+
+    def open(self, commit_watch: Any) -> _Watch:
+        watch = _Watch(self._open)
+        commit_watch._inotify = watch
+        return watch
+
+    def committed(self) -> None:
+        event = _Event(self._journal, Mask.DELETE)
+        for watch in self._open:
+            watch.events.put_nowait(event)
+
+
+@dataclass(frozen=True)
+class _Event:
+    name: str
+    mask: Mask
+
+
+class _Watch:
+    def __init__(self, registry: set[_Watch]) -> None:
+        self.events: asyncio.Queue[_Event] = asyncio.Queue()
+        self._registry = registry
+        registry.add(self)
+
+    async def get(self) -> _Event:
+        return await self.events.get()
+
+    def close(self) -> None:
+        self._registry.discard(self)
+
+
 class _SqliteOnHostClock:
     """``sqlite3`` for the store: real SQLite on a real file, whose ``julianday('now')``
     reads the simulated host's wall clock (SQLite lets a function of the application
-    replace a built-in one of the same name and arity)."""
+    replace a built-in one of the same name and arity), and whose commits the simulated
+    inotify hears of."""
 
-    def __init__(self, world: World, host: Host) -> None:
+    def __init__(self, world: World, host: Host, events: _CommitEvents) -> None:
         self._world = world
         self._host = host
+        self._events = events
 
     def __getattr__(self, name: str) -> Any:
         return getattr(sqlite3, name)
 
     def connect(self, *args: Any, **kwargs: Any) -> sqlite3.Connection:
-        conn = sqlite3.connect(*args, **kwargs)
-        world, host = self._world, self._host
+        events = self._events
+
+        class Heard(sqlite3.Connection):
+            changes_before = 0  # rows changed before the open transaction began
+
+            def execute(self, sql: str, *params: Any) -> sqlite3.Cursor:
+                if not self.in_transaction:
+                    self.changes_before = self.total_changes
+                try:
+                    return super().execute(sql, *params)
+                finally:
+                    # A commit that wrote nothing leaves no journal to delete: no event.
+                    if not self.in_transaction and self.total_changes != self.changes_before:
+                        events.committed()
+
+        conn = sqlite3.connect(*args, **kwargs, factory=Heard)
+        events.opened(conn)
+        # Weakly: SQLite holds the function where the garbage collector cannot see it,
+        # and a strong reference kept every finished run's world alive (500 MB a run).
+        world, host = weakref.ref(self._world), self._host
 
         def julianday(value: str) -> float | None:
             if value != "now":
                 return None
-            return host.wall(world.now()) / 86400.0 + 2440587.5
+            return host.wall(world().now()) / 86400.0 + 2440587.5  # type: ignore[union-attr]
         conn.create_function("julianday", 1, julianday)
         return conn
 
@@ -313,9 +393,11 @@ def sqlite(world: World) -> Setup:
     host = Host("host")
     directory = tempfile.mkdtemp(prefix="lease-sim-")
     weakref.finalize(world, shutil.rmtree, directory, True)
+    events = _CommitEvents("leases.db")
+    world.servers.append(events)
 
-    def no_inotify(self: Any) -> None:
-        return None  # the simulated loop has no file descriptors: poll the file
+    def heard_commits(watch: sqlite_watch.CommitWatch) -> _Watch:
+        return events.open(watch)  # in place of CommitWatch._open: a method, bound to watch
 
     return Setup(env={"LEASE_DSN": f"{directory}/leases.db"}, one_host=True, host=host,
                  # One file on one host: no network between the sidecars and the store;
@@ -323,8 +405,8 @@ def sqlite(world: World) -> Setup:
                  # that, claims may overlap: docs/backends.md says so).
                  excluded=frozenset({"partition", "lost-replies"}), max_forward_step=0.5,
                  wall_clock_leases=True,
-                 patches=[(sqlite_store, "sqlite3", _SqliteOnHostClock(world, host)),
-                          (sqlite_watch.CommitWatch, "_open", no_inotify)])
+                 patches=[(sqlite_store, "sqlite3", _SqliteOnHostClock(world, host, events)),
+                          (sqlite_watch.CommitWatch, "_open", heard_commits)])
 
 
 SETUPS: dict[str, Callable[[World], Setup]] = {

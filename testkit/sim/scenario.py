@@ -358,6 +358,12 @@ def _clock_step(run: Run, rng: random.Random) -> None:
     step = rng.choice((-1, 1)) * rng.choice((0.05, 0.5, 5.0, 60.0))
     if step > run.setup.max_forward_step:
         step = -step
+    # Where leases run on the hosts' wall clock, a step back lengthens the lease by as
+    # much and nobody can take it meanwhile: past two lease durations back in a phase
+    # the clock steps forward instead, or the run spends its time waiting steps out.
+    if run.setup.wall_clock_leases and \
+            run.stepped_back - step > 2 * run.settings.timing.lease_duration:
+        step = min(-step, run.setup.max_forward_step)
     run.stepped_back += max(0.0, -step)
     run.world.fault("clock-step", f"{host.name} {step:+.2f}s")
     host.offset += step
@@ -371,16 +377,22 @@ def _end(loop: asyncio.AbstractEventLoop, processes: Any) -> None:
     hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
     disabled = logging.root.manager.disable
     logging.disable(logging.CRITICAL)  # what the closed coroutines' handlers would log
+    # What a finally block schedules with ensure_future lands on this loop, whose close
+    # drops it; on the thread's default loop it kept every finished run alive.
+    asyncio.set_event_loop(loop)
     try:
-        for task in asyncio.all_tasks(loop):
-            coro = task.get_coro()
-            with contextlib.suppress(BaseException):
-                coro.close()  # type: ignore[union-attr]  # tasks run coroutines here
+        closed: set[asyncio.Task[Any]] = set()
+        while pending := asyncio.all_tasks(loop) - closed:  # a finally block's own tasks
+            for task in pending:
+                with contextlib.suppress(BaseException):
+                    task.get_coro().close()  # type: ignore[union-attr]  # coroutines here
+            closed |= pending
         with contextlib.suppress(Exception):
             loop.close()
         del processes
         gc.collect()
     finally:
+        asyncio.set_event_loop(None)
         sys.unraisablehook = hook
         logging.disable(disabled)
 
