@@ -5,6 +5,7 @@ with every extra's modules made unimportable, as in the sidecar image or a bare
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -12,7 +13,16 @@ import pytest
 
 from testkit.support import REPO
 
-COMMANDS = ("run", "exec", "schema", "status", "handover", "operator")
+
+def _commands() -> tuple[str, ...]:
+    """The parser's own list, so a new command is held to these tests at once."""
+    from sidecar.cli import _parser
+
+    (sub,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return tuple(sub.choices)
+
+
+COMMANDS = _commands()
 # The modules the extras bring (postgres, sqlserver, injector).
 EXTRAS = ("asyncpg", "pyodbc", "kopf", "kubernetes", "cryptography")
 
@@ -58,3 +68,9 @@ def test_a_bad_operator_flag_is_refused_without_the_extra() -> None:
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "unrecognized arguments: --no-such-flag" in done.stderr
+
+
+def test_docs_cli_lists_every_command() -> None:
+    table = (REPO / "docs" / "cli.md").read_text().split("## Stopping")[0]
+    for command in COMMANDS:
+        assert f"| `lease-sidecar {command}" in table, f"docs/cli.md lacks {command}"
