@@ -177,9 +177,15 @@ class Elector:
             # advisory lock's) can be granted while we sit out, and nothing else gives
             # it back: nobody could lead for as long as the application stays not ready.
             await self._give_back(why_not)
-            self.state.update(reason=why_not)
+            changed = self.state.facts.sitting_out != why_not
+            self.state.update(reason=why_not, sitting_out=why_not)
+            if changed:
+                await self._notify()  # the pod annotation: no hand-over to us meanwhile
             await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
             return
+        if self.state.facts.sitting_out is not None:
+            self.state.update(sitting_out=None)
+            await self._notify()
         other = await self._successor_named(before_acquire=True)
         if other is not None:
             # A leader handed the lease to another standby: stay out of the race while

@@ -11,12 +11,13 @@ publisher); its pod name is its identity (the sidecar's default). The elector th
 hands over to it (:meth:`sidecar.elector.Elector.shutdown`).
 
 A pod can lead (:func:`cannot_lead`) when its sidecar campaigns for our lease: it is
-not being deleted, it is Ready, and its sidecar says ``lease-role=standby`` (``api``
-never campaigns; no label: no sidecar of ours has published there yet). A pick that
-cannot lead would make the other standbys stand aside for nothing, so neither the
-successor nor a ``?to=`` is ever such a pod. What a pod cannot show — a sidecar sitting
-out under ``LEASE_APP_READY_URL`` while its pod is Ready — is bounded by the hand-over
-hint's own lifetime (:meth:`sidecar.elector.Elector._name_successor`).
+not being deleted, it is Ready, its sidecar says ``lease-role=standby`` (``api`` never
+campaigns; no label: no sidecar of ours has published there yet) and its annotation
+does not say it sits out (an application not ready under ``LEASE_APP_READY_URL``, which
+the pod's own readiness need not show). A pick that cannot lead would make the other
+standbys stand aside for nothing, so neither the successor nor a ``?to=`` is ever such
+a pod. What the pod shows late (the annotation trails the sidecar by a PATCH) is bounded
+by the hand-over hint's own lifetime (:meth:`sidecar.elector.Elector._name_successor`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from urllib.parse import quote
 
 from sidecar.appready import pod_problem
 from sidecar.kubeapi import KubeClient, KubeError
-from sidecar.publish.pod_label import GROUP_LABEL, ROLE_LABEL, group_value
+from sidecar.publish.pod_label import GROUP_LABEL, ROLE_LABEL, group_value, note_of
 from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar.rollout")
@@ -55,6 +56,8 @@ def cannot_lead(pod: dict[str, Any], group: str,
         return f"pod {name} is not Ready"
     if containers and (problem := pod_problem(pod, containers)) is not None:
         return f"pod {name}: {problem}"
+    if (sits_out := note_of(meta).get("sits_out")) is not None:
+        return f"pod {name}'s sidecar sits out ({sits_out})"
     return None
 
 

@@ -47,6 +47,9 @@ class Facts:
     backend_ok: bool = False
     released: bool = False  # unpublished: no claims from here on, even while holding
     reason: str = "starting"
+    # Why this contender does not campaign now (its application is not ready), or None:
+    # the pod annotation says so, and hand-overs pick no successor that would not come.
+    sitting_out: str | None = None
 
     # -- the claim rule: the one place that says whether these facts prove leadership --
     def leads_at(self, now: float) -> bool:

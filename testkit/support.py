@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -273,3 +274,28 @@ def released_rows(conn: sqlite3.Connection) -> list[bool]:
     return [bool(r) for (r,) in conn.execute(
         "SELECT metadata = 'released:' || version AND expires_at <= "
         "(julianday('now') - 2440587.5) * 86400.0 FROM leases")]
+
+
+class ReadyEndpoint:
+    """A real HTTP server on loopback answering GET /ready with ``status``."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(endpoint.status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ready"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

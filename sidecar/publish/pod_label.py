@@ -2,9 +2,10 @@
 
 Our pod carries ``lease-role=leader|standby|api``, the group label
 ``lease-sidecar/group=<lease object>`` and the annotation ``lease-sidecar/lease`` (JSON:
-lease, identity, role, fencing token, the lease object and the backend, and while leading
-the claim's ``valid_until`` at the time of the write: what the operator compares across a
-group on the database backends). The label follows the *first* lease name.
+lease, identity, role, fencing token, the lease object and the backend; while leading
+the claim's ``valid_until`` at the time of the write, what the operator compares across a
+group on the database backends; while the sidecar sits out, ``sits_out`` with the
+reason, so hand-overs pass the pod by). The label follows the *first* lease name.
 
 What the sidecar writes, with plain PATCHes (:mod:`sidecar.kubeapi`, no kopf):
 
@@ -164,6 +165,8 @@ class PodLabelPublisher:
                           fencing_token=body["fencing_token"])
             if claim.leader:
                 fields["valid_until"] = body["valid_until"]
+            if state.facts.sitting_out is not None:
+                fields["sits_out"] = state.facts.sitting_out
         return Desired(fields["role"], json.dumps(fields, sort_keys=True))
 
     async def _sync_own_pod(self) -> None:

@@ -10,41 +10,23 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from testkit.handover import FAST
 from testkit.kube_support import create_pods, install_rbac
-from testkit.support import ClaimRecorder, SidecarProcess, get_json, one_leader, serving, wait_until
+from testkit.support import (
+    ClaimRecorder,
+    ReadyEndpoint,
+    SidecarProcess,
+    get_json,
+    one_leader,
+    serving,
+    wait_until,
+)
 
 UNREADY_AFTER = 1.0
-
-
-class ReadyEndpoint:
-    """A real HTTP server on loopback answering GET /ready with ``status``."""
-
-    def __init__(self, status: int) -> None:
-        self.status = status
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(endpoint.status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/ready"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from testkit.kube_support import create_pods, install_rbac, mark_ready, role_col
 from testkit.kube_support import sidecar as kube_sidecar
 from testkit.support import (
     ClaimRecorder,
+    ReadyEndpoint,
     SidecarProcess,
     get_json,
     one_leader,
@@ -113,6 +114,12 @@ def test_two_requests_at_once_one_hands_over_the_other_says_what_is_under_way(
 
 # -- in pods: the target checked against the group ---------------------------------------
 
+def pod_note(cp: ControlPlane, namespace: str, pod: str) -> dict:
+    """The pod's ``lease-sidecar/lease`` annotation as its sidecar last wrote it."""
+    got = json.loads(cp.kubectl("-n", namespace, "get", "pod", pod, "-o", "json").stdout)
+    return json.loads(got["metadata"].get("annotations", {}).get("lease-sidecar/lease", "{}"))
+
+
 def terminating_pod(cp: ControlPlane, namespace: str, pod: str, group: str) -> None:
     """A Ready standby pod of the group, deleted but held by a finalizer."""
     create_pods(cp, namespace, pod)
@@ -149,15 +156,22 @@ def test_in_pods_a_target_that_cannot_lead_is_refused_with_the_reason(
             "--pod-label", "on", *extra],
             env={"POD_NAME": pod, "POD_NAMESPACE": namespace, "KUBECONFIG": str(kubeconfig)})
 
-    procs = [start("pod-a"), start("pod-b"), start("pod-api", "--role", "api")]
+    # pod-idle's application is not ready (LEASE_APP_READY_URL) while its pod is Ready:
+    # only its sidecar's annotation shows that it sits out.
+    idle_app = ReadyEndpoint(503)
+    create_pods(cp, namespace, "pod-idle")
+    mark_ready(cp, namespace, "pod-idle")
+    procs = [start("pod-a"), start("pod-b"), start("pod-api", "--role", "api"),
+             start("pod-idle", "--app-ready-url", idle_app.url)]
     terminating_pod(cp, namespace, "pod-gone", f"lease-sidecar.{lease}")
     try:
         with serving(procs):
             leader = wait_until(lambda: one_leader(procs[:2], timeout=0.5), timeout=30)
             standby = procs[1 - procs.index(leader)]
             wait_until(lambda: role_column(cp, namespace).get("pod-api") == "api"
-                       and role_column(cp, namespace).get(standby.identity) == "standby",
-                       timeout=15)
+                       and role_column(cp, namespace).get(standby.identity) == "standby"
+                       and "the application is not ready" in
+                       pod_note(cp, namespace, "pod-idle").get("sits_out", ""), timeout=15)
             mark_ready(cp, namespace, standby.identity, ready=False)
             refused = {
                 "web-typo": f"no pod web-typo in namespace {namespace} (identities here "
@@ -171,6 +185,10 @@ def test_in_pods_a_target_that_cannot_lead_is_refused_with_the_reason(
                 status, body, _ = post_json(f"{leader.url}/handover/{lease}?to={to}")
                 assert (status, body) == (409, {
                     "handed_over": False, "error": f"cannot hand over to {to}: {why}"})
+            status, body, _ = post_json(f"{leader.url}/handover/{lease}?to=pod-idle")
+            assert status == 409 and body["error"].startswith(
+                "cannot hand over to pod-idle: pod pod-idle's sidecar sits out (not "
+                f"campaigning: the application is not ready: {idle_app.url} "), body
             assert leader.leader() == 200  # refused: it leads on
             mark_ready(cp, namespace, standby.identity)
             with ClaimRecorder(procs[:2]) as recorder:
@@ -182,5 +200,10 @@ def test_in_pods_a_target_that_cannot_lead_is_refused_with_the_reason(
                 time.sleep(0.3)
             assert recorder.overlaps() == []
             assert get_json(leader.url + "/leader")[0] == 503
+            # Its application ready, the sidecar campaigns again and says so.
+            idle_app.status = 200
+            wait_until(lambda: "sits_out" not in pod_note(cp, namespace, "pod-idle"),
+                       timeout=15)
     finally:
+        idle_app.close()
         release_finalizer(cp, namespace, "pod-gone")

@@ -6,6 +6,7 @@ and the real timing are tested with real processes in tests/integration/test_han
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -16,7 +17,7 @@ from sidecar.lease import Grant, successor_of
 from sidecar.publish.events import EventPublisher
 from sidecar.settings import Settings, Timing
 from sidecar.state import LeaseState
-from tests.unit.fakes import FakeClock, FakeLease
+from tests.unit.fakes import FakeClock, FakeLease, RecordingPublisher
 
 TIMING = Timing(lease_duration=0.3, renew_interval=0.01, renew_deadline=0.2,
                 safety_margin=0.05, claim_horizon=0.05)
@@ -178,14 +179,23 @@ async def test_a_standby_whose_application_is_not_ready_does_not_campaign():
     lease = HintLease(FakeClock())
     why = ["not campaigning: the application is not ready"]
     elector, state = contender(lease, sits_out=lambda: why[0])
+    publisher = RecordingPublisher()
+    elector.publishers.append(publisher)
     await elector._acquire_once()
     # No attempt to acquire; only a release, which gives back a grant the backend may
     # have made meanwhile (an advisory in-server wait) and is no round trip otherwise.
     assert [call for call, _ in lease.calls if call != "release"] == []
     assert state.facts.reason == why[0]
+    # The publishers hear it (the pod annotation says so: no hand-over picks this pod),
+    # once, not on every round of sitting out.
+    assert state.facts.sitting_out == why[0]
+    assert publisher.events == [("changed", False)]
+    await elector._acquire_once()
+    assert publisher.events == [("changed", False)]
     why[0] = None
     await elector._acquire_once()
-    assert state.facts.holding
+    assert state.facts.holding and state.facts.sitting_out is None
+    assert publisher.events[1] == ("changed", False)  # campaigning again, then leading
 
 
 @pytest.mark.parametrize(("why", "kind"), [("request", "Normal"), ("app-unready", "Warning")])
@@ -250,6 +260,11 @@ def test_why_a_pod_cannot_lead():
     not_ready_app = pod("a", "t")
     not_ready_app["status"]["containerStatuses"] = [{"name": "app", "ready": False}]
     assert cannot_lead(not_ready_app, group, ("app",)) == "pod a: container app is not Ready"
+    sitting_out = pod("a", "t")  # Ready, but its application is not (LEASE_APP_READY_URL)
+    sitting_out["metadata"]["annotations"] = {"lease-sidecar/lease": json.dumps(
+        {"role": "standby", "sits_out": "not campaigning: the application is not ready"})}
+    assert cannot_lead(sitting_out, group) == (
+        "pod a's sidecar sits out (not campaigning: the application is not ready)")
 
 
 async def test_on_shutdown_the_chosen_successor_is_named_first():
