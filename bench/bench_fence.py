@@ -58,7 +58,23 @@ INSERT INTO writes (writer, token, phase)
 SELECT 'bench', 5, 'cost' FROM "lease".lease_fence('bench', 5);
 END;
 """
-SCRIPTS = {"bare": BARE, "guarded": GUARDED, "guarded_in_statement": IN_STATEMENT}
+# Not a guard: a PL/pgSQL function that only reads the guard's row (no lock, no check
+# that holds against a newer leader), in the insert's statement. What any guard run as a
+# function in the database costs at least: the floor under the two rows above.
+LOOKUP_ONLY_FUNCTION = """CREATE OR REPLACE FUNCTION "lease".bench_lookup_only(n text, t bigint)
+RETURNS bigint LANGUAGE plpgsql AS $f$
+DECLARE highest bigint;
+BEGIN
+    SELECT token INTO highest FROM "lease".lease_fence WHERE name = n;
+    RETURN highest;
+END $f$;"""
+LOOKUP_ONLY = """BEGIN;
+INSERT INTO writes (writer, token, phase)
+SELECT 'bench', 5, 'cost' FROM "lease".bench_lookup_only('bench', 5);
+END;
+"""
+SCRIPTS = {"bare": BARE, "guarded": GUARDED, "guarded_in_statement": IN_STATEMENT,
+           "lookup_only": LOOKUP_ONLY}
 
 
 # -- zombie ---------------------------------------------------------------------------------
@@ -141,6 +157,10 @@ def cost(pg: PgServer, rounds: int, seconds: float, workdir: Path) -> dict:
     scripts = {name: workdir / f"{name}.sql" for name in SCRIPTS}
     for name, text in SCRIPTS.items():
         scripts[name].write_text(text)
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(LOOKUP_ONLY_FUNCTION)
     out: dict[str, Any] = {"connections": 8, "pgbench_threads": 2, "rounds": rounds,
                            "seconds_per_round": seconds}
     for fsync in ("on", "off"):
@@ -168,7 +188,7 @@ def cost(pg: PgServer, rounds: int, seconds: float, workdir: Path) -> dict:
                              "p99_ms": round(pct(lat, 99) * 1000, 3),
                              "tps_per_round": [round(x) for x in per_round[name]]}
         bare = figures["bare"]
-        for name in ("guarded", "guarded_in_statement"):
+        for name in ("guarded", "guarded_in_statement", "lookup_only"):
             guarded = figures[name]
             guarded["throughput_loss"] = round(1 - guarded["tps"] / bare["tps"], 3)
             guarded["added_p50_ms"] = round(guarded["p50_ms"] - bare["p50_ms"], 3)
