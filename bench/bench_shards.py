@@ -25,6 +25,10 @@ recorded every 25 ms (:class:`testkit.shards.ShardRecorder`); per change:
   owner's first (the goal: at most two claim horizons and one round trip; the round trip
   is the mean renew round trip of the lease ``work`` on the same backend).
 
+**Rollout** (``--only rollout``; results/shards-rollout.json): a rolling update of 4
+members (one new joins, one old leaves, four times), through the assignment alone and on
+real sidecars: how many times each shard changes owner, and each move's unowned time.
+
 **Cost** (per backend and shard count): one member alone holding every shard; over 10 renew
 intervals once all are led, the round trips it makes per renew interval — SQLite: write
 transactions (the file's change counter); PostgreSQL: the wire protocol's round trips
@@ -54,7 +58,7 @@ from typing import Any
 from bench import record
 from bench.bench_kube_names import lease_metrics, rss_mib
 from bench.failover import pct
-from sidecar.shards.assign import least_moves
+from sidecar.shards.assign import assign, least_moves
 from testkit.chaos.checker import Interval
 from testkit.pgcount import CountingProxy
 from testkit.shards import (
@@ -247,8 +251,16 @@ def cost(store: Store, shards: int, workdir: Path, servers: Servers,
         try:
             proc.wait_http(30)
             started = time.monotonic()
-            wait_until(lambda: get_json(proc.url + "/shards", timeout=10)[1].get("count")
-                       == shards, BALANCE_TIMEOUT, 0.5)
+            try:
+                wait_until(lambda: get_json(proc.url + "/shards", timeout=10)[1].get("count")
+                           == shards, BALANCE_TIMEOUT, 0.5)
+            except TimeoutError:
+                led = get_json(proc.url + "/shards", timeout=10)[1]
+                tail = [line[:300] for line in proc.logs().splitlines()
+                        if '"acquired lease"' not in line][-5:]
+                raise RuntimeError(f"{led.get('count') if isinstance(led, dict) else '?'} of "
+                                   f"{shards} led after {BALANCE_TIMEOUT:g} s; log: "
+                                   f"{tail}") from None
             held = time.monotonic() - started
             time.sleep(2 * store.renew_interval)
             before, t0 = count(), time.monotonic()
@@ -308,10 +320,16 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--cost", default="16,256,1024",
                         help="shard counts of the cost rows ('' for none)")
-    parser.add_argument("--only", choices=("scale", "cost"), default=None)
+    parser.add_argument("--only", choices=("scale", "cost", "rollout"), default=None,
+                        help="rollout: a rolling update of 4 members (the assignment alone, "
+                             "and real sidecars on the first of --backends), written to "
+                             "shards-rollout.json")
     parser.add_argument("--out", default="shards.json")
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
+    if args.only == "rollout":
+        rollout_main(backends[0], args.shards)
+        return
     costs = [int(c) for c in args.cost.split(",") if c]
     run = record.start(args.trials)
     results: dict[str, Any] = {"shards": args.shards, "claim_horizon_ms": HORIZON * 1000,
@@ -321,14 +339,21 @@ def main() -> None:
         for backend in backends:
             entry: dict[str, Any] = {}
             if args.only in (None, "scale"):
-                trials = []
+                trials, failed = [], []
                 for trial in range(args.trials):
                     print(f"{backend}: scale, trial {trial + 1}", file=sys.stderr)
                     workdir = Path(tmp) / f"{backend}-scale-{trial}"
                     workdir.mkdir()
-                    trials.append(scale(servers.store(backend, workdir), args.shards,
-                                        workdir))
-                entry["scale"] = summarize(trials, HORIZON)
+                    try:
+                        trials.append(scale(servers.store(backend, workdir), args.shards,
+                                            workdir))
+                    except Exception as exc:  # the trial says why; the others count
+                        failed.append(f"trial {trial + 1}: {type(exc).__name__}: "
+                                      f"{str(exc)[:300]}")
+                        print(failed[-1], file=sys.stderr)
+                if trials:
+                    entry["scale"] = {**summarize(trials, HORIZON), "trials": len(trials),
+                                      "failed_trials": failed}
                 entry["scale_trials"] = trials
             if args.only in (None, "cost") and costs:
                 own = apiserver_own(servers) if backend == "kubernetes" else 0.0
@@ -347,7 +372,9 @@ def main() -> None:
                 entry["cost"] = rows
                 entry["renew_interval_s"] = round(RENEW.get(backend, 2.0), 2)
             results["backends"][backend] = entry
-    path = record.write(args.out, run, results)
+            # After each backend: a run that fails later keeps what it measured.
+            record.write(args.out, run, {**results, "complete": False})
+    path = record.write(args.out, run, {**results, "complete": True})
     print(f"wrote {path}")
     for backend, entry in results["backends"].items():
         scale_part = entry.get("scale")
@@ -361,3 +388,92 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def rollout_assignment(shards: int, pods: int, trials: int = 20) -> dict[str, Any]:
+    """The assignment alone (no processes) through a rolling update of ``pods`` pods
+    that adds one new pod, then removes one old (oldest first), until all are new; each
+    change settled before the next: how many times each shard changes owner."""
+    names = [f"work-{i}" for i in range(shards)]
+    worst, means = [], []
+    for trial in range(trials):
+        old = [f"old{trial}-{i}" for i in range(pods)]
+        new = [f"new{trial}-{i}" for i in range(pods)]
+        members = list(old)
+        owner = assign(names, members)
+        changes = dict.fromkeys(names, 0)
+        for i in range(pods):
+            for step in ("add", "remove"):
+                members = [*members, new[i]] if step == "add" else \
+                    [m for m in members if m != old[i]]
+                now = assign(names, members)
+                for shard in names:
+                    changes[shard] += now[shard] != owner[shard]
+                owner = now
+        worst.append(max(changes.values()))
+        means.append(statistics.mean(changes.values()))
+    return {"pods": pods, "trials": trials, "max_changes_per_shard": max(worst),
+            "mean_changes_per_shard": round(statistics.mean(means), 2)}
+
+
+def rollout(store: Store, shards: int, workdir: Path, pods: int = 4) -> dict[str, Any]:
+    """Real sidecars through the same rolling update: per shard, its changes of owner,
+    and each move's unowned time."""
+    procs: dict[str, SidecarProcess] = {}
+    old = [f"old-{i}" for i in range(pods)]
+    new = [f"new-{i}" for i in range(pods)]
+    try:
+        for name in old:
+            procs[name] = member(workdir, store, name, shards).start()
+        for proc in procs.values():
+            proc.wait_http(30)
+        with ShardRecorder({n: p.url for n, p in procs.items()}, HORIZON, POLL) as recorder:
+            alive = list(old)
+            wait_until(lambda: recorder.settled(alive, shards), BALANCE_TIMEOUT, 0.2)
+            started = time.time()
+            for i in range(pods):
+                procs[new[i]] = member(workdir, store, new[i], shards).start()
+                procs[new[i]].wait_http(30)
+                recorder.add(new[i], procs[new[i]].url)
+                alive = [*alive, new[i]]
+                wait_until(lambda alive=alive: recorder.settled(alive, shards),
+                           BALANCE_TIMEOUT, 0.2)
+                procs[old[i]].signal(signal.SIGTERM)
+                gone = procs[old[i]].proc
+                assert gone is not None
+                gone.wait(60)
+                recorder.remove(old[i])
+                alive = [m for m in alive if m != old[i]]
+                wait_until(lambda alive=alive: recorder.settled(alive, shards),
+                           BALANCE_TIMEOUT, 0.2)
+            time.sleep(1.0)
+            ended = time.time()
+            moved = moves(recorder.spans, started, ended)
+            gaps = unowned(recorder.spans, started, ended)
+            per_shard = [len(moved.get(s, [])) for s in recorder.spans]
+            return {"pods": pods, "shards": shards,
+                    "max_changes_per_shard": max(per_shard),
+                    "mean_changes_per_shard": round(statistics.mean(per_shard), 2),
+                    "shards_changed_more_than_twice": sum(1 for n in per_shard if n > 2),
+                    "unowned_ms": {"n": len(gaps),
+                                   "p50": round(statistics.median(gaps) * 1000, 1),
+                                   "p99": round(pct(gaps, 99) * 1000, 1)} if gaps else None,
+                    "overlaps": sum(len(v) for v in overlaps(recorder.spans).values()),
+                    "token_problems": len(token_problems(recorder.spans))}
+    finally:
+        for proc in procs.values():
+            proc.stop(30)
+
+
+def rollout_main(backend: str, shards: int) -> None:
+    run = record.start(1)
+    with tempfile.TemporaryDirectory(prefix="bench-shards-") as tmp, ExitStack() as stack:
+        servers = Servers(stack)
+        workdir = Path(tmp) / "rollout"
+        workdir.mkdir()
+        processes = rollout(servers.store(backend, workdir), shards, workdir)
+    path = record.write("shards-rollout.json", run, {
+        "backend": backend, "assignment": rollout_assignment(shards, 4),
+        "processes": processes})
+    print(json.dumps({"assignment": rollout_assignment(shards, 4), "processes": processes}))
+    print(f"wrote {path}")

@@ -314,12 +314,18 @@ def shards_moves(r: Row) -> list[str]:
                 "—" if not gaps else f"{ms(gaps['p50'])} / {ms(gaps['p99'])} ms "
                                      f"(n {gaps['n']})",
                 f"{ms(part['unowned_bound_ms'])} ms", part["overlaps"]])
+    failed = [f"`{backend}` {why}" for backend, entry in r["backends"].items()
+              for why in (entry.get("scale") or {}).get("failed_trials", [])]
+    notes = [f"{r['shards']} shards, default timing; every member's `GET /shards` recorded "
+             f"every {r['poll_ms']:g} ms; moved / least per trial."]
+    if failed:
+        notes.append("Trials that did not finish (not in the figures): " + "; ".join(failed))
+    if not r.get("complete", True):
+        notes.append("The run did not finish: backends missing here were not measured.")
     return [*table(["backend", "members", "moved / least", "worst moved ÷ least",
                     "moved twice", "to balanced p50 / p99", "unowned per move p50 / p99",
                     "two horizons + a round trip", "moments with two claimants"], rows,
-                   right=2),
-            "", f"{r['shards']} shards, default timing; every member's `GET /shards` "
-                f"recorded every {r['poll_ms']:g} ms."]
+                   right=2), "", *notes]
 
 
 def shards_cost(r: Row) -> list[str]:
@@ -342,6 +348,22 @@ def shards_cost(r: Row) -> list[str]:
         rows.append([f"`{backend}`", f"{entry['renew_interval_s']:g} s", *cells])
     return table(["backend", "renew interval", *(f"{c:,} shards" for c in counts)], rows,
                  right=1)
+
+
+def shards_rollout(r: Row) -> list[str]:
+    """bench_shards' rollout: owner changes per shard through a rolling update."""
+    a, p = r["assignment"], r["processes"]
+    gaps = p.get("unowned_ms")
+    return table(["rolling update of 4 members", "owner changes per shard: mean / max",
+                  "shards changed more than twice", "unowned per move p50 / p99",
+                  "moments with two claimants"], [
+        [f"the assignment alone ({a['trials']} random groups)",
+         f"{a['mean_changes_per_shard']:g} / {a['max_changes_per_shard']}", "—", "—", "—"],
+        [f"real sidecars on `{r['backend']}`, {p['shards']} shards",
+         f"{p['mean_changes_per_shard']:g} / {p['max_changes_per_shard']}",
+         p["shards_changed_more_than_twice"],
+         "—" if not gaps else f"{ms(gaps['p50'])} / {ms(gaps['p99'])} ms", p["overlaps"]],
+    ])
 
 
 def clientgo_interop(r: Row) -> list[str]:
@@ -906,6 +928,7 @@ TABLES: dict[str, Table | Combined] = {
     "simulation": Table("simulation.json", simulation, "simulation"),
     "shards-moves": Table("shards.json", shards_moves, "shards"),
     "shards-cost": Table("shards.json", shards_cost, "shards"),
+    "shards-rollout": Table("shards-rollout.json", shards_rollout, "shards_rollout"),
     **{f"chaos-{b}": Table(f"chaos-{b}.json", chaos, f"chaos-{b}")
        for b in ("sqlite", "postgres", "postgres-row", "kubernetes")},
     "handover-answer": Combined(HANDOVER_SOURCES, handover_answer),

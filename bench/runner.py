@@ -116,6 +116,11 @@ BENCHES: tuple[Bench, ...] = (
           ("--trials", "1", "--shards", "24", "--cost", "16", "--backends",
            "sqlite,postgres-row,postgres,kubernetes"), ("postgres", "apiserver"),
           ("shards.json",)),
+    # A rolling update of 4 members holding 256 shards: the assignment alone, and real
+    # sidecars on SQLite (not pods).
+    Bench("shards_rollout", "bench.bench_shards", ("--only", "rollout", "--backends", "sqlite"),
+          ("--only", "rollout", "--backends", "sqlite", "--shards", "24"), (),
+          ("shards-rollout.json",)),
     Bench("image", "bench.bench_image", (), (), ("image",), ("image.json",)),
     Bench("rollout", "bench.bench_rollout", ("--trials", "10"), ("--trials", "1"), ("pods",),
           ("rollout.json",)),

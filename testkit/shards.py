@@ -84,7 +84,9 @@ class ShardRecorder:
         self._call(self._remove(identity))
 
     def _call(self, coro: Coroutine[Any, Any, None]) -> None:
-        asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+        # Generous: on a machine running eight sidecars and an apiserver on two cores,
+        # the recorder's loop can be seconds behind.
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(120)
 
     # -- live view ---------------------------------------------------------------------
     def led_now(self, identity: str) -> set[str]:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.base.clock import Clock, first_of
+from sidecar.base.errors import BackendError
 from sidecar.settings import Timing
 
 log = logging.getLogger("sidecar.lease.shards")
@@ -129,9 +130,9 @@ class Beats:
                 if self.value(key, registration) is None:
                     return None, asked  # found not held since (or never registered)
                 self._wanted.set()
-                await asyncio.shield(self._next)
+                await self._wait(self._next)
             else:
-                await asyncio.shield(current.done)
+                await self._wait(current.done)
         raise RuntimeError("shard group: no round trip renewed the lease")  # pragma: no cover
 
     # -- the members' side -------------------------------------------------------------
@@ -139,18 +140,31 @@ class Beats:
         self._advertise = member
 
     async def next_beat(self) -> tuple[str, ...]:
-        await asyncio.shield(self._next)
+        await self._wait(self._next)
         assert self._last is not None
         return self._last.members
+
+    async def _wait(self, trip: asyncio.Future[None]) -> None:
+        """Wait for a round trip without cancelling it; one that will never come (the
+        group closed) is a backend error for the caller, not its cancellation."""
+        try:
+            await asyncio.shield(trip)
+        except asyncio.CancelledError:
+            if trip.cancelled() and self._stopping:
+                raise BackendError(f"shard group {self._group} closed") from None
+            raise
 
     # -- the loop ----------------------------------------------------------------------
     async def run(self) -> None:
         interval = self._timing.renew_interval
-        while not self._stopping:
-            await self._beat()
-            period = interval * random.uniform(1 - BEAT_JITTER, 1 + BEAT_JITTER)
-            if not self._wanted.is_set():
-                await first_of(self._wanted.wait(), timeout=period)
+        try:
+            while not self._stopping:
+                await self._beat()
+                period = interval * random.uniform(1 - BEAT_JITTER, 1 + BEAT_JITTER)
+                if not self._wanted.is_set():
+                    await first_of(self._wanted.wait(), timeout=period)
+        finally:
+            self._next.cancel()  # no round trip comes any more: nobody waits for one
 
     async def close(self) -> None:
         self._stopping = True
@@ -202,6 +216,8 @@ class Beats:
                 continue
             if error is None:
                 future.set_result(None)
+            elif isinstance(error, asyncio.CancelledError):
+                future.cancel()
             else:
                 future.set_exception(error)
                 future.exception()  # retrieved: nobody may be waiting for this one

@@ -21,6 +21,7 @@ from sidecar.elector import Elector
 from sidecar.lease import Grant
 from sidecar.metrics import registry_for
 from sidecar.publish.http.limits import Limits
+from sidecar.publish.shards import ShardBoard
 from sidecar.settings import Timing
 from sidecar.state import LeaseState
 from testkit.support import REPO
@@ -202,6 +203,12 @@ def test_the_metrics_reference_lists_every_metric():
     section = doc.split("## Metrics reference", 1)[1].split("\n#", 1)[0]
     documented = dict(re.findall(r"^\| `(lease_sidecar_\w+)` \| (\w+) \|", section, re.M))
     state = LeaseState(lease="x", identity="me", role="all", claim_horizon=0.25)
-    ours = {n: k for n, k in families([state]).items() if n.startswith("lease_sidecar_")}
+    # With a shard set (LEASE_SHARDS), its collector serves a few families more.
+    shard = LeaseState(lease="x-0", identity="me", role="all", claim_horizon=0.25)
+    board = ShardBoard([shard], "me", lambda: {"members": 1, "assigned": ["x-0"], "ok": True})
+    text = generate_latest(registry_for([state], Limits(), board)).decode()
+    ours = {n: k for n, k in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
+            if n.startswith("lease_sidecar_")}
     assert documented == ours
+    assert "lease_sidecar_shards_assigned 1.0" in text
     assert "`process_*`" in section

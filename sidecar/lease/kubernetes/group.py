@@ -7,11 +7,12 @@ request with another's without giving up what makes one Lease safe (its guarded 
 its expiry on every contender's own clock, client-go's conventions next to it). What a
 member adds is its record: the Lease ``{group key}.member-{digest of its identity}``,
 labelled ``lease-sidecar/member-of=<group>``, holding the member's identity and a
-``renewTime`` it patches once a renew interval. One round trip is two requests, that
-patch and a list of the group's member Leases; the other members of a member's view are
-the records whose ``resourceVersion`` changed within one lease duration on the viewer's
-own monotonic clock (as a standby judges a Lease: no clock of another host is read). A
-member that stops deletes its record; one that dies leaves it to run out.
+``renewTime`` it writes once a renew interval. One round trip is two requests, that
+write (an update, or a create the first time) and a list of the group's member Leases;
+the other members of a member's view are the records with a holder whose
+``resourceVersion`` changed within one lease duration on the viewer's own monotonic
+clock (as a standby judges a Lease: no clock of another host is read). A member that
+stops clears its record's holder; one that dies leaves it to run out.
 
 The cost per renew interval is therefore two requests per member plus one write per
 shard (by its holder): it grows with the number of shards. docs/sharding.md has the
@@ -73,6 +74,7 @@ class KubeShardGroup:
         # member Lease name -> (resourceVersion, monotonic time we first saw it)
         self._seen: dict[str, tuple[str, float]] = {}
         self._advertised = False
+        self._version: str | None = None  # our record's resourceVersion, as last seen
         self._beats = Beats(self._round_trip, settings.timing, clock, group_key)
 
     @property
@@ -108,16 +110,13 @@ class KubeShardGroup:
         client = api.client
         base = leases_path(api.namespace)
         try:
-            if advertise:
-                await self._patch_or_create(client, base)
-            elif self._advertised:
-                try:
-                    await client.request("DELETE", f"{base}/{quote(self._object)}")
-                except KubeError as exc:
-                    if exc.status != 404:
-                        raise
-                self._advertised = False
+            if advertise or self._advertised:
+                await self._write(client, base, advertise)
             listed = await client.list(base, labelSelector=f"{GROUP_LABEL}={self._label}")
+            for item in listed.get("items") or []:
+                meta = item.get("metadata") or {}
+                if meta.get("name") == self._object:
+                    self._version = meta.get("resourceVersion")
         except KubeError as exc:
             if exc.status == 403:
                 raise Forbidden(f"kubernetes: forbidden to keep the shard group's member "
@@ -125,20 +124,40 @@ class KubeShardGroup:
             raise BackendError(f"kubernetes: shard group members: {exc}") from None
         return {}, self._live(listed.get("items") or [], advertise)
 
-    async def _patch_or_create(self, client: Any, base: str) -> None:
-        spec = {"holderIdentity": self.member, "leaseDurationSeconds": self._duration,
+    async def _write(self, client: Any, base: str, advertise: bool) -> None:
+        """Our record, renewed (or, leaving, with no holder): an update on the version
+        last seen (the apiserver takes no unconditional update of a Lease), a create
+        where there is none yet. Only the verbs a Lease holder has anyway (update,
+        create), so a Role that lets the sidecar hold any Lease of its namespace (the
+        chart's ``rbac.anyLease``) covers it. A lost race (409) skips this round trip's
+        write: the list that follows gives the version for the next."""
+        spec = {"holderIdentity": self.member if advertise else "",
+                "leaseDurationSeconds": self._duration,
                 "renewTime": micro_time(self._clock.wall())}
+        meta: dict[str, Any] = {"name": self._object, "labels": {GROUP_LABEL: self._label},
+                                "annotations": {IDENTITY_ANNOTATION: self.member}}
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+                "spec": spec}
         try:
-            await client.patch(f"{base}/{quote(self._object)}", {"spec": spec})
+            if self._version is None:
+                if not advertise:
+                    return  # nothing of ours to clear
+                written = await client.post(base, body)
+            else:
+                meta["resourceVersion"] = self._version
+                written = await client.put(f"{base}/{quote(self._object)}", body)
         except KubeError as exc:
+            if exc.status == 409:
+                self._version = None
+                return
             if exc.status != 404:
                 raise
-            await client.post(base, {
-                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self._object, "labels": {GROUP_LABEL: self._label},
-                             "annotations": {IDENTITY_ANNOTATION: self.member}},
-                "spec": spec})
-        self._advertised = True
+            self._version = None
+            if not advertise:
+                return
+            written = await client.post(base, body)
+        self._version = (written.get("metadata") or {}).get("resourceVersion")
+        self._advertised = advertise
 
     def _live(self, items: list[dict[str, Any]], advertise: bool) -> tuple[str, ...]:
         """The members whose record changed within its duration, on our clock."""
