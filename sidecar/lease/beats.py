@@ -101,17 +101,23 @@ class Beats:
         return held.value if held is not None and held.registration == registration else None
 
     async def forget(self, key: str, registration: int) -> Any | None:
-        """Stop renewing ``key`` (its lease is being released); the value of its last
-        write, once a round trip renewing it now has ended (a release must name the
-        row's current version)."""
-        trip = self._current
-        if trip is not None and trip.renewing.get(key) == registration:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(trip.done)
+        """Stop renewing ``key`` (its lease is being released) at once; the value of its
+        last write, once a round trip renewing it now has ended (a release must name the
+        row's current version). The registration goes before the wait: a release that
+        gives up waiting (it runs under a timeout, and a slow round trip outlasts it)
+        must not leave it behind, or every later round trip renews a lease nobody holds
+        and nobody can take — the member itself included — for as long as it lives
+        (found by the simulator)."""
         held = self._held.get(key)
         if held is None or held.registration != registration:
             return None
         del self._held[key]
+        trip = self._current
+        if trip is not None and trip.renewing.get(key) == registration:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(trip.done)
+            # Renewed by that trip: its new value; failed or not renewed: the last known.
+            return trip.renewed.get(key, held.value)
         return held.value
 
     async def renewed(self, key: str, registration: int, asked: float

@@ -104,6 +104,7 @@ class ShardManager:
         self._leaving: tuple[str, ...] | None = None  # members without us, once stopping
         self._changed = asyncio.Event()  # a new view: the mover looks again
         self._loops: list[asyncio.Task[None]] = []
+        self._stopping: asyncio.Future[None] | None = None
         self._assigned_to: dict[tuple[str, ...], dict[str, str]] = {}
 
     # -- what the publishers read --------------------------------------------------------
@@ -127,7 +128,13 @@ class ShardManager:
 
     async def stop(self) -> None:
         """Leave the group and hand every shard to its next member (see the module doc),
-        then stop the group's round trips."""
+        then stop the group's round trips. A second call (a second SIGTERM) waits for
+        the first."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
         if not self._loops:
             return
         for task in self._loops[1:]:  # no more campaigns or moves; the round trips go on

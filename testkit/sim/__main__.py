@@ -41,7 +41,7 @@ def run_one(backend: str, seed: int, faults: int, trace: bool = False,
     run = Run(backend, seed, faults, SETUPS[backend], trace=show if trace else None,
               exclude=frozenset(exclude))
     result = run.execute()
-    return {"backend": backend, "seed": seed, "faults": result.faults,
+    return {"backend": backend, "seed": seed, "target": faults, "faults": result.faults,
             "simulated_s": result.simulated, "wall_s": time.perf_counter() - started,
             "claims": result.verdict.claims, "terms": result.verdict.terms,
             "excused": result.verdict.excused, "violations": result.verdict.violations,
@@ -125,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed:
         print(f"\nFAILED {r['backend']} seed {r['seed']}:", *r["violations"][:5],
               *r["errors"][:3], sep="\n  ")
+        # The run's own target: the schedule (phases, the quiet phase after the last
+        # fault) depends on it, not only the faults injected before the violation.
         print(f"  replay: python -m testkit.sim --backend {r['backend']} --seed {r['seed']} "
-              f"--faults {r['faults']} --trace")
+              f"--faults {r['target']} --trace")
     print(f"\n{sum(r['faults'] for r in results):,} faults in {wall:.0f}s wall")
     return 1 if failed else 0
 

@@ -11,8 +11,10 @@ lease name (a shard is one) on its own.
 - **Tokens grow**: a term is one process's run of claims of a lease between two
   acquisitions. Its token never changes, and each term's token is larger than every
   token of the lease's terms whose claims came before it.
-- **Liveness**: after the faults stop and everything is healed, some process claims
-  within the backend's bound (:meth:`Checker.quiet_began` / :meth:`Checker.quiet_ended`).
+- **Liveness**: after the faults stop and everything is healed, every lease (each name,
+  each shard) is claimed by some process within the backend's bound
+  (:meth:`Checker.quiet_began` / :meth:`Checker.quiet_ended`): a lease nobody can take
+  is found even while the others change hands.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class Verdict:
     # Claims handed out inside a documented window (not judged for overlap).
     excused: int = 0
     violations: list[str] = field(default_factory=list)
-    # Seconds from "healed" to the first claim, per quiet phase.
+    # Seconds from "healed" until every lease had been claimed, per quiet phase.
     recoveries: list[float] = field(default_factory=list)
 
 
@@ -52,7 +54,9 @@ class Checker:
         # Processes inside a documented window: their claims may overlap others'.
         self._excused: set[str] = set()
         self._quiet_since: float | None = None
-        self._first_claim_after_quiet: float | None = None
+        # The leases a quiet phase waits for, and each one's first claim since it began.
+        self._expected: frozenset[str] = frozenset()
+        self._first_claims: dict[str, float] = {}
         # The world's trace (the first claim of each term goes there).
         self.trace: Callable[[str], None] | None = None
         self.now = 0.0
@@ -70,8 +74,8 @@ class Checker:
                 until: float) -> None:
         verdict = self.verdict
         verdict.claims += 1
-        if self._quiet_since is not None and self._first_claim_after_quiet is None:
-            self._first_claim_after_quiet = at
+        if self._quiet_since is not None:
+            self._first_claims.setdefault(lease, at)
         if process in self._excused:
             # Inside the window the old holder's claims carry its older token: the
             # downstream refuses it (what the token is for), so neither overlap nor order
@@ -105,27 +109,31 @@ class Checker:
         if token > seen.highest:
             seen.highest, seen.highest_by = token, process
 
-    def quiet_began(self, at: float) -> None:
+    def quiet_began(self, at: float, leases: tuple[str, ...]) -> None:
         self._quiet_since = at
-        self._first_claim_after_quiet = None
+        self._expected = frozenset(leases)
+        self._first_claims = {}
 
     def led_since_quiet(self) -> bool:
-        return self._first_claim_after_quiet is not None
+        """Every lease the quiet phase waits for has been claimed since it began."""
+        return self._expected <= self._first_claims.keys()
 
     def quiet_ended(self, at: float, bound: float, leader_expected: bool = True) -> None:
-        """Judge one quiet phase: a claim within ``bound`` of its start."""
-        since, first = self._quiet_since, self._first_claim_after_quiet
+        """Judge one quiet phase: each lease claimed within ``bound`` of its start."""
+        since = self._quiet_since
         self._quiet_since = None
         if since is None or not leader_expected:
             return
-        if first is None:
-            self._violation(f"no leader within {at - since:.1f}s after the faults ended at "
-                            f"{since:.1f} (bound {bound:.1f}s)")
+        missing = sorted(self._expected - self._first_claims.keys())
+        if missing:
+            self._violation(f"no leader of {', '.join(missing)} within {at - since:.1f}s "
+                            f"after the faults ended at {since:.1f} (bound {bound:.1f}s)")
             return
-        self.verdict.recoveries.append(first - since)
-        if first - since > bound:
-            self._violation(f"the first claim came {first - since:.1f}s after the faults "
-                            f"ended at {since:.1f} (bound {bound:.1f}s)")
+        last, lease = max((self._first_claims[name], name) for name in self._expected)
+        self.verdict.recoveries.append(last - since)
+        if last - since > bound:
+            self._violation(f"the first claim of {lease} came {last - since:.1f}s after the "
+                            f"faults ended at {since:.1f} (bound {bound:.1f}s)")
 
     def _violation(self, text: str) -> None:
         self.verdict.violations.append(f"[{self.now:.4f}] {text}")

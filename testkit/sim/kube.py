@@ -356,8 +356,15 @@ class FakeKubeClient:
         return result
 
     async def list(self, path: str, **params: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call(
-            "list leases", lambda: {"items": [_copy(o) for o in self._server.objects.values()]})
+        # labelSelector: the equality form (key=value, comma-separated), the one used.
+        wanted = dict(term.split("=", 1) for term in
+                      params.get("labelSelector", "").split(",") if term)
+
+        def matching() -> dict[str, Any]:
+            return {"items": [_copy(o) for o in self._server.objects.values()
+                              if all((o["metadata"].get("labels") or {}).get(k) == v
+                                     for k, v in wanted.items())]}
+        result: dict[str, Any] = await self._call("list leases", matching)
         return result
 
     async def watch(self, path: str, resource_version: str | None = None,

@@ -44,6 +44,7 @@ import asyncpg
 from asyncpg import exceptions as pgerr
 
 from sidecar.lease import pg_session, pg_timeline
+from sidecar.lease.postgres_advisory import group as adv_group
 from sidecar.lease.postgres_advisory import handover as adv_hint
 from sidecar.lease.postgres_advisory import sql as adv
 from sidecar.lease.sql.dialect import PostgresDialect
@@ -778,6 +779,64 @@ def _row_read(live_only: bool) -> Handler:
     return run
 
 
+def _row_group_beat(server: Server, session: Session, sql: str, args: tuple[Any, ...],
+                    answer: Reply) -> None:
+    """The dialect's ``group_beat``: every held row renewed (one version drawn for the
+    statement), the member's own row written or dropped, the other live members read on
+    the statement's snapshot."""
+    values = dict(zip(_NAMES["group_beat"], args, strict=True))
+    now = server.wall()
+    rows = server.data.rows
+    owner, member, prefix = values["owner"], values["member"], values["prefix"]
+    others = [(key, row.owner) for key, row in rows.items()
+              if key.startswith(prefix) and row.expires_at > now and key != member]
+    renewed: list[tuple[Any, ...]] = []
+    version: int | None = None
+    for name, held in zip(values["names"], values["versions"], strict=True):
+        row = rows.get(name)
+        if (row is None or row.owner != owner or row.version < int(held)
+                or row.expires_at <= now):
+            continue
+        if version is None:
+            version = _version(server, values)
+        row.renewed_at, row.expires_at = now, now + float(values["duration"])
+        row.version = version
+        renewed.append(("lease", name, version))
+    joined: list[tuple[Any, ...]] = []
+    if int(values["advertise"]) == 1:
+        old = rows.get(member)
+        rows[member] = LeaseRow(owner, old.acquired_at if old else now, now,
+                                now + float(values["duration"]), old.metadata if old else None,
+                                old.version if old else 0)
+        joined.append(("member", owner, None))
+    else:
+        rows.pop(member, None)
+    result = [*renewed, *joined, *(("member", who, None) for _, who in others)]
+    server.commit(session, answer, result, _durable(session, sql, transaction=True))
+
+
+def _group_beat(server: Server, session: Session, sql: str, args: tuple[Any, ...],
+                answer: Reply) -> None:
+    """The advisory shard group's heartbeat: our marker, every advisory lock the session
+    holds, its ``application_name`` set, the other sessions showing the group's prefix."""
+    marker, name, prefix = args
+    ours = session.settings.get(adv.MARKER_SETTING) == marker
+    locks = [lock for lock, grants in session.locks.items() if grants > 0]
+    session.settings["application_name"] = name
+    others = [app for s in server.sessions.values() if s.pid != session.pid and not s.ended
+              and (app := s.settings.get("application_name") or "").startswith(prefix)]
+    answer([(ours, locks, name, others)], None)
+
+
+def _group_unlock(server: Server, session: Session, sql: str, args: tuple[Any, ...],
+                  answer: Reply) -> None:
+    lock, marker, channel = args
+    ours = session.settings.get(adv.MARKER_SETTING) == marker
+    done = server.unlock(session, lock) if ours else None
+    server.notify(channel, str(lock))
+    answer([(ours, done, None)], None)
+
+
 def _handlers() -> dict[str, Handler]:
     handlers: dict[str, Handler] = {
         adv.APPLY: _apply, pg_session.SET_SESSION: _set_session,
@@ -788,8 +847,11 @@ def _handlers() -> dict[str, Handler]:
         adv_hint.HINTS: _hints, adv_hint.NAME_AND_CLEAR: _name_and_clear,
         "select set_config('application_name', $1, false)": _set_name,
         pg_timeline.era_sql("lease"): _era,
+        adv_group.BEAT: _group_beat, adv_group.UNLOCK: _group_unlock,
     }
     dialect = PostgresDialect()
+    assert dialect.group_beat is not None
+    handlers[dialect.group_beat.numeric()[0]] = _row_group_beat
     handlers[dialect.acquire.numeric()[0]] = _row_acquire
     handlers[dialect.renew.numeric()[0]] = _row_renew
     handlers[dialect.release.numeric()[0]] = _row_release
@@ -801,7 +863,8 @@ def _handlers() -> dict[str, Handler]:
 # The row statements' parameter names, in the order asyncpg passes them.
 _NAMES = {"acquire": PostgresDialect().acquire.numeric()[1],
           "renew": PostgresDialect().renew.numeric()[1],
-          "release": PostgresDialect().release.numeric()[1]}
+          "release": PostgresDialect().release.numeric()[1],
+          "group_beat": PostgresDialect().group_beat.numeric()[1]}  # type: ignore[union-attr]
 
 
 # -- the fake asyncpg ---------------------------------------------------------------------

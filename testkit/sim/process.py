@@ -2,30 +2,29 @@
 process of the simulation (its own clocks, frozen or killed as a whole).
 
 It is wired as :class:`sidecar.runtime.Sidecar` wires a real one (one state and elector
-per lease name over one backend, the application-readiness gate, stop = stop every
-elector, then close the backend), without the HTTP server: its application asks the state
-for a claim the way ``GET /leader`` does — at once after every change of the facts, at
-each moment the claim rule can flip (a term's first claim), and every few tens of
-milliseconds while it leads — and the checker judges every claim handed out.
+per lease name over one backend, a shard set's group and manager with a state per shard,
+the application-readiness gate, stop = stop every elector and hand the shards over, then
+close the backend), without the HTTP server: its application asks each state for a claim
+the way ``GET /leader`` does — at once after every change of the facts, at each moment
+the claim rule can flip (a term's first claim), and every few tens of milliseconds while
+it leads — and the checker judges every claim handed out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
-from sidecar.base.clock import Clock
 from sidecar.elector import Elector
-from sidecar.lease import Backend
+from sidecar.lease import Backend, BackendEntry, Lease
 from sidecar.settings import Settings
+from sidecar.shards.manager import ShardManager
 from sidecar.state import Claim, LeaseState
 from testkit.sim.checks import Checker
 from testkit.sim.world import Endpoint, Host, SimClock, World, in_process
-
-BackendFactory = Callable[[Settings, Clock], Backend]
 
 
 class RecordingState(LeaseState):
@@ -47,7 +46,7 @@ class RecordingState(LeaseState):
         if not facts.holding or facts.released:
             self.process.world.excuse(self.process, False)  # the term's claims stopped
         if event:
-            self.process.world.trace(f"{self.process.name} {event}: token "
+            self.process.world.trace(f"{self.process.name} {event} {self.lease}: token "
                                      f"{facts.fencing_token}, {facts.reason}")
         return facts
 
@@ -65,7 +64,7 @@ class RecordingState(LeaseState):
 
 class SimSidecar(Endpoint):
     def __init__(self, world: World, checker: Checker, identity: str, instance: int,
-                 host: Host, settings: Settings, backend: BackendFactory) -> None:
+                 host: Host, settings: Settings, entry: BackendEntry) -> None:
         # The checker tells instances apart: a restarted sidecar (or a second process
         # under the same identity) is another process whose claims may not overlap.
         super().__init__(f"{identity}#{instance}", host)
@@ -75,12 +74,14 @@ class SimSidecar(Endpoint):
         self.settings = replace(settings, identity=identity)
         # Seconds since its host booted, as CLOCK_MONOTONIC counts (never negative).
         self.clock = SimClock(world.loop, host, world.rng.uniform(0, 1e6))
-        self._make_backend = backend
+        self._entry = entry
         self.app_ready = True
         self.backend: Backend | None = None
-        self.states: list[RecordingState] = []
-        self.electors: list[Elector] = []
-        self.tasks: list[asyncio.Task[None]] = []
+        self.states: list[RecordingState] = []  # the lease names', then the shards'
+        self.electors: list[Elector] = []  # the lease names' (the shards' are the manager's)
+        self.shards: ShardManager | None = None
+        self.electing: list[asyncio.Task[None]] = []
+        self.apps: list[asyncio.Task[None]] = []
         self.exited = False
         self.stopping = False
         self.context = in_process(self)
@@ -91,18 +92,36 @@ class SimSidecar(Endpoint):
 
     async def _start(self) -> None:
         settings = self.settings
-        self.backend = self._make_backend(settings, self.clock)
+        self.backend = backend = self._entry.create(settings, self.clock)
         for name in settings.names:
-            state = RecordingState(lease=name, identity=settings.identity, role=settings.role,
-                                   claim_horizon=settings.timing.claim_horizon,
-                                   clock=self.clock)
-            state.process = self
-            self.states.append(state)
-            elector = Elector(self.backend.lease(name), state, settings.timing,
+            state = self._state(name)
+            elector = Elector(backend.lease(name), state, settings.timing,
                               settings.identity, (), sits_out=self._sits_out)
             self.electors.append(elector)
-            self.tasks.append(asyncio.create_task(elector.run()))
-            self.tasks.append(asyncio.create_task(self._app(state)))
+            self.electing.append(asyncio.create_task(elector.run()))
+        if settings.shards:
+            assert self._entry.shard_group is not None
+            group = self._entry.shard_group(backend, settings, self.clock,
+                                            settings.store.key(settings.name))
+
+            def shard_elector(lease: Lease, state: LeaseState,
+                              successor: Callable[[], Awaitable[str | None]]) -> Elector:
+                return Elector(lease, state, settings.timing, settings.identity, (),
+                               sits_out=self._sits_out, shutdown_successor=successor)
+
+            self.shards = ShardManager(group, {n: self._state(n) for n in settings.shards},
+                                       settings.identity, settings.timing, self.clock,
+                                       shard_elector, ready=self._sits_out)
+            await self.shards.start()
+        self.apps = [asyncio.create_task(self._app(state)) for state in self.states]
+
+    def _state(self, name: str) -> RecordingState:
+        settings = self.settings
+        state = RecordingState(lease=name, identity=settings.identity, role=settings.role,
+                               claim_horizon=settings.timing.claim_horizon, clock=self.clock)
+        state.process = self
+        self.states.append(state)
+        return state
 
     def _sits_out(self) -> str | None:
         return None if self.app_ready else "the application is not ready"
@@ -128,16 +147,19 @@ class SimSidecar(Endpoint):
 
     async def _stop(self) -> None:
         self.stopping = True
+        # As the runtime does: the shards are handed over while the leases step down.
+        shards = asyncio.ensure_future(self.shards.stop()) if self.shards else None
         for elector in self.electors:
             elector.stop()
-        electors = [t for t in self.tasks[::2]]
-        for task in self.tasks[1::2]:
+        tasks = (*self.electing, *self.apps)
+        for task in tasks:
             task.cancel()
-        for task in electors:
-            task.cancel()
-        for task in self.tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if shards is not None:
+            with contextlib.suppress(Exception):
+                await shards
         if self.backend is not None:
             with contextlib.suppress(Exception):
                 await self.backend.close()

@@ -91,11 +91,16 @@ class Run:
         self.checker.trace = self.world.trace if trace is not None else None
         self.target = faults
         self.setup = setup(self.world)
-        # Now and then a sidecar holds two lease names, each judged on its own.
-        names = {"LEASE_NAME": "default,reports"} if self.world.rng.random() < 0.2 else {}
-        self.settings = config.load(env={"LEASE_BACKEND": backend, "LEASE_IDENTITY": "sim",
-                                         **names, **self.setup.env, **(env or {})})
         self.entry = backend_entry(backend)
+        rng = self.world.rng
+        # Now and then a sidecar holds two lease names, each judged on its own; on a
+        # backend that holds shards, a quarter of the runs add a shard set (each shard a
+        # lease of its own, campaigned for by the member the assignment names).
+        variant = {"LEASE_NAME": "default,reports"} if rng.random() < 0.2 else {}
+        if self.entry.shard_group is not None and rng.random() < 0.25:
+            variant["LEASE_SHARDS"] = str(rng.randint(2, 6))
+        self.settings = config.load(env={"LEASE_BACKEND": backend, "LEASE_IDENTITY": "sim",
+                                         **variant, **self.setup.env, **(env or {})})
         shared = self.setup.host or Host("host")
         self.hosts = {f"p{i}": shared if self.setup.one_host else Host(f"host-{i}")
                       for i in range(1, self.PROCESSES + 1)}
@@ -111,7 +116,7 @@ class Run:
     def start(self, identity: str) -> SimSidecar:
         self.instances[identity] += 1
         process = SimSidecar(self.world, self.checker, identity, self.instances[identity],
-                             self.hosts[identity], self.settings, self.entry.create)
+                             self.hosts[identity], self.settings, self.entry)
         self.live[identity] = process
         self.every.append(process)
         self.world.trace(f"start {process.name}")
@@ -181,7 +186,7 @@ class Run:
                 inject = rng.choices(menu, weights)[0][2]
                 inject(self, rng)
             self._heal()
-            self.checker.quiet_began(world.now())
+            self.checker.quiet_began(world.now(), (*self.settings.names, *self.settings.shards))
             world.trace("quiet: everything healed")
             wait = bound + (self.stepped_back if self.setup.wall_clock_leases else 0.0)
             self.stepped_back = 0.0
@@ -197,9 +202,15 @@ class Run:
             self.checker.now = world.now()
             self.checker.quiet_ended(world.now(), wait)
             for process in self.live.values():
+                if (shards := process.shards) is not None:
+                    view = shards.view
+                    world.trace(f"  {process.name} shard group: members {view.members}, ok "
+                                f"{view.ok} {view.error}, assigned {shards.assigned()}, "
+                                f"campaigning {sorted(shards.electors)}")
                 for state in process.states:
                     facts = state.facts
-                    world.trace(f"  {process.name}: holding {facts.holding}, claims from "
+                    world.trace(f"  {process.name} {state.lease}: holding {facts.holding}, "
+                                f"claims from "
                                 f"{facts.claim_from - process.clock.monotonic():+.2f}s, "
                                 f"valid {facts.valid_until - process.clock.monotonic():+.2f}s,"
                                 f" {facts.reason}")

@@ -129,3 +129,42 @@ async def test_the_validity_of_a_group_renew_counts_from_the_round_trips_send_ti
     clock.advance(1.25)
     grant = await lease.try_renew()
     assert grant.held and grant.valid_for == TIMING.validity - 1.25
+
+
+async def test_a_release_that_stops_waiting_still_ends_the_renewals() -> None:
+    """The elector bounds a release; a slow round trip in flight outlasts the bound. The
+    lease must leave the group all the same: left registered, every later round trip
+    renewed a row nobody held and nobody could take (found by the simulator)."""
+    clock = FakeClock()
+    server = Server(clock)
+    server.gate = asyncio.Event()  # the round trip hangs
+    beats = Beats(server, TIMING, clock, "group")
+    reg = beats.register("a", 7)
+    slow = asyncio.create_task(beats._beat())
+    await asyncio.sleep(0)
+    assert server.trips[-1][1] == {"a": 7}
+    try:
+        async with asyncio.timeout(0.01):  # the release gives up waiting
+            await beats.forget("a", reg)
+    except TimeoutError:
+        pass
+    server.gate.set()
+    await slow
+    await beats._beat()
+    assert server.trips[-1][1] == {}  # not renewed any more
+    assert await beats.forget("a", reg) is None
+
+
+async def test_forget_returns_the_version_the_round_trip_in_flight_wrote() -> None:
+    clock = FakeClock()
+    server = Server(clock)
+    server.gate = asyncio.Event()
+    beats = Beats(server, TIMING, clock, "group")
+    reg = beats.register("a", 7)
+    slow = asyncio.create_task(beats._beat())
+    await asyncio.sleep(0)
+    forgetting = asyncio.create_task(beats.forget("a", reg))
+    await asyncio.sleep(0)
+    server.gate.set()
+    await slow
+    assert await forgetting == 8  # the release must name the row's current version

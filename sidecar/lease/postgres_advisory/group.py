@@ -130,6 +130,8 @@ class AdvisoryShardGroup:
         self._timelines = Timelines()
         self._refusal: str | None = None
         self._leases: dict[str, SharedLease] = {}
+        # Releases that go on after their caller stopped waiting (SharedLease.release).
+        self.releasing: set[asyncio.Future[None]] = set()
         self._beats = Beats(self._round_trip, settings.timing, clock, group_key)
 
     @property
@@ -361,6 +363,24 @@ class SharedLease:
         session, self._session, self._token = self._session, None, None
         if session is None:
             return
+        # The unlock runs to its end even when the caller stops waiting (the elector
+        # bounds a release, and the unlock queues behind the session's other statements):
+        # a lock left on the group's live session kept the shard from every member for as
+        # long as that session lived (found by the simulator). Meanwhile nothing claims:
+        # the elector stopped claiming before it released.
+        task = asyncio.ensure_future(self._give_up(session))
+        self._group.releasing.add(task)
+        task.add_done_callback(self._released)
+        await asyncio.shield(task)
+
+    def _released(self, task: asyncio.Future[None]) -> None:
+        self._group.releasing.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            # Seen by the caller too, unless it stopped waiting; the session dropped.
+            log.warning("shard release failed; its lock went with the session",
+                        extra={"lease": self.name, "error": str(error)})
+
+    async def _give_up(self, session: Session) -> None:
         await self._group._beats.forget(self.name, self._registration)
         await self._group.give_back(self, session)
 
