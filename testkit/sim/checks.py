@@ -20,7 +20,7 @@ lease name (a shard is one) on its own.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 
@@ -51,8 +51,9 @@ class Checker:
     def __init__(self) -> None:
         self.verdict = Verdict()
         self._leases: dict[str, _Lease] = {}
-        # Processes inside a documented window: their claims may overlap others'.
-        self._excused: set[str] = set()
+        # (process, lease) pairs inside a documented window: their claims may overlap
+        # others'.
+        self._excused: set[tuple[str, str]] = set()
         self._quiet_since: float | None = None
         # The leases a quiet phase waits for, and each one's first claim since it began.
         self._expected: frozenset[str] = frozenset()
@@ -61,14 +62,17 @@ class Checker:
         self.trace: Callable[[str], None] | None = None
         self.now = 0.0
 
-    def excuse(self, process: str, on: bool) -> None:
-        """Open (or close) a documented window for ``process``: the claims it hands out
-        meanwhile may overlap others' (the advisory lock's termination notice, while it
-        travels to a holder that can hear it: docs/backends.md)."""
+    def excuse(self, process: str, leases: Iterable[str], on: bool) -> None:
+        """Open (or close) a documented window for ``process``'s claims of ``leases``: the
+        claims it hands out meanwhile may overlap others' (the advisory lock's termination
+        notice, while it travels to a holder that can hear it: docs/backends.md). Each
+        lease's window closes on its own, when that lease's claims stop: one session may
+        hold a shard set's locks, and the process hears of their loss one by one."""
+        pairs = {(process, lease) for lease in leases}
         if on:
-            self._excused.add(process)
+            self._excused |= pairs
         else:
-            self._excused.discard(process)
+            self._excused -= pairs
 
     def claimed(self, process: str, lease: str, term: int, token: int | None, at: float,
                 until: float) -> None:
@@ -76,7 +80,7 @@ class Checker:
         verdict.claims += 1
         if self._quiet_since is not None:
             self._first_claims.setdefault(lease, at)
-        if process in self._excused:
+        if (process, lease) in self._excused:
             # Inside the window the old holder's claims carry its older token: the
             # downstream refuses it (what the token is for), so neither overlap nor order
             # is judged.

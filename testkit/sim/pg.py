@@ -151,8 +151,8 @@ class Server:
             if queue is not None and session.pid in queue:
                 queue.remove(session.pid)
             session.waiting_for = None
-        held = bool(session.locks)
-        for lock in list(session.locks):
+        held = list(session.locks)
+        for lock in held:
             session.locks.pop(lock)
             self._unlocked(lock, session.pid)
         session.pending = None
@@ -960,7 +960,7 @@ class FakeConnection:
         self.terminate()
 
     # -- the server's side -------------------------------------------------------------
-    def server_ended(self, error: BaseException, held: bool) -> None:
+    def server_ended(self, error: BaseException, held: list[int]) -> None:
         """The server ended the session: the client hears of it a latency later (a frozen
         client when it thaws; a cut-off one not until it tries)."""
         endpoint = self._endpoint
@@ -971,7 +971,7 @@ class FakeConnection:
             # The documented window: until the holder has heard of it and stopped
             # claiming (:class:`testkit.sim.process.RecordingState`), its claims may
             # overlap the next holder's.
-            self._world.excuse(endpoint, True)
+            self._world.excuse(endpoint, held)
         self._world.later(self._world.latency(endpoint), self._hear_end, error)
 
     def _hear_end(self, error: BaseException) -> None:

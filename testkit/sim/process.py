@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import replace
 from typing import Any
 
 from sidecar.elector import Elector
 from sidecar.lease import Backend, BackendEntry, Lease
+from sidecar.lease.postgres_advisory.sql import lock_id
 from sidecar.settings import Settings
 from sidecar.shards.manager import ShardManager
 from sidecar.state import Claim, LeaseState
@@ -44,7 +45,8 @@ class RecordingState(LeaseState):
             self.term += 1
         facts = super().update(event, **changes)
         if not facts.holding or facts.released:
-            self.process.world.excuse(self.process, False)  # the term's claims stopped
+            # This lease's claims stopped: its documented window (if open) ends.
+            self.process.checker.excuse(self.process.name, (self.lease,), False)
         if event:
             self.process.world.trace(f"{self.process.name} {event} {self.lease}: token "
                                      f"{facts.fencing_token}, {facts.reason}")
@@ -114,6 +116,12 @@ class SimSidecar(Endpoint):
                                        shard_elector, ready=self._sits_out)
             await self.shards.start()
         self.apps = [asyncio.create_task(self._app(state)) for state in self.states]
+
+    def leases_locked_by(self, locks: Collection[int]) -> list[str]:
+        """This process's leases (names and shards) whose advisory lock keys are among
+        ``locks``."""
+        key = self.settings.store.key
+        return [state.lease for state in self.states if lock_id(key(state.lease)) in locks]
 
     def _state(self, name: str) -> RecordingState:
         settings = self.settings

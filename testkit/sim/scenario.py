@@ -23,7 +23,7 @@ import logging
 import math
 import random
 import sys
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ from sidecar.lease import backend_entry
 from sidecar.settings import Settings
 from testkit.sim.checks import Checker, Verdict
 from testkit.sim.process import SimSidecar
-from testkit.sim.world import Host, World
+from testkit.sim.world import Endpoint, Host, World
 
 # A fault: (weight, kind, inject(run, rng) -> None).
 Fault = tuple[float, str, Callable[["Run", random.Random], None]]
@@ -87,7 +87,7 @@ class Run:
         self.exclude = exclude
         self.world = World(seed, trace)
         self.checker = Checker()
-        self.world.excuse = lambda endpoint, on: self.checker.excuse(endpoint.name, on)
+        self.world.excuse = self._excuse
         self.checker.trace = self.world.trace if trace is not None else None
         self.target = faults
         self.setup = setup(self.world)
@@ -113,6 +113,10 @@ class Run:
         self.stepped_back = 0.0  # seconds the hosts' wall clocks went back this phase
 
     # -- processes --------------------------------------------------------------------
+    def _excuse(self, endpoint: Endpoint, locks: Collection[int]) -> None:
+        if isinstance(endpoint, SimSidecar):
+            self.checker.excuse(endpoint.name, endpoint.leases_locked_by(locks), True)
+
     def start(self, identity: str) -> SimSidecar:
         self.instances[identity] += 1
         process = SimSidecar(self.world, self.checker, identity, self.instances[identity],

@@ -19,7 +19,7 @@ import contextvars
 import random
 import weakref
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -119,10 +119,11 @@ class World:
         # The servers' models: told when a client dies (its kernel closes its sockets)
         # or is cut off (``client_gone(endpoint)``, ``cut(endpoint)``).
         self.servers: list[Any] = []
-        # Set by the run: ``excuse(endpoint, True)`` opens a documented window in which
-        # the process's claims may overlap others' (the advisory lock's termination
-        # notice on its way), ``excuse(endpoint, False)`` closes it.
-        self.excuse: Callable[[Endpoint, bool], None] = lambda endpoint, on: None
+        # Set by the run: ``excuse(endpoint, locks)`` opens a documented window in which
+        # the process's claims of the leases whose advisory locks (keys) an ended session
+        # held may overlap others' (the termination notice on its way); each lease's
+        # window closes when its claims stop (:class:`testkit.sim.process.RecordingState`).
+        self.excuse: Callable[[Endpoint, Collection[int]], None] = lambda endpoint, locks: None
 
     # -- time and scheduling ------------------------------------------------------------
     def now(self) -> float:
