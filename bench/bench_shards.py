@@ -386,10 +386,6 @@ def main() -> None:
         sys.exit(1)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def rollout_assignment(shards: int, pods: int, trials: int = 20) -> dict[str, Any]:
     """The assignment alone (no processes) through a rolling update of ``pods`` pods
     that adds one new pod, then removes one old (oldest first), until all are new; each
@@ -477,3 +473,7 @@ def rollout_main(backend: str, shards: int) -> None:
         "processes": processes})
     print(json.dumps({"assignment": rollout_assignment(shards, 4), "processes": processes}))
     print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
