@@ -227,3 +227,26 @@ class Beats:
             else:
                 future.set_exception(error)
                 future.exception()  # retrieved: nobody may be waiting for this one
+
+
+class BeatingGroup:
+    """What every shard group delegates to its :class:`Beats` (the group sets ``_beats``
+    in its constructor): the members' view, the round-trip loop and its count."""
+
+    _beats: Beats
+
+    @property
+    def round_trips(self) -> int:
+        return self._beats.round_trips
+
+    def advertise(self, member: bool) -> None:
+        self._beats.advertise(member)
+
+    async def next_beat(self) -> tuple[str, ...]:
+        return await self._beats.next_beat()
+
+    async def run(self) -> None:
+        await self._beats.run()
+
+    async def close(self) -> None:
+        await self._beats.close()

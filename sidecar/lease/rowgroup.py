@@ -19,7 +19,7 @@ from typing import Protocol, cast
 
 from sidecar.base.clock import Clock
 from sidecar.lease import Backend
-from sidecar.lease.beats import Beats
+from sidecar.lease.beats import BeatingGroup, Beats
 from sidecar.lease.rowlease import MEMBER_MARK, Refused, RowBackend, RowLease
 from sidecar.settings import Settings, Timing
 
@@ -44,7 +44,7 @@ def member_key(group_key: str, identity: str) -> str:
     return f"{group_key}{MEMBER_MARK}{digest}"
 
 
-class RowShardGroup:
+class RowShardGroup(BeatingGroup):
     """A :class:`~sidecar.lease.ShardGroup` over a row backend and its store."""
 
     def __init__(self, backend: RowBackend, store: GroupStore, group_key: str,
@@ -58,27 +58,11 @@ class RowShardGroup:
         self._members = group_key + MEMBER_MARK
         self._beats = Beats(self._round_trip, timing, clock, group_key)
 
-    @property
-    def round_trips(self) -> int:
-        return self._beats.round_trips
-
     def lease(self, name: str) -> RowLease:
         return self._backend.lease(name, batch=self._beats)
 
     def retire(self, name: str) -> None:
         """Nothing to close: the lease keeps nothing open of its own."""
-
-    def advertise(self, member: bool) -> None:
-        self._beats.advertise(member)
-
-    async def next_beat(self) -> tuple[str, ...]:
-        return await self._beats.next_beat()
-
-    async def run(self) -> None:
-        await self._beats.run()
-
-    async def close(self) -> None:
-        await self._beats.close()
 
     async def _round_trip(self, held: Mapping[str, int],
                           advertise: bool) -> tuple[Mapping[str, int], tuple[str, ...]]:

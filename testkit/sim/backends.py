@@ -384,7 +384,10 @@ class _SqliteOnHostClock:
         def julianday(value: str) -> float | None:
             if value != "now":
                 return None
-            return host.wall(world().now()) / 86400.0 + 2440587.5  # type: ignore[union-attr]
+            alive = world()
+            if alive is None:  # the run has ended; nothing reads this answer
+                return None
+            return host.wall(alive.now()) / 86400.0 + 2440587.5
         conn.create_function("julianday", 1, julianday)
         return conn
 

@@ -861,10 +861,12 @@ def _handlers() -> dict[str, Handler]:
 
 
 # The row statements' parameter names, in the order asyncpg passes them.
-_NAMES = {"acquire": PostgresDialect().acquire.numeric()[1],
-          "renew": PostgresDialect().renew.numeric()[1],
-          "release": PostgresDialect().release.numeric()[1],
-          "group_beat": PostgresDialect().group_beat.numeric()[1]}  # type: ignore[union-attr]
+_DIALECT = PostgresDialect()
+assert _DIALECT.group_beat is not None  # PostgreSQL's dialect has shard groups
+_NAMES = {"acquire": _DIALECT.acquire.numeric()[1],
+          "renew": _DIALECT.renew.numeric()[1],
+          "release": _DIALECT.release.numeric()[1],
+          "group_beat": _DIALECT.group_beat.numeric()[1]}
 
 
 # -- the fake asyncpg ---------------------------------------------------------------------

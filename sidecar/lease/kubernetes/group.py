@@ -32,7 +32,7 @@ from sidecar.base.clock import Clock
 from sidecar.base.errors import BackendError, Forbidden
 from sidecar.kubeapi import KubeError
 from sidecar.lease import Backend
-from sidecar.lease.beats import Beats
+from sidecar.lease.beats import BeatingGroup, Beats
 from sidecar.lease.kubernetes import KubeBackend
 from sidecar.lease.kubernetes.lease import KubeLease
 from sidecar.lease.kubernetes.record import micro_time
@@ -58,7 +58,7 @@ def leases_path(namespace: str) -> str:
     return f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace)}/leases"
 
 
-class KubeShardGroup:
+class KubeShardGroup(BeatingGroup):
     """A :class:`~sidecar.lease.ShardGroup` of Lease objects (see the module doc)."""
 
     def __init__(self, backend: KubeBackend, connection: Connection, settings: Settings,
@@ -77,10 +77,6 @@ class KubeShardGroup:
         self._version: str | None = None  # our record's resourceVersion, as last seen
         self._beats = Beats(self._round_trip, settings.timing, clock, group_key)
 
-    @property
-    def round_trips(self) -> int:
-        return self._beats.round_trips
-
     def lease(self, name: str) -> KubeLease:
         if name not in self._leases:
             self._leases[name] = self._backend.lease(name)
@@ -91,18 +87,6 @@ class KubeShardGroup:
         lease = self._leases.pop(name, None)
         if lease is not None:
             lease.stop_watch()
-
-    def advertise(self, member: bool) -> None:
-        self._beats.advertise(member)
-
-    async def next_beat(self) -> tuple[str, ...]:
-        return await self._beats.next_beat()
-
-    async def run(self) -> None:
-        await self._beats.run()
-
-    async def close(self) -> None:
-        await self._beats.close()
 
     async def _round_trip(self, held: Mapping[str, Any],
                           advertise: bool) -> tuple[Mapping[str, Any], tuple[str, ...]]:

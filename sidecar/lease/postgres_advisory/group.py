@@ -45,7 +45,7 @@ import asyncpg
 from sidecar.base.clock import Clock
 from sidecar.base.errors import BackendError
 from sidecar.lease import Backend, Grant, Holder
-from sidecar.lease.beats import Beats
+from sidecar.lease.beats import BeatingGroup, Beats
 from sidecar.lease.pg_session import version_num
 from sidecar.lease.pg_timeline import CHECKPOINT, OUT_OF_RANGE, Timelines, checkpoint_age, token
 from sidecar.lease.postgres_advisory.session import (
@@ -108,7 +108,7 @@ def holder_name(session_name: str) -> str:
     return session_name
 
 
-class AdvisoryShardGroup:
+class AdvisoryShardGroup(BeatingGroup):
     """A :class:`~sidecar.lease.ShardGroup` on one advisory-lock session (module doc)."""
 
     def __init__(self, settings: Settings, clock: Clock, group_key: str) -> None:
@@ -134,10 +134,6 @@ class AdvisoryShardGroup:
         self.releasing: set[asyncio.Future[None]] = set()
         self._beats = Beats(self._round_trip, settings.timing, clock, group_key)
 
-    @property
-    def round_trips(self) -> int:
-        return self._beats.round_trips
-
     # -- ShardGroup --------------------------------------------------------------------
     def lease(self, name: str) -> SharedLease:
         if name not in self._leases:
@@ -146,15 +142,6 @@ class AdvisoryShardGroup:
 
     def retire(self, name: str) -> None:
         """Nothing to close: the lease keeps nothing open of its own."""
-
-    def advertise(self, member: bool) -> None:
-        self._beats.advertise(member)
-
-    async def next_beat(self) -> tuple[str, ...]:
-        return await self._beats.next_beat()
-
-    async def run(self) -> None:
-        await self._beats.run()
 
     async def close(self) -> None:
         await self._beats.close()

@@ -16,7 +16,7 @@ connect:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 # An app's processes long-polling one sidecar number in the tens; these caps keep a
@@ -47,3 +47,18 @@ class Limits:
     # "host:port" forms a POST /release may name in its Host header (set once bound).
     release_hosts: frozenset[tuple[str, int]] = frozenset()
     open_connections: Callable[[], int] = lambda: 0
+
+    async def park(self, wait: Callable[[], Awaitable[object]], headers: dict[str, str]) -> None:
+        """Run one blocking query's ``wait`` within ``max_waiters``; when full, return at
+        once and say so in ``headers`` (the caller answers with what a query without
+        ``wait`` gets: never a made-up answer)."""
+        if self.waiters >= self.max_waiters:
+            self.waits_refused += 1
+            headers["Lease-Wait"] = "full"
+            headers["Retry-After"] = str(RETRY_AFTER)
+            return
+        self.waiters += 1
+        try:
+            await wait()
+        finally:
+            self.waiters -= 1

@@ -11,7 +11,7 @@ import hashlib
 import json
 
 from sidecar.publish import ClaimEncoder
-from sidecar.publish.http.limits import RETRY_AFTER, Limits
+from sidecar.publish.http.limits import Limits
 from sidecar.publish.http.server import HttpError, Request, Response
 from sidecar.state import Claim, Facts, Leadership, LeaseState
 
@@ -81,18 +81,9 @@ async def leader(request: Request, leases: dict[str, ServedLease], limits: Limit
         # Weak comparison (RFC 9110 for If-None-Match): a client that drops the W/ of
         # the tag it echoes still parks.
         if seen is None or seen.removeprefix("W/") == current.removeprefix("W/"):
-            if limits.waiters >= limits.max_waiters:
-                # Full: answer now with what a query without wait gets. The claim is
-                # computed below, like any other, so it is never a made-up answer.
-                limits.waits_refused += 1
-                headers["Lease-Wait"] = "full"
-                headers["Retry-After"] = str(RETRY_AFTER)
-            else:
-                limits.waiters += 1
-                try:
-                    await state.wait_for_leadership_change(state.leadership(arrival), wait)
-                finally:
-                    limits.waiters -= 1
+            # Full: answered now; the claim is computed below, like any other.
+            await limits.park(lambda: state.wait_for_leadership_change(
+                state.leadership(arrival), wait), headers)
     claim = state.claim()
     headers["ETag"] = served.etag(claim)
     return Response(served.encoded(claim), 200 if claim.leader else 503, headers)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from sidecar.publish.http.limits import RETRY_AFTER, Limits
+from sidecar.publish.http.limits import Limits
 from sidecar.publish.http.longpoll import wait_seconds
 from sidecar.publish.http.server import Request, Response
 from sidecar.publish.shards import ShardBoard
@@ -20,16 +20,7 @@ async def shards(request: Request, board: ShardBoard, limits: Limits) -> Respons
         seen = request.headers.get("if-none-match")
         _, current = board.body()
         if seen is None or seen.removeprefix("W/") == current.removeprefix("W/"):
-            if limits.waiters >= limits.max_waiters:
-                limits.waits_refused += 1
-                headers["Lease-Wait"] = "full"
-                headers["Retry-After"] = str(RETRY_AFTER)
-            else:
-                limits.waiters += 1
-                try:
-                    await board.wait_for_change(current, wait)
-                finally:
-                    limits.waiters -= 1
+            await limits.park(lambda: board.wait_for_change(current, wait), headers)
     body, tag = board.body()
     headers["ETag"] = tag
     return Response(json.dumps(body).encode(), 200, headers)
