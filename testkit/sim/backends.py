@@ -19,6 +19,7 @@ from sidecar.lease.kubernetes import record as kube_record
 from sidecar.lease.kubernetes import transport as kube_transport
 from sidecar.lease.postgres_advisory import session as advisory_session
 from sidecar.lease.sql import asyncpg_driver, pyodbc_driver
+from sidecar.lease.sqlite import file_identity
 from sidecar.lease.sqlite import store as sqlite_store
 from sidecar.lease.sqlite import watch as sqlite_watch
 from testkit.sim import kube, mssql, pg
@@ -299,7 +300,10 @@ class _CommitEvents:
 
     def __init__(self, basename: str) -> None:
         self._journal = basename + "-journal"
-        self._open: set[_Watch] = set()
+        # In the order they opened (a dict, not a set: a set of objects iterates in
+        # the order of their addresses, which differ from run to run, and the order the
+        # standbys hear of a commit decides which of them acquires first).
+        self._open: dict[_Watch, None] = {}
         # Each process's connections: its kernel closes them when it is killed (and
         # with them its locks on the file), as the servers' models drop its sockets.
         self._connections: dict[Endpoint, list[sqlite3.Connection]] = {}
@@ -333,16 +337,31 @@ class _Event:
 
 
 class _Watch:
-    def __init__(self, registry: set[_Watch]) -> None:
+    def __init__(self, registry: dict[_Watch, None]) -> None:
         self.events: asyncio.Queue[_Event] = asyncio.Queue()
         self._registry = registry
-        registry.add(self)
+        registry[self] = None
 
     async def get(self) -> _Event:
         return await self.events.get()
 
     def close(self) -> None:
-        self._registry.discard(self)
+        self._registry.pop(self, None)
+
+
+class _HostTime:
+    """``time`` for the SQLite file guard (its token floor and hold-off read the wall
+    clock): the simulated host's, so a replay draws the same tokens."""
+
+    def __init__(self, world: World, host: Host) -> None:
+        self._world = world
+        self._host = host
+
+    def time(self) -> float:
+        return self._host.wall(self._world.now())
+
+    def time_ns(self) -> int:
+        return int(self.time() * 1e9)
 
 
 class _SqliteOnHostClock:
@@ -409,6 +428,7 @@ def sqlite(world: World) -> Setup:
                  excluded=frozenset({"partition", "lost-replies"}), max_forward_step=0.5,
                  wall_clock_leases=True,
                  patches=[(sqlite_store, "sqlite3", _SqliteOnHostClock(world, host, events)),
+                          (file_identity, "time", _HostTime(world, host)),
                           (sqlite_watch.CommitWatch, "_open", heard_commits)])
 
 
