@@ -828,6 +828,50 @@ def _renews(f: dict[str, Row]) -> tuple[str, bool] | None:
     return f"{t['renews_per_s']:,} renews/s", t["renews_per_s"] >= 2000
 
 
+def _fenced(f: dict[str, Row]) -> tuple[str, bool] | None:
+    rows = [x for x in (f.get("fence.json") or {}).get("zombie", []) if x["guard"]]
+    if not rows:
+        return None
+    stale = sum(x["zombie_committed"] for x in rows)
+    lost = sum(x["new_leader_writes"] - x["new_leader_committed"] for x in rows)
+    return (f"{stale:,} of {sum(x['zombie_writes'] for x in rows):,} stale writes committed, "
+            f"{lost:,} of the new leaders' lost ({len(rows)} setups)"), not stale and not lost
+
+
+def _fence_cost(f: dict[str, Row]) -> tuple[str, bool] | None:
+    cost = (f.get("fence.json") or {}).get("cost", {}).get("fsync_on")
+    if not cost:
+        return None
+    own = cost["guarded"]["throughput_loss"]
+    inline = cost["guarded_in_statement"]["throughput_loss"]
+    return (f"{own:.0%} (own statement), {inline:.0%} (in the insert's statement)",
+            max(own, inline) <= 0.10)
+
+
+def _shard_moves(f: dict[str, Row]) -> tuple[str, bool] | None:
+    parts = {b: e["scale"] for b, e in (f.get("shards.json") or {}).get("backends", {}).items()
+             if e.get("scale")}
+    if not parts:
+        return None
+    worst = max(x["worst_ratio"] for part in parts.values() for x in part["per_change"].values())
+    overlaps = sum(part["overlaps"] for part in parts.values())
+    return (f"worst {worst:.2f} times the least, {overlaps} moments with two claimants "
+            f"({len(parts)} backends)"), worst <= 1.25 and not overlaps
+
+
+def _shard_unowned(f: dict[str, Row]) -> tuple[str, bool] | None:
+    parts = {b: e["scale"] for b, e in (f.get("shards.json") or {}).get("backends", {}).items()
+             if e.get("scale")}
+    if not parts:
+        return None
+    over = {b: max(x["unowned_ms"]["p99"] for x in part["per_change"].values()
+                   if x["unowned_ms"]) for b, part in parts.items()}
+    text = ", ".join(f"{b} {ms(p99)} ms (bound {ms(parts[b]['unowned_bound_ms'])})"
+                     for b, p99 in over.items())
+    return f"worst p99: {text}", all(p99 <= parts[b]["unowned_bound_ms"]
+                                     for b, p99 in over.items())
+
+
 GOALS = (
     Goal("never two leaders: every chaos run passes with 0 overlapping claims", _chaos),
     Goal("`POST /handover`: the named standby leads within two claim horizons + one "
@@ -851,6 +895,14 @@ GOALS = (
          _pods("pod_start_to_sidecar_ready", 1500, " ms")),
     Goal("the `sidecar` image ≤ 134 MB (a third of the first image)", _image),
     Goal("apiserver requests of an idle group of 3 ≤ 0.3 of client-go's", _requests),
+    Goal("fencing: a paused leader's stale writes through the guard: none committed, every "
+         "write of the new leader committed", _fenced),
+    Goal("fencing: the guard costs ≤ 10 % of single-row insert throughput (durable "
+         "commits)", _fence_cost),
+    Goal("shards: each change of members moves ≤ 1.25 times the least any assignment could, "
+         "0 moments with two claimants", _shard_moves),
+    Goal("shards: unowned time per moved shard ≤ two claim horizons + a round trip (p99)",
+         _shard_unowned),
 )
 GOAL_SOURCES = (("chaos-sqlite.json", "chaos-sqlite"), ("chaos-postgres.json", "chaos-postgres"),
                 ("chaos-postgres-row.json", "chaos-postgres-row"),
@@ -858,7 +910,7 @@ GOAL_SOURCES = (("chaos-sqlite.json", "chaos-sqlite"), ("chaos-postgres.json", "
                 ("rollout.json", "rollout"), ("postgres_advisory.json", "postgres_advisory"),
                 ("postgres_row.json", "postgres_row"), ("kubernetes.json", "kubernetes"),
                 ("lean.json", "lean"), ("core-idle.json", "core_idle"), *PODS_SOURCES,
-                ("image.json", "image"))
+                ("image.json", "image"), ("fence.json", "fence"), ("shards.json", "shards"))
 
 
 def goals(f: dict[str, Row]) -> list[str]:
