@@ -343,8 +343,10 @@ def shards_cost(r: Row) -> list[str]:
             if row is None or "error" in row:
                 cells.append("not measured" if row is None else f"failed: {row['error']}")
             else:
+                held = "" if row["led_at_end"] >= count else \
+                    f", only {row['led_at_end']:,} held at the end"
                 cells.append(f"{row['round_trips_per_renew_interval']:g} "
-                             f"({row['rss_mib']:g} MiB)")
+                             f"({row['rss_mib']:g} MiB{held})")
         rows.append([f"`{backend}`", f"{entry['renew_interval_s']:g} s", *cells])
     return table(["backend", "renew interval", *(f"{c:,} shards" for c in counts)], rows,
                  right=1)
