@@ -104,7 +104,12 @@ def test_a_term_and_its_release_show_on_each_pod(
     assert released["message"] == f"released lease jobs, fencing token {token}: shutdown"
     wait_until(lambda: leaders([other]), timeout=10)
     successor = wait_event(cp, ns, other.identity, "LeaderElected")
-    assert successor["message"] == f"acquired lease jobs, fencing token {token + 1}"
+    # The successor's token is its own term's (the resourceVersion of its acquiring
+    # write): larger than the one before, by however many writes came between; the Lease
+    # shows it from the successor's first renew on.
+    wait_until(lambda: (lease_token(cp, ns) or 0) > token, timeout=10)
+    successor_token = lease_token(cp, ns)
+    assert successor["message"] == f"acquired lease jobs, fencing token {successor_token}"
     assert successor["reportingInstance"] == other.identity
 
     # What an operator sees.
@@ -143,7 +148,9 @@ def test_a_killed_leaders_label_is_demoted_with_an_event_on_its_pod(
     old.signal(signal.SIGKILL)
     wait_until(lambda: leaders([new]), timeout=10)
     demoted = wait_event(cp, ns, old.identity, "StaleLabelDemoted")
-    token = lease_token(cp, ns)
+    # The new term's token, as the Lease shows it from the new holder's first renew on.
+    token = int(demoted["message"].rsplit(" ", 1)[1])
+    wait_until(lambda: lease_token(cp, ns) == token, timeout=10)
     assert demoted["type"] == "Normal"
     assert demoted["involvedObject"]["uid"] == pod_uid(cp, ns, old.identity)
     assert demoted["related"]["name"] == new.identity
