@@ -154,17 +154,3 @@ async def test_a_release_that_stops_waiting_still_ends_the_renewals() -> None:
     assert server.trips[-1][1] == {}  # not renewed any more
     assert await beats.forget("a", reg) is None
 
-
-async def test_forget_returns_the_version_the_round_trip_in_flight_wrote() -> None:
-    clock = FakeClock()
-    server = Server(clock)
-    server.gate = asyncio.Event()
-    beats = Beats(server, TIMING, clock, "group")
-    reg = beats.register("a", 7)
-    slow = asyncio.create_task(beats._beat())
-    await asyncio.sleep(0)
-    forgetting = asyncio.create_task(beats.forget("a", reg))
-    await asyncio.sleep(0)
-    server.gate.set()
-    await slow
-    assert await forgetting == 8  # the release must name the row's current version
