@@ -10,20 +10,23 @@ One table and one routine, in a schema of the sidecar's (``LEASE_SCHEMA``, defau
 
 ``lease_fence(name, token)`` locks the name until the transaction ends. A token lower
 than the highest one recorded is refused with :data:`STALE_SQLSTATE` (SQL Server: error
-:data:`SQLSERVER_STALE_ERROR`), and the error aborts the transaction; a higher one is
-recorded under an exclusive lock; an equal one passes under a shared lock, so one
-leader's transactions do not queue behind each other. A newer leader's first guarded
-transaction therefore waits for the old leader's guarded transactions in flight to end,
-and every old-leader transaction after it fails: a transaction's other writes commit only
-if no newer leader wrote first. Every backend's tokens stay below 2^53 and fit ``bigint``.
+:data:`SQLSERVER_STALE_ERROR`), and the error aborts the transaction; an equal one passes
+under a lock all of that token's transactions share, so one leader's transactions do not
+queue behind each other; a higher one first waits until every transaction under the
+token on record has ended, then records itself. Every old-leader transaction after it
+fails: a transaction's other writes commit only if no newer leader wrote first. Every
+backend's tokens stay below 2^53 and fit ``bigint``.
 
-On PostgreSQL the lock is a transaction-scoped advisory lock on the name (shared or
-exclusive), not a row lock: a shared row lock writes the row (and, with several holders,
-a multixact) in every transaction, which cost a third of a single-row insert's
-throughput (bench/bench_fence.py); under REPEATABLE READ and SERIALIZABLE the row is
-share-locked too, so a newer leader's commit fails the transaction (40001) instead of
-staying unseen by its snapshot. On SQL Server it is ``UPDLOCK, HOLDLOCK`` on the row:
-one leader's transactions queue there.
+On PostgreSQL the lock is a transaction-scoped advisory lock on (name, token), shared by
+the token's transactions and taken exclusively by the next leader, not a row lock: a
+shared row lock writes the row (and, with several holders, a multixact) in every
+transaction, which cost a third of a single-row insert's throughput
+(bench/bench_fence.py). An equal token, the common case, costs the shared lock and one
+read of the row, taken in that order so that no newer leader's commit falls between
+them. Under REPEATABLE READ and SERIALIZABLE the row is share-locked too, so a newer
+leader's commit fails the transaction (40001) instead of staying unseen by its snapshot.
+On SQL Server it is ``UPDLOCK, HOLDLOCK`` on the row: one leader's transactions queue
+there.
 
 This module only builds text (``lease-sidecar fence-schema --print``); it imports
 nothing beyond the standard library, so :mod:`sidecar.client` can share its facts.
@@ -53,9 +56,10 @@ POSTGRES_TABLE = "lease_fence"
 POSTGRES_FUNCTION = "lease_fence"
 SQLSERVER_TABLE = "LeaseFence"
 SQLSERVER_PROCEDURE = "lease_fence"
-# PostgreSQL: the guard's transaction-scoped advisory locks are (LOCK_CLASS,
-# hashtext(name)), the two-key form, which shares no key with one-key advisory locks
-# (the postgres backend's lease locks are those). The value is "fnce" in ASCII.
+# PostgreSQL: the guard's transaction-scoped advisory locks are (hashtext(name) XOR
+# LOCK_CLASS, token's low 31 bits), the two-key form, which shares no key with one-key
+# advisory locks (the postgres backend's lease locks are those). The value is "fnce" in
+# ASCII.
 LOCK_CLASS = 0x666E6365
 # The widest name either server stores: the lease-name column of the row leases.
 MAX_NAME = 200
@@ -79,7 +83,10 @@ RETURNS bigint
 LANGUAGE plpgsql
 AS $fence$
 DECLARE
+    name_key integer;
     highest bigint;
+    waited_out bigint;
+    locked text;
 BEGIN
     IF lease_name IS NULL OR lease_name = '' OR fencing_token IS NULL
        OR fencing_token < 0 THEN
@@ -87,26 +94,41 @@ BEGIN
             'lease_fence: needs a lease name and a fencing token >= 0, got %L and %s',
             lease_name, coalesce(fencing_token::text, 'NULL'));
     END IF;
-    SELECT token INTO highest FROM {table} WHERE name = lease_name;
-    IF FOUND AND highest = fencing_token THEN
-        -- The same leader again: its transactions share the name's lock.
-        PERFORM pg_advisory_xact_lock_shared({LOCK_CLASS}, hashtext(lease_name));
-    ELSIF NOT FOUND OR highest < fencing_token THEN
-        -- A newer leader (or the first): it waits until every transaction that holds
-        -- the lock under an older token has ended, and none starts anew meanwhile.
-        PERFORM pg_advisory_xact_lock({LOCK_CLASS}, hashtext(lease_name));
-        INSERT INTO {table} AS f (name, token) VALUES (lease_name, fencing_token)
-        ON CONFLICT (name) DO UPDATE SET token = excluded.token, advanced_at = now()
-        WHERE f.token < excluded.token;
-    END IF;
-    -- Again under the lock: a newer leader may have committed while this one waited.
-    -- READ COMMITTED reads it with a fresh snapshot; a transaction with one snapshot
-    -- for all its statements locks the row, so a newer commit fails it (40001) instead
-    -- of staying unseen.
+    name_key := hashtext(lease_name) # {LOCK_CLASS};
+    -- First the lock every transaction under this token shares (an assignment, not
+    -- PERFORM: a plain expression costs no query), then the read: a newer leader locks
+    -- this token's key exclusively before it records its own, so either it waits for
+    -- this transaction, or its commit is visible to the read below.
+    locked := pg_advisory_xact_lock_shared(name_key, {_token_key("fencing_token")})::text;
+    -- READ COMMITTED reads with a fresh snapshot; a transaction with one snapshot for
+    -- all its statements share-locks the row, so a newer commit fails it (40001)
+    -- instead of staying unseen.
     IF current_setting('transaction_isolation') = 'read committed' THEN
         SELECT token INTO highest FROM {table} WHERE name = lease_name;
     ELSE
         SELECT token INTO highest FROM {table} WHERE name = lease_name FOR SHARE;
+    END IF;
+    IF highest IS NULL OR highest < fencing_token THEN
+        -- A newer leader (or the first): wait until every transaction under the token
+        -- on record has ended (none starts meanwhile: they queue behind this lock),
+        -- then record this one under the row's lock. The token on record may change
+        -- while this waits (a third leader): wait that one out too.
+        LOOP
+            IF highest IS NULL THEN
+                INSERT INTO {table} (name, token) VALUES (lease_name, fencing_token)
+                ON CONFLICT (name) DO NOTHING;
+            ELSE
+                locked := pg_advisory_xact_lock(name_key, {_token_key("highest")})::text;
+                waited_out := highest;
+            END IF;
+            SELECT token INTO highest FROM {table} WHERE name = lease_name FOR UPDATE;
+            EXIT WHEN highest >= fencing_token OR highest = waited_out;
+        END LOOP;
+        IF highest < fencing_token THEN
+            UPDATE {table} SET token = fencing_token, advanced_at = now()
+            WHERE name = lease_name;
+            highest := fencing_token;
+        END IF;
     END IF;
     IF highest > fencing_token THEN
         RAISE EXCEPTION USING ERRCODE = '{STALE_SQLSTATE}', MESSAGE = format(
@@ -117,6 +139,15 @@ BEGIN
     RETURN highest;
 END
 $fence$;"""
+
+
+def _token_key(token: str) -> str:
+    """The guard's lock key for a token, in SQL: its low 31 bits. Two tokens of one name
+    share a key only when 2^31 apart, which a lease's successive holders do not come near
+    (tokens grow by the writes between them); were they to, a new leader's concurrent
+    first transactions could deadlock, and PostgreSQL would fail all but one (40P01):
+    a retry, never a stale write."""
+    return f"({token} % 2147483648)::integer"
 
 
 def postgres_provision(schema: str = "lease") -> str:

@@ -212,6 +212,41 @@ def test_a_newer_leader_waits_for_the_old_ones_whatever_their_isolation(
         assert refused(lambda: guarded_write(old, 5)) == fence.STALE_SQLSTATE
 
 
+def test_a_leader_that_waited_out_one_token_waits_out_the_next_one_too(
+        app_dsn: str) -> None:
+    """Leader 7 reads token 5 and waits for its transactions; meanwhile leader 6 records
+    its token (here by hand, as a leader-6 guard that got the lock first would) and a
+    leader-6 transaction opens. Leader 7 must wait for that one too before it records."""
+    with connect(app_dsn) as old, connect(app_dsn) as six, connect(app_dsn) as seven:
+        guarded_write(old, 5)
+        old.execute(CALL, ("jobs", 5))  # open, holds token 5's lock
+        outcome: list[str] = []
+
+        def newest() -> None:
+            try:
+                guarded_write(seven, 7, "seven")
+                outcome.append("committed")
+            except psycopg.Error as exc:
+                outcome.append(exc.sqlstate or "")
+
+        waiter = threading.Thread(target=newest)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive(), "token 7 did not wait for token 5's open transaction"
+        with psycopg.connect(app_dsn, autocommit=True) as by_hand:
+            by_hand.execute("""UPDATE "lease".lease_fence SET token = 6 WHERE name = 'jobs'""")
+        six.execute(CALL, ("jobs", 6))  # open, holds token 6's lock
+        six.execute("INSERT INTO writes (writer, token) VALUES ('six', 6)")
+        old.commit()
+        waiter.join(0.5)
+        assert waiter.is_alive(), "token 7 did not wait for token 6's open transaction"
+        six.commit()
+        waiter.join(10)
+        assert outcome == ["committed"]
+        assert refused(lambda: guarded_write(six, 6)) == fence.STALE_SQLSTATE
+    assert [w for _, w, _ in rows(app_dsn)] == ["app", "six", "seven"]
+
+
 def writers_race(dsn: str, seconds: float = 3.0, writers: int = 6) -> list[tuple[int, str, int]]:
     """Writers hold tokens 1..n; every so often the newest token goes up by one and some
     writers keep using the one they had (paused leaders). Commit order of the writes is
