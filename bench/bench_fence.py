@@ -15,7 +15,11 @@ kubernetes backend) from the test bed; writes bench/results/fence.json.
   Each setup runs with the guard and without it.
 - **cost**: pgbench (C, so the client does not dominate), 8 connections, a single-row
   insert per transaction, with and without ``lease_fence`` in the same transaction, in
-  alternating rounds of one run: throughput and per-transaction latency (p50, p99).
+  alternating rounds of one run: throughput and per-transaction latency (p50, p99). The
+  loss is judged on the median of the rounds' paired losses. Two anchors that are not
+  guards: a function that only reads the guard's row (the floor of any guard run as a
+  function), and an empty statement of its own (what a guard in its own statement costs
+  before it does anything).
   Twice: with durable commits (``fsync=on``, PostgreSQL's default) and with the test
   bed's ``fsync=off`` (commits almost free: the guard's relative worst case).
 """
@@ -73,8 +77,16 @@ INSERT INTO writes (writer, token, phase)
 SELECT 'bench', 5, 'cost' FROM "lease".bench_lookup_only('bench', 5);
 END;
 """
+# Not a guard either: an empty statement of its own in the bare transaction. What the
+# guard in a statement of its own costs before it does anything (a round trip).
+EXTRA_STATEMENT = """BEGIN;
+SELECT 1;
+INSERT INTO writes (writer, token, phase) VALUES ('bench', 5, 'cost');
+END;
+"""
 SCRIPTS = {"bare": BARE, "guarded": GUARDED, "guarded_in_statement": IN_STATEMENT,
-           "lookup_only": LOOKUP_ONLY}
+           "lookup_only": LOOKUP_ONLY, "extra_statement": EXTRA_STATEMENT}
+COMPARED = ("guarded", "guarded_in_statement", "lookup_only", "extra_statement")
 
 
 # -- zombie ---------------------------------------------------------------------------------
@@ -188,16 +200,18 @@ def cost(pg: PgServer, rounds: int, seconds: float, workdir: Path) -> dict:
                              "p99_ms": round(pct(lat, 99) * 1000, 3),
                              "tps_per_round": [round(x) for x in per_round[name]]}
         bare = figures["bare"]
-        for name in ("guarded", "guarded_in_statement", "lookup_only"):
+        for name in COMPARED:
             guarded = figures[name]
             guarded["throughput_loss"] = round(1 - guarded["tps"] / bare["tps"], 3)
             guarded["added_p50_ms"] = round(guarded["p50_ms"] - bare["p50_ms"], 3)
             guarded["added_p99_ms"] = round(guarded["p99_ms"] - bare["p99_ms"], 3)
-            # Round by round (each pair ran side by side): how steady the loss is.
+            # Round by round (each pair ran side by side): the median of the paired
+            # losses is what the target is judged on, since a drift in the machine's
+            # load over the run moves the totals but hits both of a pair alike.
             losses = [1 - g / b for b, g in zip(per_round["bare"], per_round[name],
                                                   strict=True)]
             guarded["loss_per_round_median"] = round(statistics.median(losses), 3)
-            guarded["meets_target"] = guarded["throughput_loss"] <= TARGET_LOSS
+            guarded["meets_target"] = guarded["loss_per_round_median"] <= TARGET_LOSS
         out[f"fsync_{fsync}"] = figures
         print(json.dumps({f"fsync_{fsync}": figures}), flush=True)
     pg.psql("ALTER SYSTEM RESET fsync")
@@ -210,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--zombie-writes", type=int, default=10_000)
     parser.add_argument("--backends", default=",".join(BACKENDS))
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--only", choices=("zombie", "cost"), default=None)
     args = parser.parse_args(argv)
