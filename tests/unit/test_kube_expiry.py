@@ -135,20 +135,31 @@ def test_a_released_object_found_first_needs_no_wait(clock: FakeClock) -> None:
     assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
 
 
-def test_a_record_naming_us_that_we_did_not_write_guards_its_term(
+def test_a_record_naming_us_that_we_did_not_write_is_waited_out_like_anyones(
         clock: FakeClock) -> None:
     """A first look that finds our own identity as holder (our process restarted, a
     StatefulSet pod's name on a second pod, a hand edit) finds another process's term:
-    it may still be claiming, with any duration a person set. We may take it over at
-    once, but claim only once a term of ours could have run out since we saw it. The
-    old rule read our takeover as a renew of the same term: no wait at all."""
+    it may still be claiming, with any duration a person set. We wait for it to run out
+    as every standby does (taking it over at once made the standbys wait for our new
+    term as well), and a term we then take may claim at once."""
     observer = Observer(clock, cap=10)
     observer.observe(record("me", "5", duration=1))
-    assert observer.free_in("me") == 0.0
+    assert observer.free_in("me") == pytest.approx(10.0)
     assert observer.free_in("other") == pytest.approx(10.0)
-    clock.now += 1
+    clock.now += 10
+    assert observer.free_in("me") == 0.0
     observer.observe(record("me", "6", duration=10), took_over=True)
-    assert observer.claim_delay() == pytest.approx(9.0)
+    assert observer.claim_delay() == 0.0
+
+
+def test_a_term_naming_us_renewed_by_a_twin_is_still_waited_out(clock: FakeClock) -> None:
+    """The record found first keeps being renewed under our name (a StatefulSet pod's
+    twin still runs): we keep waiting, as for any live holder."""
+    observer = Observer(clock, cap=10)
+    observer.observe(record("me", "5", duration=10))
+    clock.now += 5
+    observer.observe(record("me", "6", duration=10))
+    assert observer.free_in("me") == pytest.approx(10.0)
 
 
 def test_a_lagging_watch_event_does_not_restart_the_wait(clock: FakeClock) -> None:
@@ -278,17 +289,6 @@ def test_a_duration_edited_down_does_not_shorten_the_wait(clock: FakeClock) -> N
     observer.observe(record("other", "8", duration=1))
     clock.now += 2
     assert observer.free_in("me") == pytest.approx(8.0)
-
-
-def test_named_holder_by_hand_is_ours_but_guarded(clock: FakeClock) -> None:
-    """holder -> me by a write that is not ours: we may start a term, but not claim
-    before the term it ended can have run out, counted from that write."""
-    observer = Observer(clock, cap=10)
-    observer.observe(record("other", "7", duration=10))
-    clock.now += 1
-    observer.observe(record("me", "8", duration=10))
-    assert observer.free_in("me") == 0.0
-    assert observer.claim_delay() == pytest.approx(10.0)
 
 
 def test_a_long_duration_by_hand_is_capped_at_our_own(clock: FakeClock) -> None:

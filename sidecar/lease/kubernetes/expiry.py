@@ -77,6 +77,7 @@ class Observer:
         self._term_holder = ""
         self._term_seen_at = -math.inf
         self._term_longest = 0
+        self._term_found_first = False  # that term was there before our first look
         self.guard_until = -math.inf  # no claim of ours before this (monotonic)
 
     def observe(self, record: Record | None, took_over: bool = False) -> bool:
@@ -104,6 +105,7 @@ class Observer:
             self._guard(now + self._cap)
         elif record.holder:
             self._start_term(record, longest=max(record.duration, self._cap))
+            self._term_found_first = True
 
     def _follow(self, record: Record | None, now: float, took_over: bool) -> None:
         holder = record.holder if record is not None else ""
@@ -130,6 +132,7 @@ class Observer:
 
     def _start_term(self, record: Record, longest: float) -> None:
         self._term_holder = record.holder
+        self._term_found_first = False
         self._term_seen_at = self._monotonic()
         self._term_longest = math.ceil(longest)
 
@@ -144,13 +147,21 @@ class Observer:
         """Seconds until ``identity`` may take the lease; 0 when it may now.
 
         A record naming ``identity`` (asked by a contender that does not hold the lease)
-        is another process's — a restart, a twin such as a StatefulSet pod re-created
-        while the old one still runs, a hand edit — and may be taken over at once: the
-        takeover ends that term like any other (``took_over``), so our first claim waits
-        until its claims can have run out.
+        is another process's. Found on our first look, it is an earlier process's under
+        our name (a restart, or a twin such as a StatefulSet pod re-created while the old
+        one still runs) and is waited out like anyone's: taken over at once, its claims
+        would still have to run out before ours began, and the takeover, a fresh write,
+        would make every standby wait for our term too, so a restarted leader would cost
+        the group its restart and a lease duration (the kubernetes chaos run's gaps); a
+        live twin keeps its lease, as on the row backends. Written while we watched (a
+        hand edit that names us), it may be taken over at once: the takeover ends that
+        term like any other (``took_over``), so our first claim waits until its claims
+        can have run out.
         """
         record = self.record
-        if not self.seen or record is None or record.holder == identity:
+        if not self.seen or record is None:
+            return 0.0
+        if record.holder == identity and not self._term_found_first:
             return 0.0
         if record.holder:
             # The record's duration (a peer's own, longer than ours, counts), and never
