@@ -83,7 +83,6 @@ RETURNS bigint
 LANGUAGE plpgsql
 AS $fence$
 DECLARE
-    name_key integer;
     highest bigint;
     waited_out bigint;
     locked text;
@@ -94,12 +93,13 @@ BEGIN
             'lease_fence: needs a lease name and a fencing token >= 0, got %L and %s',
             lease_name, coalesce(fencing_token::text, 'NULL'));
     END IF;
-    name_key := hashtext(lease_name) # {LOCK_CLASS};
     -- First the lock every transaction under this token shares (an assignment, not
     -- PERFORM: a plain expression costs no query), then the read: a newer leader locks
     -- this token's key exclusively before it records its own, so either it waits for
-    -- this transaction, or its commit is visible to the read below.
-    locked := pg_advisory_xact_lock_shared(name_key, {_token_key("fencing_token")})::text;
+    -- this transaction, or its commit is visible to the read below. The common case,
+    -- an equal token, ends at the first test after the read: each statement counts in
+    -- a transaction that does one insert.
+    locked := pg_advisory_xact_lock_shared({_name_key()}, {_token_key("fencing_token")})::text;
     -- READ COMMITTED reads with a fresh snapshot; a transaction with one snapshot for
     -- all its statements share-locks the row, so a newer commit fails it (40001)
     -- instead of staying unseen.
@@ -108,7 +108,9 @@ BEGIN
     ELSE
         SELECT token INTO highest FROM {table} WHERE name = lease_name FOR SHARE;
     END IF;
-    IF highest IS NULL OR highest < fencing_token THEN
+    IF highest = fencing_token THEN
+        RETURN highest;
+    ELSIF highest IS NULL OR highest < fencing_token THEN
         -- A newer leader (or the first): wait until every transaction under the token
         -- on record has ended (none starts meanwhile: they queue behind this lock),
         -- then record this one under the row's lock. The token on record may change
@@ -118,7 +120,7 @@ BEGIN
                 INSERT INTO {table} (name, token) VALUES (lease_name, fencing_token)
                 ON CONFLICT (name) DO NOTHING;
             ELSE
-                locked := pg_advisory_xact_lock(name_key, {_token_key("highest")})::text;
+                locked := pg_advisory_xact_lock({_name_key()}, {_token_key("highest")})::text;
                 waited_out := highest;
             END IF;
             SELECT token INTO highest FROM {table} WHERE name = lease_name FOR UPDATE;
@@ -139,6 +141,11 @@ BEGIN
     RETURN highest;
 END
 $fence$;"""
+
+
+def _name_key() -> str:
+    """The guard's first lock key, in SQL: the name's hash, XOR the guard's mark."""
+    return f"hashtext(lease_name) # {LOCK_CLASS}"
 
 
 def _token_key(token: str) -> str:

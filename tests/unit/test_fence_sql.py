@@ -138,10 +138,10 @@ def test_postgres_script_names_only_its_own_objects() -> None:
     assert f"ERRCODE = '{fence.STALE_SQLSTATE}'" in script
     # A token's transactions share its lock, the next leader takes the recorded token's
     # alone; the two-key form, apart from the postgres backend's one-key lease locks.
-    assert f"name_key := hashtext(lease_name) # {fence.LOCK_CLASS};" in script
-    shared = script.index("pg_advisory_xact_lock_shared(name_key, "
+    name_key = f"hashtext(lease_name) # {fence.LOCK_CLASS}"
+    shared = script.index(f"pg_advisory_xact_lock_shared({name_key}, "
                           "(fencing_token % 2147483648)::integer)")
-    assert "pg_advisory_xact_lock(name_key, (highest % 2147483648)::integer)" in script
+    assert f"pg_advisory_xact_lock({name_key}, (highest % 2147483648)::integer)" in script
     # The shared lock comes before the read it protects.
     assert shared < script.index("SELECT token INTO highest")
     assert 0 < fence.LOCK_CLASS < 2**31
