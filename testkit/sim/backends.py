@@ -321,7 +321,7 @@ class _CommitEvents:
 
     def open(self, commit_watch: Any) -> _Watch:
         watch = _Watch(self._open)
-        commit_watch._inotify = watch
+        commit_watch._open_watches.add(watch)
         return watch
 
     def committed(self) -> None:

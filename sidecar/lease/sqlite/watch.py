@@ -28,15 +28,22 @@ class CommitWatch:
     file itself created, moved or deleted. The watch lives for one wait: events while
     nobody waits (a holder's own commits) are not kept for the next. Where inotify is
     unavailable we ``stat`` the files every ``WATCH_INTERVAL`` and ask when they changed.
+
+    Many waits run at once on one store (a shard group's standbys, dozens per member):
+    each closes its own inotify instance when it ends (only the latest one used to be
+    closed; the others leaked until the user's instance limit, 128 by default, was
+    spent), one that cannot get an instance (the limit reached) polls for that wait only,
+    and each poll compares the files with what *that* wait saw last (a signature shared
+    by all the waits let one waiter's look hide a commit from the others, which then
+    slept out their retry interval: the second-long tail of a burst of shard moves).
     """
 
     def __init__(self, path: str) -> None:
         self._path = path
         self._basename = os.path.basename(path)
-        self._polled: Signature | None = None
         # False once inotify proved unavailable, or the watch was closed for good.
         self._inotify_usable = True
-        self._inotify: Inotify | None = None
+        self._open_watches: set[Inotify] = set()  # of the waits running now
 
     async def wait(self, timeout: float, committed: Callable[[], Awaitable[bool]]) -> None:
         """Return when ``committed()`` says yes, or after ``timeout``. A missed commit
@@ -44,6 +51,7 @@ class CommitWatch:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         watch = self._open()
+        polled: Signature | None = None  # the files as this wait last looked
         try:
             if await committed():
                 return
@@ -57,15 +65,15 @@ class CommitWatch:
                         return
                 else:
                     await asyncio.sleep(min(left, WATCH_INTERVAL))
-                    if self._polled == (signature := self._signature()):
+                    if polled == (signature := self._signature()):
                         continue
-                    self._polled = signature
+                    polled = signature
                 if await committed():
                     return
         finally:
-            if watch is not None and self._inotify is watch:
+            if watch is not None:
+                self._open_watches.discard(watch)
                 watch.close()
-                self._inotify = None
 
     def _ends_a_commit(self, event: Event) -> bool:
         from asyncinotify import Mask
@@ -78,12 +86,16 @@ class CommitWatch:
         return name == self._basename + "-wal"
 
     def _open(self) -> Inotify | None:
-        """An inotify watch on the database's directory, or None (then we poll)."""
+        """An inotify watch on the database's directory, or None (then this wait polls;
+        every later one too where inotify is missing)."""
         if not self._inotify_usable:
             return None
         try:
             from asyncinotify import Inotify, Mask
-
+        except ImportError:
+            self._inotify_usable = False
+            return None
+        try:
             inotify = Inotify()
             try:
                 inotify.add_watch(os.path.dirname(os.path.abspath(self._path)),
@@ -91,10 +103,9 @@ class CommitWatch:
             except BaseException:
                 inotify.close()
                 raise
-        except (ImportError, OSError):
-            self._inotify_usable = False
-            return None
-        self._inotify = inotify
+        except OSError:
+            return None  # no instance to spare now (the user's limit): poll this time
+        self._open_watches.add(inotify)
         return inotify
 
     def _signature(self) -> Signature:
@@ -109,6 +120,6 @@ class CommitWatch:
 
     def close(self) -> None:
         self._inotify_usable = False
-        if self._inotify is not None:
-            self._inotify.close()
-            self._inotify = None
+        for watch in self._open_watches:
+            watch.close()
+        self._open_watches.clear()
