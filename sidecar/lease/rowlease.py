@@ -111,8 +111,9 @@ class RowStore(Protocol):
 
     async def read(self, name: str) -> Row | None: ...
 
-    async def wait_for_release(self, timeout: float) -> None:
-        """Sleep up to ``timeout``; return early when some lease was released."""
+    async def wait_for_release(self, timeout: float, name: str | None = None) -> None:
+        """Sleep up to ``timeout``; return early when some lease was released since our
+        last acquire of ``name`` (of any name, without one)."""
         ...
 
     async def close(self) -> None: ...
@@ -290,7 +291,7 @@ class RowLease:
         return Holder(holder=row.owner, fencing_token=row.version, expires_at=row.expires_at)
 
     async def wait_for_change(self, timeout: float) -> None:
-        await self._store.wait_for_release(timeout)
+        await self._store.wait_for_release(timeout, self._key)
 
     # -- the Successor capability (sidecar.lease.Successor) ----------------------------
     async def hand_to(self, identity: str, bound: float) -> None:

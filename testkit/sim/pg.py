@@ -722,7 +722,10 @@ def _row_acquire(server: Server, session: Session, sql: str, args: tuple[Any, ..
         result = (row.owner, row.version, row.expires_at, True, after, server.timeline)
     else:
         result = (row.owner, row.version, row.expires_at, False, False, server.timeline)
-    swept = [key for key, other in rows.items() if key != name and other.expires_at <= now]
+    # The dialect's sweep leaves a row with its release record for a lease duration.
+    swept = [key for key, other in rows.items() if key != name and other.expires_at <= now
+             and (other.metadata != f"released:{other.version}"
+                  or other.expires_at <= now - duration)]
     for key in swept:
         del rows[key]
     wrote = bool(result[3] or swept)

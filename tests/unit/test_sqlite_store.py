@@ -82,6 +82,120 @@ async def test_only_a_release_of_the_term_taken_over_is_reported(tmp_path, edit)
         await store.close()
 
 
+async def test_another_names_acquire_leaves_a_release_record_in_place(tmp_path):
+    """A shard group moves many leases at once: the acquire of one must not sweep the
+    release record of another, or that one's next holder waits a claim horizon it
+    need not (nearly every shard moved in a burst did)."""
+    store = SqliteStore(str(tmp_path / "l.db"), "leases")
+    try:
+        def named(name: str, owner: str) -> RowLease:
+            return RowLease(store, name=name, key=f"p.{name}", owner=owner, duration=5.0,
+                            safety_margin=0.5)
+
+        held = named("x", "a")
+        assert (await held.try_acquire()).held
+        await held.release(record=True)
+        assert (await named("y", "b").try_acquire()).held  # sweeps, but not p.x
+        after = await named("x", "c").try_acquire()
+        assert after.held and after.previous_claims_ended
+    finally:
+        await store.close()
+
+
+async def test_a_release_wakes_its_standby_after_another_names_acquire(tmp_path):
+    """Standbys of several leases share one store (a shard group). A release that
+    another lease's acquire saw before the standby of the released lease began its
+    wait must still wake that standby: before, it slept out its retry interval."""
+    path = str(tmp_path / "l.db")
+    mine, theirs = SqliteStore(path, "leases"), SqliteStore(path, "leases")
+    try:
+        holder = RowLease(theirs, name="x", key="p.x", owner="b", duration=5.0,
+                          safety_margin=0.5)
+        standby = RowLease(mine, name="x", key="p.x", owner="a", duration=5.0,
+                           safety_margin=0.5)
+        other = RowLease(mine, name="y", key="p.y", owner="a", duration=5.0,
+                         safety_margin=0.5)
+        assert (await holder.try_acquire()).held
+        assert not (await standby.try_acquire()).held
+        await holder.release()
+        assert (await other.try_acquire()).held  # saw the release's commit
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await standby.wait_for_change(3.0)
+        assert loop.time() - started < 1.0
+        assert (await standby.try_acquire()).held
+    finally:
+        await mine.close()
+        await theirs.close()
+
+
+async def test_more_standbys_than_inotify_instances_all_wake_on_a_commit(tmp_path):
+    """A shard group's standbys wait at once on one store, more of them than a user's
+    inotify instances (128 by default) across a host's members. Each wait must give its
+    instance back, and a wait that polls must judge the files by its own last look:
+    before, leaked instances sent the store to polling, where one waiter's look hid the
+    commit from the rest, and they slept out their retry interval."""
+    path = str(tmp_path / "l.db")
+    mine, theirs = SqliteStore(path, "leases"), SqliteStore(path, "leases")
+    try:
+        def named(store: SqliteStore, i: int, owner: str) -> RowLease:
+            return RowLease(store, name=f"n{i}", key=f"p.n{i}", owner=owner, duration=5.0,
+                            safety_margin=0.5)
+
+        holders = [named(theirs, i, "b") for i in range(150)]
+        standbys = [named(mine, i, "a") for i in range(150)]
+        assert all(g.held for g in await asyncio.gather(*(h.try_acquire() for h in holders)))
+        assert not any(g.held for g in await asyncio.gather(
+            *(s.try_acquire() for s in standbys)))
+        loop = asyncio.get_running_loop()
+        for _ in range(2):  # the instances of the first round came back for the second
+            started = loop.time()
+            waits = asyncio.gather(*(s.wait_for_change(5.0) for s in standbys))
+            await asyncio.sleep(0.3)
+            await holders[0].release()
+            await asyncio.wait_for(waits, 3.0)
+            assert loop.time() - started < 2.0
+            assert not mine._watch._open_watches
+            assert not any(g.held for g in await asyncio.gather(
+                *(s.try_acquire() for s in standbys[1:])))
+            assert (await standbys[0].try_acquire()).held
+            await standbys[0].release()
+            assert (await holders[0].try_acquire()).held
+            assert not (await standbys[0].try_acquire()).held
+    finally:
+        await mine.close()
+        await theirs.close()
+
+
+async def test_acquires_and_releases_in_flight_together_share_one_commit(tmp_path):
+    """A member that takes or gives back dozens of shards at once commits them in one
+    transaction (one disk sync, one turn at the file's lock), each with its own
+    outcome: the file's change counter moves once."""
+    path = tmp_path / "l.db"
+    store = SqliteStore(str(path), "leases")
+
+    def changes() -> int:
+        return int.from_bytes(path.read_bytes()[24:28], "big")
+
+    try:
+        leases = [RowLease(store, name=f"n{i}", key=f"p.n{i}", owner="a", duration=5,
+                           safety_margin=0.5) for i in range(20)]
+        assert (await leases[0].try_acquire()).held  # creates the file
+        before = changes()
+        grants = await asyncio.gather(*(one.try_acquire() for one in leases[1:]))
+        assert all(g.held for g in grants) and changes() == before + 1
+        tokens = [g.fencing_token for g in grants]
+        assert len(set(tokens)) == len(tokens)
+        rival = RowLease(store, name="n1", key="p.n1", owner="b", duration=5,
+                         safety_margin=0.5)
+        assert not (await rival.try_acquire()).held  # each acquire kept its own rules
+        await asyncio.gather(*(one.release(record=True) for one in leases))
+        assert changes() == before + 2
+        assert (await rival.try_acquire()).previous_claims_ended
+    finally:
+        await store.close()
+
+
 async def test_expired_row_is_taken_over_with_a_larger_token(tmp_path):
     a_store = SqliteStore(str(tmp_path / "l.db"), "leases")
     try:

@@ -177,7 +177,11 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);
         # naming us belongs to a second process with our identity (see rowlease). The
         # CROSS JOIN forces the NOTIFY for swept rows to be evaluated. The release
         # record is judged on the row the upsert itself locked and replaced (``l``), not
-        # on the statement's snapshot, which may be older.
+        # on the statement's snapshot, which may be older. The sweep leaves a row with
+        # its release record for one lease duration (ours) past its release: the record
+        # spares that lease's next holder a claim horizon, and in a burst of moves (a
+        # shard group's members joining or stopping together) other names' acquires
+        # swept nearly every one first.
         self.acquire = Statement(f"""WITH won AS (
     INSERT INTO {t} AS l (lease_name, owner_instance_id, acquired_at, renewed_at,
                           expires_at, version)
@@ -196,6 +200,8 @@ CREATE INDEX IF NOT EXISTS "{table}_expires_at_idx" ON {t} (expires_at);
     DELETE FROM {t} WHERE lease_name IN (
         SELECT lease_name FROM {t}
         WHERE expires_at <= now() AND lease_name <> CAST(:name AS varchar)
+          AND (metadata IS DISTINCT FROM 'released:' || version
+               OR expires_at <= now() - {duration})
           AND (SELECT count(*) FROM won) >= 0
         FOR UPDATE SKIP LOCKED)
     RETURNING lease_name
@@ -231,8 +237,9 @@ RETURNING {row}""")
         # second process with our identity must never get our release record) in place
         # and, when asked
         # (:meth:`sidecar.lease.Lease.release`), records the release. (Other names'
-        # acquires sweep it like any expired row; the next holder then inserts afresh
-        # and, finding no record, waits one claim horizon.)
+        # acquires leave such a row for a lease duration, then sweep it like any expired
+        # row; a next holder that comes later inserts afresh and, finding no record,
+        # waits one claim horizon.)
         self.release = Statement(f"""WITH gone AS (
     UPDATE {t} AS l SET expires_at = least(l.expires_at, now()),
         metadata = CASE WHEN CAST(:record AS int4) = 1 THEN {released} END

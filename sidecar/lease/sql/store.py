@@ -61,9 +61,10 @@ class SqlRowStore:
         self._schema_ready = not ensure_schema
         self._schema_lock = asyncio.Lock()
         self._read = dialect.read_replica if replica else dialect.read
-        # When the last acquire was sent: a release notified after it must wake us even
-        # if it arrived before we started waiting.
+        # When the last acquire was sent, and the last acquire of each name: a release
+        # notified after it must wake us even if it arrived before we started waiting.
         self._last_acquire = float("-inf")
+        self._acquired: dict[str, float] = {}
         # Server timelines this process has seen in its versions (PostgreSQL).
         self._timelines = Timelines()
         # The token era's (timeline, base) as last read (pg_timeline; dialects with an
@@ -77,7 +78,7 @@ class SqlRowStore:
 
     async def acquire(self, name: str, owner: str, duration: float) -> Row | None:
         not_created = await self._ensure_schema()
-        self._last_acquire = asyncio.get_running_loop().time()
+        self._last_acquire = self._acquired[name] = asyncio.get_running_loop().time()
         try:
             rows = await self._write(self.dialect.acquire, {
                 "name": name, "owner": owner, "duration": duration,
@@ -215,12 +216,18 @@ class SqlRowStore:
         rows = await self.driver.fetch(self.dialect.list_all, {})
         return [(row[0], self.dialect.decode(tuple(row[1:-1])), bool(row[-1])) for row in rows]
 
-    async def wait_for_release(self, timeout: float) -> None:
+    async def wait_for_release(self, timeout: float, name: str | None = None) -> None:
+        """Until a NOTIFY sent after our last acquire of ``name`` (of any name, without
+        one), or timeout. Per name: the leases of a shard group share this store, and
+        another shard's acquire sent after our shard's release was notified made that
+        release look old; it then woke nobody, and the shard's next holder came at its
+        retry, a renew interval later."""
         if self.dialect.channel is None:
             # No wake-up channel (SQL Server): standbys notice on their next retry.
             await asyncio.sleep(timeout)
             return
-        await self.driver.wait_for_notify(self.dialect.channel, timeout, self._last_acquire)
+        since = self._last_acquire if name is None else self._acquired.get(name, float("-inf"))
+        await self.driver.wait_for_notify(self.dialect.channel, timeout, since)
 
     async def apply_schema(self) -> None:
         await self.driver.script(self.dialect.provision_script())
