@@ -129,7 +129,6 @@ def zombie(pg: PgServer, backends: list[str], writes: int, workdir: Path) -> lis
             from testkit.testbed.pgbouncer import PgBouncer, version
 
             with PgBouncer(pg, pool_mode="transaction", pool_size=4) as bouncer:
-                bouncer.start()
                 both(Setup("postgres-row", bouncer.dsn_for("app"),
                            sql_sidecar("postgres-row", bouncer.dsn_for(pg.dsn.rsplit("/")[-1])),
                            LEASE_DURATION, pooled=True,

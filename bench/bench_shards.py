@@ -252,8 +252,9 @@ def cost(store: Store, shards: int, workdir: Path, servers: Servers,
             proc.wait_http(30)
             started = time.monotonic()
             try:
-                wait_until(lambda: get_json(proc.url + "/shards", timeout=10)[1].get("count")
-                           == shards, BALANCE_TIMEOUT, 0.5)
+                # An unanswered request (None) counts as not yet: the member may be busy.
+                wait_until(lambda: (get_json(proc.url + "/shards", timeout=10)[1] or {})
+                           .get("count") == shards, BALANCE_TIMEOUT, 0.5)
             except TimeoutError:
                 led = get_json(proc.url + "/shards", timeout=10)[1]
                 tail = [line[:300] for line in proc.logs().splitlines()
@@ -266,7 +267,7 @@ def cost(store: Store, shards: int, workdir: Path, servers: Servers,
             before, t0 = count(), time.monotonic()
             time.sleep(intervals * store.renew_interval)
             seen, elapsed = count() - before, time.monotonic() - t0
-            led = get_json(proc.url + "/shards", timeout=10)[1].get("count")
+            led = (get_json(proc.url + "/shards", timeout=10)[1] or {}).get("count")
             assert proc.proc is not None
             rss = rss_mib(proc.proc.pid)
         finally:

@@ -341,10 +341,12 @@ def shards_cost(r: Row) -> list[str]:
         for count in counts:
             row = by.get(count)
             if row is None or "error" in row:
-                cells.append("not measured" if row is None else f"failed: {row['error']}")
+                cells.append("not measured" if row is None
+                             # the error's first part; its log tail stays in the file
+                             else f"failed: {row['error'].split('; log:')[0]}")
             else:
-                held = "" if row["led_at_end"] >= count else \
-                    f", only {row['led_at_end']:,} held at the end"
+                held = "" if (row["led_at_end"] or 0) >= count else \
+                    f", only {row['led_at_end'] or 0:,} held at the end"
                 cells.append(f"{row['round_trips_per_renew_interval']:g} "
                              f"({row['rss_mib']:g} MiB{held})")
         rows.append([f"`{backend}`", f"{entry['renew_interval_s']:g} s", *cells])
