@@ -186,6 +186,14 @@ class SqliteStore:
                     f"cannot leave WAL mode ({exc}): is a sidecar of an older version "
                     "still using this file?") from None
 
+    def _broken(self, exc: sqlite3.Error | OSError) -> BackendError:
+        """The error a failed call reports; the handle is closed, so that the next call
+        reopens it instead of failing forever."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        return BackendError(f"sqlite {self._path}: {exc}")
+
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         def call() -> T:
             try:
@@ -193,11 +201,7 @@ class SqliteStore:
             except BackendError:
                 raise
             except (sqlite3.Error, OSError) as exc:
-                # A broken handle is reopened next time instead of failing forever.
-                if self._conn is not None:
-                    self._conn.close()
-                    self._conn = None
-                raise BackendError(f"sqlite {self._path}: {exc}") from None
+                raise self._broken(exc) from None
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
@@ -266,13 +270,7 @@ class SqliteStore:
                 raise
         except Exception as exc:
             # Every caller gets the error: none may be left waiting.
-            error = exc
-            if isinstance(exc, (sqlite3.Error, OSError)):
-                # A broken handle is reopened next time instead of failing forever.
-                if self._conn is not None:
-                    self._conn.close()
-                    self._conn = None
-                error = BackendError(f"sqlite {self._path}: {exc}")
+            error = self._broken(exc) if isinstance(exc, (sqlite3.Error, OSError)) else exc
             return [(future, None, error) for _, future in batch]
         outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         for future, finish, failed in finishers:
