@@ -50,6 +50,12 @@ HANDOVER_REASONS = ("request", "app-unready", "shutdown")
 HINT_AFTER_RELEASE = 1.25
 
 
+def successor_choice_bound(timing: Timing) -> float:
+    """How long a stopping leader waits for its successor chooser before it releases to
+    whoever asks first: one renew interval, at least 1 s (it still leads meanwhile)."""
+    return max(1.0, timing.renew_interval)
+
+
 def jittered(seconds: float, spread: float = 0.2) -> float:
     return seconds * random.uniform(1 - spread, 1 + spread)
 
@@ -161,7 +167,7 @@ class Elector:
         reason = "shutdown"
         if self._shutdown_successor is not None and not self.state.facts.released:
             try:
-                async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
+                async with asyncio.timeout(successor_choice_bound(self.timing)):
                     to = await self._shutdown_successor()
             except Exception:
                 to = None
@@ -352,7 +358,7 @@ class Elector:
             # vouch for the claims of the term before it: no release record then.
             record = self._clock.monotonic() >= self.state.facts.claim_from
             try:
-                async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
+                async with asyncio.timeout(successor_choice_bound(self.timing)):
                     await self.lease.release(record=record)
             except Exception as exc:
                 log.warning("release failed; the lease frees itself after its TTL",

@@ -5,10 +5,12 @@ is kept), and the check of ``POST /handover?to=``.
 In a rolling update the leader's pod is replaced; a plain release lets any standby win,
 often an old pod that is itself replaced seconds later, so leadership moves several
 times per rollout. The youngest pod that can lead is the one a rollout keeps longest
-(the newest revision's, once it is Ready). This module picks it from one LIST of the
-pods carrying our group label (``lease-sidecar/group``, kept by the pod label
-publisher); its pod name is its identity (the sidecar's default). The elector then
-hands over to it (:meth:`sidecar.elector.Elector.shutdown`).
+(the newest revision's, once it is Ready). This module picks it from a LIST of the
+pods carrying our group label (``lease-sidecar/group``, given at creation by the
+injector and kept by the pod label publisher), listing again for a moment while a
+younger pod's sidecar has not published yet; its pod name is its identity (the
+sidecar's default). The elector then hands over to it
+(:meth:`sidecar.elector.Elector.shutdown`).
 
 A pod can lead (:func:`cannot_lead`) when its sidecar campaigns for our lease: it is
 not being deleted, it is Ready, its sidecar says ``lease-role=standby`` (``api`` never
@@ -22,16 +24,20 @@ by the hand-over hint's own lifetime (:meth:`sidecar.elector.Elector._name_succe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 from urllib.parse import quote
 
 from sidecar.appready import pod_problem
+from sidecar.elector import successor_choice_bound
 from sidecar.kubeapi import KubeClient, KubeError
 from sidecar.publish.pod_label import GROUP_LABEL, ROLE_LABEL, group_value, note_of
 from sidecar.settings import Settings
 
 log = logging.getLogger("sidecar.rollout")
+
+RELIST_EVERY = 0.2  # seconds between the LISTs of a shutdown waiting for a younger pod
 
 
 def cannot_lead(pod: dict[str, Any], group: str,
@@ -61,6 +67,13 @@ def cannot_lead(pod: dict[str, Any], group: str,
     return None
 
 
+def _age(pod: dict[str, Any]) -> tuple[str, str]:
+    """Sorts pods oldest first: RFC 3339 in UTC sorts as text; the name breaks ties
+    (same second)."""
+    meta = pod["metadata"]
+    return meta.get("creationTimestamp") or "", meta["name"]
+
+
 def youngest_ready(pods: list[dict[str, Any]], own: str, group: str,
                    containers: tuple[str, ...] | None = None) -> str | None:
     """The name of the youngest pod that is not ``own`` and can lead."""
@@ -68,10 +81,26 @@ def youngest_ready(pods: list[dict[str, Any]], own: str, group: str,
                   and cannot_lead(p, group, containers) is None]
     if not candidates:
         return None
-    # RFC 3339 in UTC sorts as text; the name breaks ties (same second).
-    youngest = max(candidates, key=lambda p: (p["metadata"].get("creationTimestamp") or "",
-                                              p["metadata"]["name"]))
-    return str(youngest["metadata"]["name"])
+    return str(max(candidates, key=_age)["metadata"]["name"])
+
+
+def unpublished_younger(pods: list[dict[str, Any]], own: str, group: str,
+                        than: str | None) -> str | None:
+    """The youngest pod of ``group``, younger than the pod named ``than`` (any, if None)
+    and not being deleted, whose sidecar has not published its role yet (no
+    ``lease-role`` label). A rolling update deletes an old pod as soon as a new one is
+    Ready, which can come before the new sidecar's first label write (about a second
+    after it starts): such a pod is most likely the one the rollout keeps, worth a short
+    wait rather than a hand-over to an old pod that is replaced seconds later."""
+    ages = {p["metadata"]["name"]: _age(p) for p in pods}
+    floor = ages.get(than) if than is not None else None
+    starting = [p for p in pods
+                if p["metadata"]["name"] != own
+                and not p["metadata"].get("deletionTimestamp")
+                and (p["metadata"].get("labels") or {}).get(GROUP_LABEL) == group
+                and ROLE_LABEL not in (p["metadata"].get("labels") or {})
+                and (floor is None or _age(p) > floor)]
+    return str(max(starting, key=_age)["metadata"]["name"]) if starting else None
 
 
 class GroupPods:
@@ -84,6 +113,8 @@ class GroupPods:
         self._namespace = settings.pod_namespace
         self._group = group_value(settings.store.key(settings.name))
         self._containers = settings.app_ready_containers
+        # Room for one more LIST within the elector's bound on the whole choice.
+        self._patience = max(0.0, successor_choice_bound(settings.timing) - 0.5)
 
     @staticmethod
     def applies(settings: Settings, labelled: bool) -> bool:
@@ -98,19 +129,35 @@ class GroupPods:
 
     async def choose(self) -> str | None:
         """The successor at shutdown; None when there is none or the apiserver does not
-        answer (the caller bounds the wait): then a plain release, first come wins."""
+        answer: then a plain release, first come wins. While a younger pod's sidecar has
+        not published yet (:func:`unpublished_younger`) it lists again, every
+        :data:`RELIST_EVERY`, for up to ``patience`` (within the elector's bound,
+        :func:`sidecar.elector.successor_choice_bound`), then picks from what it saw."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._patience
+        chosen: str | None = None
+        waited_for: str | None = None
         client = KubeClient.connect(self._namespace)
         try:
-            listed = await client.list(self._pods(),
-                                       labelSelector=f"{GROUP_LABEL}={self._group}")
+            while True:
+                listed = await client.list(self._pods(),
+                                           labelSelector=f"{GROUP_LABEL}={self._group}")
+                pods = listed.get("items") or []
+                chosen = youngest_ready(pods, self._own, self._group, self._containers)
+                starting = unpublished_younger(pods, self._own, self._group, chosen)
+                if starting is None or loop.time() + RELIST_EVERY > deadline:
+                    break
+                if starting != waited_for:
+                    log.info("shutdown: waiting for a younger pod whose sidecar has not "
+                             "published yet", extra={"pod": starting, "else": chosen})
+                    waited_for = starting
+                await asyncio.sleep(RELIST_EVERY)
         except KubeError as exc:
             log.warning("cannot list the group's pods; releasing to whoever asks first",
                         extra={"error": str(exc)})
             return None
         finally:
             await client.close()
-        chosen = youngest_ready(listed.get("items") or [], self._own, self._group,
-                                self._containers)
         log.info("shutdown: handing over to the youngest pod of the group that can lead",
                  extra={"successor": chosen, "group": self._group})
         return chosen

@@ -18,11 +18,13 @@ pytest_plugins: list[str] = [
 # them: the control plane's tools first, then the one-node cluster's and the image.
 NEEDS_BUILT = {"kube": 1, "tools": 1, "pods": 2, "image": 2}
 # Modules marked ``quiet`` judge a window that machine load can stretch (a real
-# sidecar's renews on SQLite, the advisory lock's termination notice): they run last and
-# wait for the background builds to end (scripts/test names the file that says so), so a
-# fresh machine's compilers and disk writes do not starve them.
+# sidecar's renews on SQLite, the advisory lock's termination notice): they run last. They
+# and the tests in real pods (whose hand-overs are timed) wait for scripts/test's
+# background jobs to end (the builds, the simulator; it names the files that say so), so
+# a fresh machine's compilers and the simulator do not starve them.
 QUIET_RANK = 3
-BUILDS_DONE_WAIT = 1800.0
+WAITS_FOR_BACKGROUND = NEEDS_BUILT["pods"]
+BACKGROUND_DONE_WAIT = 1800.0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -42,12 +44,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _after_the_background_builds(request: pytest.FixtureRequest) -> None:
-    """A ``quiet`` test waits (bounded) until scripts/test's background builds have ended,
-    successfully or not; outside scripts/test there is nothing to wait for."""
-    done = os.environ.get("LEASE_BACKGROUND_BUILD_DONE")
-    if done is None or request.node.get_closest_marker("quiet") is None:
+def _after_the_background_jobs(request: pytest.FixtureRequest) -> None:
+    """A ``quiet`` test, or one in real pods or of the image, waits (bounded) until
+    scripts/test's background jobs have ended, successfully or not; outside scripts/test
+    there is nothing to wait for."""
+    done = os.environ.get("LEASE_BACKGROUND_DONE")
+    node = request.node
+    if done is None or not (node.get_closest_marker("quiet") is not None or any(
+            NEEDS_BUILT.get(m.name, 0) >= WAITS_FOR_BACKGROUND for m in node.iter_markers())):
         return
-    deadline = time.monotonic() + BUILDS_DONE_WAIT
-    while not Path(done).exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + BACKGROUND_DONE_WAIT
+    while (not all(Path(f).exists() for f in done.split(os.pathsep))
+           and time.monotonic() < deadline):
         time.sleep(1.0)

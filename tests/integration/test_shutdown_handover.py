@@ -107,3 +107,55 @@ def test_sigterm_skips_a_pod_whose_sidecar_never_campaigns(
     finally:
         for proc in procs:
             proc.stop()
+
+
+def test_sigterm_waits_briefly_for_a_younger_pod_whose_sidecar_has_not_published(
+        control_plane: ControlPlane, kube_namespace: str, tmp_path: Path) -> None:
+    """A rolling update deletes an old pod as soon as a new one is Ready, which can come
+    before the new sidecar's first label write. The leader handed over to the old
+    standby, replaced seconds later: two hand-overs in one rollout (seen in real pods).
+    Now it lists again for a moment and picks the young pod once its role shows."""
+    cp, namespace = control_plane, kube_namespace
+    kubeconfig = install_rbac(cp, namespace)
+    for pod in ("pod-a", "pod-b", "pod-c"):  # creationTimestamp has whole seconds
+        create_pods(cp, namespace, pod)
+        pod_ready(cp, namespace, pod, True)
+        time.sleep(1.1)
+    # A renew interval of 1.5 s gives the leader 1 s to wait for the young pod.
+    timing = [*FAST, "--lease-duration", "4s", "--renew-deadline", "3s",
+              "--renew-interval", "1500ms"]
+
+    def start(pod: str) -> SidecarProcess:
+        return SidecarProcess(tmp_path, pod, args=[
+            "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *timing,
+            "--pod-label", "on", "--shutdown-handover", "youngest-ready"],
+            env={"POD_NAME": pod, "POD_NAMESPACE": namespace,
+                 "KUBECONFIG": str(kubeconfig)}).start()
+
+    leader = start("pod-a")
+    procs = [leader]
+    try:
+        wait_until(lambda: leader.leader() == 200, timeout=15)
+        procs += [start("pod-b"), start("pod-c")]
+        wait_until(lambda: role_column(cp, namespace) == {
+            "pod-a": "leader", "pod-b": "standby", "pod-c": "standby"}, timeout=15)
+        # pod-c as a just-started pod shows it: Ready, in the group, no role yet (its
+        # sidecar never reads its own pod back, so the edit stays).
+        cp.kubectl("-n", namespace, "label", "pod", "pod-c", "lease-role-")
+        with ClaimRecorder(procs) as recorder:
+            recorder.seen_a_claim()
+            leader.signal(signal.SIGTERM)
+            time.sleep(0.3)
+            cp.kubectl("-n", namespace, "label", "pod", "pod-c", "lease-role=standby")
+            wait_until(lambda: procs[2].leader() == 200, timeout=10, interval=0.01)
+            time.sleep(0.5)
+        assert leader.proc is not None and leader.proc.wait(10) == 0
+        assert recorder.overlaps() == []
+        assert not any(identity == "pod-b" for identity, _, _ in recorder.claims), \
+            "the old standby led in between"
+        logs = leader.logs()
+        assert "waiting for a younger pod whose sidecar has not published yet" in logs
+        assert "handed over to pod-c (shutdown)" in logs
+    finally:
+        for proc in procs:
+            proc.stop()

@@ -246,6 +246,31 @@ def test_the_successor_is_the_youngest_pod_that_stays_and_campaigns():
                           group=group) is None
 
 
+def test_a_younger_pod_whose_sidecar_has_not_published_is_worth_a_wait():
+    """Only a pod younger than the pick, staying, of our group and with no role label
+    yet: the one a rollout just made Ready before its sidecar's first label write."""
+    from sidecar.rollout import unpublished_younger
+
+    group = "lease-sidecar.jobs"
+    old = pod("web-old", "2026-01-01T00:00:00Z")
+    me = pod("web-me", "2026-01-01T00:01:00Z")
+    new = pod("web-new", "2026-01-01T00:09:00Z", role=None)
+    assert unpublished_younger([old, me, new], "web-me", group, than="web-old") == "web-new"
+    assert unpublished_younger([old, me, new], "web-me", group, than=None) == "web-new"
+    # Older than the pick, being deleted, another group's, or already published: no wait.
+    assert unpublished_younger([old, me, new], "web-me", group, than="web-new") is None
+    assert unpublished_younger(
+        [old, me, pod("web-new", "2026-01-01T00:09:00Z", role=None, deleting=True)],
+        "web-me", group, than="web-old") is None
+    assert unpublished_younger(
+        [old, me, pod("web-new", "2026-01-01T00:09:00Z", role=None, group="other")],
+        "web-me", group, than="web-old") is None
+    assert unpublished_younger([old, me, pod("web-new", "2026-01-01T00:09:00Z")],
+                               "web-me", group, than="web-old") is None
+    assert unpublished_younger([pod("web-me", "2026-01-01T00:09:00Z", role=None)],
+                               "web-me", group, than=None) is None
+
+
 def test_why_a_pod_cannot_lead():
     from sidecar.rollout import cannot_lead
 

@@ -131,7 +131,7 @@ class AdvisoryShardGroup(BeatingGroup):
         self._refusal: str | None = None
         self._leases: dict[str, SharedLease] = {}
         # Releases that go on after their caller stopped waiting (SharedLease.release).
-        self.releasing: set[asyncio.Future[None]] = set()
+        self.releasing: set[asyncio.Future[Any]] = set()
         self._beats = Beats(self._round_trip, settings.timing, clock, group_key)
 
     # -- ShardGroup --------------------------------------------------------------------
@@ -238,8 +238,33 @@ class AdvisoryShardGroup(BeatingGroup):
         self.drop()
 
     async def take(self, lease: SharedLease) -> Grant:
-        """One attempt at ``lease``'s lock (its acquire)."""
+        """One attempt at ``lease``'s lock (its acquire). It runs to its end even when
+        the caller stops waiting (the manager stops the electors of shards that move):
+        a lock statement cancelled after the server granted it left a lock the group
+        did not count on its live session, and the shard's next acquire, finding it,
+        dropped the session and every shard with it, over and over in a busy group
+        of 1,024 shards. An abandoned attempt gives a grant back at once instead, still
+        in its turn on the session, so no later attempt sees the lock counted."""
+        abandoned = asyncio.Event()
+        attempt = asyncio.ensure_future(self._take(lease, abandoned))
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            abandoned.set()
+            self.releasing.add(attempt)
+            attempt.add_done_callback(self._abandoned_done)
+            raise
+
+    def _abandoned_done(self, attempt: asyncio.Future[Any]) -> None:
+        self.releasing.discard(attempt)
+        if not attempt.cancelled() and (error := attempt.exception()) is not None:
+            log.warning("an abandoned shard acquire failed; the session dropped",
+                        extra={"error": str(error)})
+
+    async def _take(self, lease: SharedLease, abandoned: asyncio.Event) -> Grant:
         async with self._busy:
+            if abandoned.is_set():
+                return Grant(held=False, reason="the acquire's caller stopped waiting")
             session = await self.session()
             conn = session.conn
             try:
@@ -276,6 +301,9 @@ class AdvisoryShardGroup(BeatingGroup):
                 age = max(age, await checkpoint_age(lambda: conn.fetchrow(CHECKPOINT),
                                                     int(timeline), self._db.where))
             delay = max(0.0, self._timing.renew_deadline - min(float(uptime), age))
+            if abandoned.is_set():  # nobody claims with it: give it back, in our turn
+                await self._unlock(session, lease)
+                return Grant(held=False, reason="the acquire's caller stopped waiting")
             lease.granted(session, fencing_token)
             return Grant(held=True, valid_for=self._timing.renew_deadline,
                          fencing_token=fencing_token, holder=self._identity,

@@ -1,0 +1,101 @@
+"""The ``postgres`` shard group's acquire when its caller stops waiting (the manager stops
+the electors of shards that move). The lock statement runs on a fake connection here
+that lets the test hold the reply back: with a real server the window (granted in the
+server, reply not yet read) is a few microseconds wide. The simulator's model of
+asyncpg reaches the same window in its random runs (a cancelled statement whose reply
+is dropped)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.lease.postgres_advisory.group import UNLOCK, AdvisoryShardGroup
+from sidecar.lease.postgres_advisory.session import Session
+from sidecar.settings import Settings, StoreSettings, Timing
+from tests.unit.fakes import FakeClock
+
+
+@dataclass
+class Version:
+    major: int = 16
+    minor: int = 0
+
+
+class HeldReplyConnection:
+    """Grants every lock statement in the "server" at once, and answers it when the test
+    lets it; counts the locks the session holds."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.reply = asyncio.Event()
+        self.statements: list[str] = []
+
+    def is_closed(self) -> bool:
+        return False
+
+    def get_server_version(self) -> Version:
+        return Version()
+
+    def terminate(self) -> None:
+        raise AssertionError("the session was dropped")
+
+    async def fetchrow(self, sql: str, *args: Any) -> Any:
+        if sql == UNLOCK:
+            self.statements.append("unlock")
+            self.held.discard(args[0])
+            return True, True, None
+        if "pg_control_checkpoint" in sql:
+            return 1, 3600.0
+        self.statements.append("lock")
+        already = args[0] in self.held
+        self.held.add(args[0])  # granted in the server before any reply
+        await self.reply.wait()
+        # ours, already held, counter, timeline, uptime, -, -
+        return True, already, 7, 1, 3600.0, None, None
+
+
+def group_on(conn: HeldReplyConnection) -> AdvisoryShardGroup:
+    settings = Settings(store=StoreSettings(backend="postgres", dsn="postgresql://h/db"),
+                        timing=Timing(), identity="member-a")
+    group = AdvisoryShardGroup(settings, FakeClock(), "lease-sidecar.jobs")
+    fake: Any = conn  # stands in for asyncpg.Connection
+    group._session = Session(conn=fake, marker="m", backend_pid=1, proxied=False)
+    return group
+
+
+async def test_an_acquire_abandoned_after_the_grant_gives_the_lock_back() -> None:
+    """Cancelled between the grant and its reply, the acquire left a lock the group did
+    not count on its session; the shard's next acquire found it and dropped the session
+    with every shard (``terminate`` here)."""
+    conn = HeldReplyConnection()
+    group = group_on(conn)
+    lease = group.lease("jobs-3")
+    attempt = asyncio.create_task(lease.try_acquire())
+    while "lock" not in conn.statements:
+        await asyncio.sleep(0)
+    attempt.cancel()
+    await asyncio.sleep(0)
+    assert attempt.cancelled()
+    conn.reply.set()
+    while group.releasing:
+        await asyncio.sleep(0)
+    assert conn.statements == ["lock", "unlock"]
+    assert conn.held == set()
+    grant = await lease.try_acquire()  # the next acquire: a plain grant, nothing dropped
+    assert grant.held and grant.fencing_token is not None
+    assert conn.statements == ["lock", "unlock", "lock"]
+
+
+async def test_an_acquire_abandoned_before_its_turn_sends_nothing() -> None:
+    conn = HeldReplyConnection()
+    group = group_on(conn)
+    async with group._busy:  # another statement has the session
+        attempt = asyncio.create_task(group.lease("jobs-3").try_acquire())
+        await asyncio.sleep(0)
+        attempt.cancel()
+        await asyncio.sleep(0)
+    while group.releasing:
+        await asyncio.sleep(0)
+    assert conn.statements == []
