@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import statistics
@@ -264,18 +265,26 @@ def cost(store: Store, shards: int, workdir: Path, servers: Servers,
                                    f"{tail}") from None
             held = time.monotonic() - started
             time.sleep(2 * store.renew_interval)
-            before, t0 = count(), time.monotonic()
+            assert proc.proc is not None
+            before, t0, cpu0 = count(), time.monotonic(), cpu_seconds(proc.proc.pid)
             time.sleep(intervals * store.renew_interval)
             seen, elapsed = count() - before, time.monotonic() - t0
+            cpu = (cpu_seconds(proc.proc.pid) - cpu0) / elapsed
             led = (get_json(proc.url + "/shards", timeout=10)[1] or {}).get("count")
-            assert proc.proc is not None
             rss = rss_mib(proc.proc.pid)
         finally:
             proc.stop(60)
     seen -= own_per_s * elapsed  # the apiserver's own requests on Leases
     per_interval = seen / (elapsed / store.renew_interval)
     return {"shards": shards, "round_trips_per_renew_interval": round(per_interval, 2),
-            "led_at_end": led, "all_held_after_s": round(held, 1), "rss_mib": rss}
+            "led_at_end": led, "all_held_after_s": round(held, 1), "rss_mib": rss,
+            "cpu_percent": round(cpu * 100, 1)}
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user and system CPU time so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def apiserver_own(servers: Servers, seconds: float = 20.0) -> float:

@@ -347,8 +347,9 @@ def shards_cost(r: Row) -> list[str]:
             else:
                 held = "" if (row["led_at_end"] or 0) >= count else \
                     f", only {row['led_at_end'] or 0:,} held at the end"
+                cpu = f", {row['cpu_percent']:g} % CPU" if "cpu_percent" in row else ""
                 cells.append(f"{row['round_trips_per_renew_interval']:g} "
-                             f"({row['rss_mib']:g} MiB{held})")
+                             f"({row['rss_mib']:g} MiB{cpu}{held})")
         rows.append([f"`{backend}`", f"{entry['renew_interval_s']:g} s", *cells])
     return table(["backend", "renew interval", *(f"{c:,} shards" for c in counts)], rows,
                  right=1)

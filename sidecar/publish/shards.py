@@ -56,6 +56,7 @@ class ShardBoard:
         horizon = min((s.claim_horizon for s in states), default=math.inf)
         self._period = horizon * 2 / 3
         self._timer: asyncio.TimerHandle | None = None
+        self._soon: asyncio.Handle | None = None  # a write due in this turn of the loop
 
     # -- what it says ------------------------------------------------------------------
     def led(self) -> list[dict[str, Any]]:
@@ -119,12 +120,18 @@ class ShardBoard:
     async def changed(self, state: LeaseState) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
-        self._write()
+        # One write for all the transitions of one turn of the loop: a member taking
+        # 1,024 shards wrote the whole document once per shard (a million entries). A
+        # later write is safe: the document is computed when written, and a shard
+        # stepping down waits out every claim handed out, the file's included.
+        if self._soon is None:
+            self._soon = asyncio.get_running_loop().call_soon(self._write)
 
     async def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for handle in (self._timer, self._soon):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._soon = None
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.remove()
@@ -132,6 +139,7 @@ class ShardBoard:
     def _write(self) -> None:
         """Write the file now; again in two thirds of a horizon while a shard is led,
         or at the moment a held shard's first claim is due."""
+        self._soon = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -99,3 +99,28 @@ async def test_an_acquire_abandoned_before_its_turn_sends_nothing() -> None:
     while group.releasing:
         await asyncio.sleep(0)
     assert conn.statements == []
+
+
+async def test_a_shard_whose_unlock_is_still_queued_is_not_locked_again() -> None:
+    """The elector bounds a release; the unlock goes on, queued behind the session's
+    other statements. An acquire of the same shard meanwhile sent its lock statement
+    first, found the lock on the session uncounted, and dropped the session with every
+    shard (``terminate`` here): a member of 1,024 shards did that over and over."""
+    conn = HeldReplyConnection()
+    conn.reply.set()
+    group = group_on(conn)
+    lease = group.lease("jobs-3")
+    assert (await lease.try_acquire()).held
+    async with group._busy:  # the heartbeat, say, has the session
+        release = asyncio.create_task(lease.release())
+        await asyncio.sleep(0)
+        release.cancel()  # the elector stops waiting; the unlock stays queued
+        async with asyncio.timeout(1):  # before the fix: waits behind the held session
+            grant = await lease.try_acquire()
+        assert not grant.held and "still in flight" in grant.reason
+        assert conn.statements == ["lock"]
+    while group.releasing:
+        await asyncio.sleep(0)
+    assert conn.statements == ["lock", "unlock"]
+    assert (await lease.try_acquire()).held
+    assert conn.statements == ["lock", "unlock", "lock"]

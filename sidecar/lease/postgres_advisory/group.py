@@ -125,6 +125,11 @@ class AdvisoryShardGroup(BeatingGroup):
         self._key = settings.store.key
         self._session: Session | None = None
         self._busy = asyncio.Lock()  # one statement at a time on the session
+        # Acquires take turns among themselves before they queue for the session, so the
+        # heartbeat (the renew of every shard) waits behind one acquire at most: a member
+        # taking 1,024 free shards queued 1,024 durable lock statements ahead of it, and
+        # every shard's renew ran out.
+        self._acquires = asyncio.Lock()
         self._free = asyncio.Event()  # a NOTIFY: some shard of the group was released
         self._last_free = float("-inf")  # monotonic: the last NOTIFY
         self._timelines = Timelines()
@@ -262,11 +267,15 @@ class AdvisoryShardGroup(BeatingGroup):
                         extra={"error": str(error)})
 
     async def _take(self, lease: SharedLease, abandoned: asyncio.Event) -> Grant:
-        async with self._busy:
+        async with self._acquires, self._busy:
             if abandoned.is_set():
                 return Grant(held=False, reason="the acquire's caller stopped waiting")
             session = await self.session()
             conn = session.conn
+            # The grant proves the lock from the statement's send, not from the caller's
+            # ask: the turn it waited for (behind the other shards' acquires) does not
+            # shorten its validity. ``_tried`` is read after the elector's own send time.
+            queued = max(0.0, self._clock.monotonic() - lease._tried)
             try:
                 ours, already, counter, timeline, uptime, _, _ = await conn.fetchrow(
                     try_lock_sql(version_num(conn)), lease.lock_id,
@@ -305,7 +314,7 @@ class AdvisoryShardGroup(BeatingGroup):
                 await self._unlock(session, lease)
                 return Grant(held=False, reason="the acquire's caller stopped waiting")
             lease.granted(session, fencing_token)
-            return Grant(held=True, valid_for=self._timing.renew_deadline,
+            return Grant(held=True, valid_for=self._timing.renew_deadline + queued,
                          fencing_token=fencing_token, holder=self._identity,
                          claim_delay=delay)
 
@@ -339,6 +348,7 @@ class SharedLease:
         self._token: int | None = None
         self._registration = 0
         self._tried = float("-inf")  # monotonic: our last acquire's send time
+        self._releasing: asyncio.Future[None] | None = None  # our unlock, while in flight
         # Set the moment the session holding our lock ends: the elector renews at once.
         self.lost: asyncio.Event | None = asyncio.Event()
 
@@ -358,6 +368,11 @@ class SharedLease:
         if self._session is not None:
             return await self.try_renew()
         self._tried = self._group._clock.monotonic()
+        if self._releasing is not None and not self._releasing.done():
+            # Our last unlock still waits for its turn on the session (its caller gave up
+            # waiting): a lock statement now would find the lock on the session, not
+            # counted, and drop the session with every shard. Its NOTIFY wakes us.
+            return Grant(held=False, reason="the shard's last release is still in flight")
         return await self._group.take(self)
 
     async def try_renew(self) -> Grant:
@@ -384,6 +399,7 @@ class SharedLease:
         # long as that session lived (found by the simulator). Meanwhile nothing claims:
         # the elector stopped claiming before it released.
         task = asyncio.ensure_future(self._give_up(session))
+        self._releasing = task
         self._group.releasing.add(task)
         task.add_done_callback(self._released)
         await asyncio.shield(task)
