@@ -358,7 +358,7 @@ class Elector:
             # vouch for the claims of the term before it: no release record then.
             record = self._clock.monotonic() >= self.state.facts.claim_from
             try:
-                async with asyncio.timeout(successor_choice_bound(self.timing)):
+                async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
                     await self.lease.release(record=record)
             except Exception as exc:
                 log.warning("release failed; the lease frees itself after its TTL",
