@@ -26,6 +26,17 @@ def pod_ready(cp: ControlPlane, namespace: str, pod: str, ready: bool) -> None:
                "--type=merge", "-p", json.dumps({"status": status}))
 
 
+def start_sidecar(tmp_path: Path, pod: str, namespace: str, kubeconfig: Path,
+                  *extra: str, timing: tuple[str, ...] = tuple(FAST)) -> SidecarProcess:
+    """A sidecar of lease ``handover`` (SQLite) with youngest-ready hand-over, as if in
+    pod ``namespace/pod``."""
+    return SidecarProcess(tmp_path, pod, args=[
+        "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *timing,
+        "--pod-label", "on", "--shutdown-handover", "youngest-ready", *extra],
+        env={"POD_NAME": pod, "POD_NAMESPACE": namespace,
+             "KUBECONFIG": str(kubeconfig)}).start()
+
+
 def test_sigterm_hands_over_to_the_youngest_ready_pod(
         control_plane: ControlPlane, kube_namespace: str, tmp_path: Path) -> None:
     cp, namespace = control_plane, kube_namespace
@@ -37,11 +48,7 @@ def test_sigterm_hands_over_to_the_youngest_ready_pod(
     pod_ready(cp, namespace, "pod-c", False)  # the youngest, but not Ready
 
     def start(pod: str) -> SidecarProcess:
-        return SidecarProcess(tmp_path, pod, args=[
-            "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *FAST,
-            "--pod-label", "on", "--shutdown-handover", "youngest-ready"],
-            env={"POD_NAME": pod, "POD_NAMESPACE": namespace,
-                 "KUBECONFIG": str(kubeconfig)}).start()
+        return start_sidecar(tmp_path, pod, namespace, kubeconfig)
 
     leader = start("pod-a")
     procs = [leader]
@@ -81,11 +88,7 @@ def test_sigterm_skips_a_pod_whose_sidecar_never_campaigns(
         time.sleep(1.1)
 
     def start(pod: str, *extra: str) -> SidecarProcess:
-        return SidecarProcess(tmp_path, pod, args=[
-            "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *FAST,
-            "--pod-label", "on", "--shutdown-handover", "youngest-ready", *extra],
-            env={"POD_NAME": pod, "POD_NAMESPACE": namespace,
-                 "KUBECONFIG": str(kubeconfig)}).start()
+        return start_sidecar(tmp_path, pod, namespace, kubeconfig, *extra)
 
     leader = start("pod-a")
     procs = [leader]
@@ -122,15 +125,11 @@ def test_sigterm_waits_briefly_for_a_younger_pod_whose_sidecar_has_not_published
         pod_ready(cp, namespace, pod, True)
         time.sleep(1.1)
     # A renew interval of 1.5 s gives the leader 1 s to wait for the young pod.
-    timing = [*FAST, "--lease-duration", "4s", "--renew-deadline", "3s",
-              "--renew-interval", "1500ms"]
+    timing = (*FAST, "--lease-duration", "4s", "--renew-deadline", "3s",
+              "--renew-interval", "1500ms")
 
     def start(pod: str) -> SidecarProcess:
-        return SidecarProcess(tmp_path, pod, args=[
-            "--dsn", str(tmp_path / "leases.db"), "--name", "handover", *timing,
-            "--pod-label", "on", "--shutdown-handover", "youngest-ready"],
-            env={"POD_NAME": pod, "POD_NAMESPACE": namespace,
-                 "KUBECONFIG": str(kubeconfig)}).start()
+        return start_sidecar(tmp_path, pod, namespace, kubeconfig, timing=timing)
 
     leader = start("pod-a")
     procs = [leader]
