@@ -153,9 +153,13 @@ class GroupPods:
                     waited_for = starting
                 await asyncio.sleep(RELIST_EVERY)
         except KubeError as exc:
-            log.warning("cannot list the group's pods; releasing to whoever asks first",
-                        extra={"error": str(exc)})
-            return None
+            if waited_for is None:
+                log.warning("cannot list the group's pods; releasing to whoever asks first",
+                            extra={"error": str(exc)})
+                return None
+            # A list while waiting failed: the earlier answer's pick still stands.
+            log.warning("cannot list the group's pods again; handing over to the pick of "
+                        "the last answer", extra={"error": str(exc), "successor": chosen})
         finally:
             await client.close()
         log.info("shutdown: handing over to the youngest pod of the group that can lead",

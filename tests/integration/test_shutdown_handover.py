@@ -5,7 +5,6 @@ younger pod that is not Ready campaigns too; no two overlapping claims."""
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
@@ -13,17 +12,11 @@ from pathlib import Path
 import pytest
 
 from testkit.handover import FAST
-from testkit.kube_support import create_pods, install_rbac, role_column
+from testkit.kube_support import create_pods, install_rbac, mark_ready, role_column
 from testkit.support import ClaimRecorder, SidecarProcess, wait_until
 from testkit.testbed.kube import ControlPlane
 
 pytestmark = pytest.mark.kube
-
-
-def pod_ready(cp: ControlPlane, namespace: str, pod: str, ready: bool) -> None:
-    status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
-    cp.kubectl("-n", namespace, "patch", "pod", pod, "--subresource=status",
-               "--type=merge", "-p", json.dumps({"status": status}))
 
 
 # A lease long enough that a take-over by expiry (at least a lease duration less a renew
@@ -51,8 +44,8 @@ def test_sigterm_hands_over_to_the_youngest_ready_pod(
     for pod in ("pod-a", "pod-b", "pod-c"):  # creationTimestamp has whole seconds
         create_pods(cp, namespace, pod)
         time.sleep(1.1)
-    pod_ready(cp, namespace, "pod-b", True)
-    pod_ready(cp, namespace, "pod-c", False)  # the youngest, but not Ready
+    mark_ready(cp, namespace, "pod-b")
+    mark_ready(cp, namespace, "pod-c", ready=False)  # the youngest, but not Ready
 
     def start(pod: str) -> SidecarProcess:
         return start_sidecar(tmp_path, pod, namespace, kubeconfig)
@@ -91,7 +84,7 @@ def test_sigterm_skips_a_pod_whose_sidecar_never_campaigns(
     kubeconfig = install_rbac(cp, namespace)
     for pod in ("pod-a", "pod-b", "pod-api"):  # creationTimestamp has whole seconds
         create_pods(cp, namespace, pod)
-        pod_ready(cp, namespace, pod, True)
+        mark_ready(cp, namespace, pod)
         time.sleep(1.1)
 
     def start(pod: str, *extra: str) -> SidecarProcess:
@@ -129,7 +122,7 @@ def test_sigterm_waits_briefly_for_a_younger_pod_whose_sidecar_has_not_published
     kubeconfig = install_rbac(cp, namespace)
     for pod in ("pod-a", "pod-b", "pod-c"):  # creationTimestamp has whole seconds
         create_pods(cp, namespace, pod)
-        pod_ready(cp, namespace, pod, True)
+        mark_ready(cp, namespace, pod)
         time.sleep(1.1)
     # A renew interval of 1.5 s gives the leader 1 s to wait for the young pod.
     timing = (*FAST, "--lease-duration", "4s", "--renew-deadline", "3s",
@@ -162,6 +155,51 @@ def test_sigterm_waits_briefly_for_a_younger_pod_whose_sidecar_has_not_published
         logs = leader.logs()
         assert "waiting for a younger pod whose sidecar has not published yet" in logs
         assert "handed over to pod-c (shutdown)" in logs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def test_a_failed_list_while_waiting_keeps_the_pick_of_the_last_answer(
+        control_plane: ControlPlane, kube_namespace: str, tmp_path: Path) -> None:
+    """The leader lists again while a younger pod's sidecar has not published; when a
+    later list fails (here: the sidecars' RoleBinding is deleted during the wait), it
+    hands over to the pick of the list that answered, not to whoever asks first."""
+    cp, namespace = control_plane, kube_namespace
+    kubeconfig = install_rbac(cp, namespace)
+    for pod in ("pod-a", "pod-b", "pod-c"):  # creationTimestamp has whole seconds
+        create_pods(cp, namespace, pod)
+        mark_ready(cp, namespace, pod)
+        time.sleep(1.1)
+    # A renew interval of 1.5 s gives the leader 1 s to wait for the young pod.
+    timing = (*FAST, "--lease-duration", "4s", "--renew-deadline", "3s",
+              "--renew-interval", "1500ms")
+
+    def start(pod: str) -> SidecarProcess:
+        return start_sidecar(tmp_path, pod, namespace, kubeconfig, timing=timing)
+
+    leader = start("pod-a")
+    procs = [leader]
+    try:
+        wait_until(lambda: leader.leader() == 200, timeout=15)
+        procs += [start("pod-b"), start("pod-c")]
+        wait_until(lambda: role_column(cp, namespace) == {
+            "pod-a": "leader", "pod-b": "standby", "pod-c": "standby"}, timeout=15)
+        cp.kubectl("-n", namespace, "label", "pod", "pod-c", "lease-role-")
+        with ClaimRecorder(procs) as recorder:
+            recorder.seen_a_claim()
+            leader.signal(signal.SIGTERM)
+            wait_until(lambda: "waiting for a younger pod" in leader.logs(), timeout=5,
+                       interval=0.02)
+            cp.kubectl("-n", namespace, "delete", "rolebinding", "--all")
+            wait_until(lambda: procs[1].leader() == 200, timeout=10, interval=0.01)
+            time.sleep(0.5)
+        assert leader.proc is not None and leader.proc.wait(10) == 0
+        assert recorder.overlaps() == []
+        logs = leader.logs()
+        assert "handing over to the pick of the last answer" in logs
+        assert "handed over to pod-b (shutdown)" in logs
+        assert procs[2].leader() == 503
     finally:
         for proc in procs:
             proc.stop()
