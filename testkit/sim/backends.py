@@ -101,7 +101,7 @@ def _postgres(world: World, backend: str) -> Setup:
 
     return Setup(env={"LEASE_DSN": "postgresql://sim/pg"}, faults=faults, heal=heal,
                  patches=[(advisory_session, "asyncpg", fake), (asyncpg_driver, "asyncpg", fake)],
-                 models={"cluster": cluster})
+                 models={"cluster": cluster}, leader_possible=cluster.tokens_left)
 
 
 def postgres(world: World) -> Setup:

@@ -450,6 +450,15 @@ class Cluster:
             self.wal = [Commit(self.world.now(), self.world.now(), copy.deepcopy(data))]
         self.world.later(down_for, upgraded)
 
+    def tokens_left(self) -> bool:
+        """Whether a fencing token can still be drawn: the era (the timeline plus the era
+        table's base, never below the highest era recorded) is below
+        ``pg_timeline.TIMELINE_LIMIT``. Past it every sidecar refuses to hold, by design
+        (a token would pass 2^53); a long run of failovers and upgrades gets there."""
+        data = self.server.data if self.server is not None else self.wal[-1].data
+        era = data.tables[pg_timeline.ERA_TABLE]
+        return max(era["highest"], self.timeline + era["base"]) < pg_timeline.TIMELINE_LIMIT
+
     def terminate_backend(self, pid: int) -> bool:
         server = self.server
         session = server.sessions.get(pid) if server else None
