@@ -249,6 +249,25 @@ async def test_release_and_sweep_wake_a_listening_standby(make_store) -> None:
     await asyncio.wait_for(waiting, 5.0)
 
 
+async def test_a_standby_of_one_name_sleeps_through_another_names_release(make_store) -> None:
+    """A shard group's member waits for hundreds of names on one channel: a release wakes
+    the standby of its own name only (each woken standby sends an acquire, and the one
+    that could win queued behind the rest)."""
+    holder, standby = make_store(), make_store()
+    mine, other = fresh(), fresh()
+    held_mine = await holder.acquire(mine, "a", LONG)
+    held_other = await holder.acquire(other, "a", LONG)
+    await standby.acquire(mine, "b", LONG)
+    await until_listening(standby)
+
+    waiting = asyncio.ensure_future(standby.wait_for_release(30.0, mine))
+    await holder.release(other, "a", held_other.version)
+    await asyncio.sleep(0.5)
+    assert not waiting.done()  # another name's NOTIFY came and went
+    await holder.release(mine, "a", held_mine.version)
+    await asyncio.wait_for(waiting, 5.0)
+
+
 async def test_a_notify_between_acquire_and_wait_is_not_lost(make_store) -> None:
     holder, standby = make_store(), make_store()
     name = fresh()

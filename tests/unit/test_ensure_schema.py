@@ -43,7 +43,8 @@ class FakeDriver:
                            "`lease-sidecar schema --apply` to create the lease table")
         return [ROW]
 
-    async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None:
+    async def wait_for_notify(self, channel: str, timeout: float, since: float,
+                              payload: str | None = None) -> None:
         pass
 
     async def close(self) -> None:

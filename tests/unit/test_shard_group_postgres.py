@@ -3,7 +3,7 @@ the electors of shards that move). The lock statement runs on a fake connection 
 that lets the test hold the reply back: with a real server the window (granted in the
 server, reply not yet read) is a few microseconds wide. The simulator's model of
 asyncpg reaches the same window in its random runs (a cancelled statement whose reply
-is dropped)."""
+is dropped). And which standby a shard's release wakes."""
 
 from __future__ import annotations
 
@@ -124,3 +124,23 @@ async def test_a_shard_whose_unlock_is_still_queued_is_not_locked_again() -> Non
     assert conn.statements == ["lock", "unlock"]
     assert (await lease.try_acquire()).held
     assert conn.statements == ["lock", "unlock", "lock"]
+
+
+async def test_a_release_wakes_the_standby_of_its_own_shard_only() -> None:
+    """A member waits for hundreds of shards on one channel: the NOTIFY of one shard's
+    unlock (its lock id as payload) wakes that shard's standby, not every standby, whose
+    lock statements would all queue ahead of the one that can win."""
+    group = group_on(HeldReplyConnection())
+    mine, other = group.lease("work-1"), group.lease("work-2")
+    waiting = asyncio.ensure_future(mine.wait_for_change(30.0))
+    await asyncio.sleep(0)
+    group._notified(None, 1, "channel", str(other.lock_id))
+    group._notified(None, 1, "channel", "not a lock id")
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    group._notified(None, 1, "channel", str(mine.lock_id))
+    await asyncio.wait_for(waiting, 1.0)
+    # A release announced after our last try and before the wait began is not slept
+    # through.
+    group._notified(None, 1, "channel", str(other.lock_id))
+    await asyncio.wait_for(other.wait_for_change(30.0), 1.0)

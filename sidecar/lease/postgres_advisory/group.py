@@ -18,9 +18,10 @@ holds the lock, and is valid for the renew deadline from its send time. What dif
   holder's name is); the live members are the sessions showing the group's prefix. A
   member that dies takes its record and its locks with its session, at once.
 - No in-server wait: a standby of a shard tries the lock when the shard may have become
-  free — a release sends ``NOTIFY`` on the group's channel, which the session listens
-  to — or at its next retry (a member that died: its session ends, its locks pass, and
-  the assignment's next member campaigns within a renew interval).
+  free — a release sends ``NOTIFY`` on the group's channel with the lock id, which the
+  session listens to, and wakes that shard's standby only — or at its next retry (a
+  member that died: its session ends, its locks pass, and the assignment's next member
+  campaigns within a renew interval).
 - No hand-over hint (a session has one ``application_name``, and it is the member
   record): only the member the assignment names campaigns for a shard, so a released
   shard goes to it anyway.
@@ -130,8 +131,11 @@ class AdvisoryShardGroup(BeatingGroup):
         # taking 1,024 free shards queued 1,024 durable lock statements ahead of it, and
         # every shard's renew ran out.
         self._acquires = asyncio.Lock()
-        self._free = asyncio.Event()  # a NOTIFY: some shard of the group was released
-        self._last_free = float("-inf")  # monotonic: the last NOTIFY
+        # Per lock id (the NOTIFY's payload): a release wakes the standby of its own shard
+        # only. Waking every standby of the member made each send a lock statement, and
+        # the one that could win queued behind the rest (hundreds of ms per move).
+        self._free: dict[int, asyncio.Event] = {}
+        self._last_free: dict[int, float] = {}  # monotonic: the last NOTIFY per lock id
         self._timelines = Timelines()
         self._refusal: str | None = None
         self._leases: dict[str, SharedLease] = {}
@@ -196,17 +200,23 @@ class AdvisoryShardGroup(BeatingGroup):
             self._gone()
 
     def _notified(self, conn: object, pid: int, channel: str, payload: object) -> None:
-        self._last_free = self._clock.monotonic()
-        free, self._free = self._free, asyncio.Event()
-        free.set()
+        try:
+            key = int(str(payload))
+        except ValueError:
+            return  # not ours: the channel's releases carry their lock id
+        self._last_free[key] = self._clock.monotonic()
+        # A fresh event per wake-up, so every current waiter wakes and later ones wait.
+        free = self._free.pop(key, None)
+        if free is not None:
+            free.set()
 
-    async def wait_for_free(self, timeout: float, since: float) -> None:
-        """Until a release in the group is announced, or ``timeout``; at once if one was
-        since ``since`` (the caller's last try: a release between that try and this
+    async def wait_for_free(self, key: int, timeout: float, since: float) -> None:
+        """Until the release of lock ``key`` is announced, or ``timeout``; at once if one
+        was since ``since`` (the caller's last try: a release between that try and this
         wait must not be slept through)."""
-        if self._last_free > since:
+        if self._last_free.get(key, float("-inf")) > since:
             return
-        event = self._free
+        event = self._free.setdefault(key, asyncio.Event())
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await event.wait()
@@ -420,7 +430,7 @@ class SharedLease:
                       fencing_token=self._token)
 
     async def wait_for_change(self, timeout: float) -> None:
-        await self._group.wait_for_free(timeout, self._tried)
+        await self._group.wait_for_free(self.lock_id, timeout, self._tried)
 
 
 def make_advisory_group(backend: Backend, settings: Settings, clock: Clock,

@@ -63,8 +63,10 @@ class AsyncpgDriver:
         self._listener: asyncpg.Connection | None = None
         self._listen_task: asyncio.Future[None] | None = None
         self._listening: set[str] = set()
-        self._events: dict[str, asyncio.Event] = {}
-        self._last_notify: dict[str, float] = {}
+        # Per (channel, payload), and (channel, None) for any payload: the payload is the
+        # released lease's name, and a standby waits for its own lease's only.
+        self._events: dict[tuple[str, str | None], asyncio.Event] = {}
+        self._last_notify: dict[tuple[str, str | None], float] = {}
         # None until the first connection tells; True behind a pooler or proxy.
         self.pooled: bool | None = None
 
@@ -152,8 +154,10 @@ class AsyncpgDriver:
                                      "evidence": evidence})
 
     # -- wake-ups ------------------------------------------------------------------------
-    async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None:
-        """Return on a NOTIFY on ``channel``, or at once if one arrived after ``since``.
+    async def wait_for_notify(self, channel: str, timeout: float, since: float,
+                              payload: str | None = None) -> None:
+        """Return on a NOTIFY on ``channel`` (carrying ``payload``, when one is given),
+        or at once if one arrived after ``since``.
 
         Best effort: the first wait sets up the LISTEN connection (in a task of its own,
         so a short wait never cancels a half-open connect); while it is not up this just
@@ -178,8 +182,9 @@ class AsyncpgDriver:
             if not self.is_listening(channel):
                 await asyncio.sleep(max(0.0, timeout))
                 return
-        event = self._events.setdefault(channel, asyncio.Event())
-        if self._last_notify.get(channel, float("-inf")) > since:
+        key = (channel, payload)
+        event = self._events.setdefault(key, asyncio.Event())
+        if self._last_notify.get(key, float("-inf")) > since:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
@@ -203,11 +208,16 @@ class AsyncpgDriver:
             await self._drop_listener()
 
     def _on_notify(self, conn: object, pid: int, channel: str, payload: str) -> None:
-        self._last_notify[channel] = asyncio.get_running_loop().time()
-        # A fresh event per wake-up, so every current waiter wakes and later ones wait.
-        event = self._events.pop(channel, None)
-        if event is not None:
-            event.set()
+        now = asyncio.get_running_loop().time()
+        # A shard group's members wait for hundreds of names on one channel: a release
+        # wakes the standby of its own name, not every one of them (each woken standby
+        # sends an acquire, and the one that can win queued behind the rest).
+        for key in ((channel, None), (channel, payload)):
+            self._last_notify[key] = now
+            # A fresh event per wake-up, so every current waiter wakes and later ones wait.
+            event = self._events.pop(key, None)
+            if event is not None:
+                event.set()
 
     async def _drop_listener(self) -> None:
         conn, self._listener = self._listener, None

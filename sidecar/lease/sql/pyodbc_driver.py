@@ -89,7 +89,8 @@ class PyodbcDriver:
     async def script(self, sql: str) -> None:
         await self._run(sql, ())
 
-    async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None:
+    async def wait_for_notify(self, channel: str, timeout: float, since: float,
+                              payload: str | None = None) -> None:
         # ODBC has no notification channel; the caller's retry interval applies.
         await asyncio.sleep(timeout)
 

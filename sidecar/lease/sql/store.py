@@ -25,7 +25,11 @@ class Driver(Protocol):
 
     async def script(self, sql: str) -> None: ...
 
-    async def wait_for_notify(self, channel: str, timeout: float, since: float) -> None: ...
+    async def wait_for_notify(self, channel: str, timeout: float, since: float,
+                              payload: str | None = None) -> None:
+        """Until a NOTIFY on ``channel`` (carrying ``payload``, a lease's name, when one
+        is given) after ``since``, or ``timeout``."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -217,17 +221,19 @@ class SqlRowStore:
         return [(row[0], self.dialect.decode(tuple(row[1:-1])), bool(row[-1])) for row in rows]
 
     async def wait_for_release(self, timeout: float, name: str | None = None) -> None:
-        """Until a NOTIFY sent after our last acquire of ``name`` (of any name, without
-        one), or timeout. Per name: the leases of a shard group share this store, and
-        another shard's acquire sent after our shard's release was notified made that
-        release look old; it then woke nobody, and the shard's next holder came at its
-        retry, a renew interval later."""
+        """Until a NOTIFY of ``name``'s release (or sweep) sent after our last acquire of
+        it (of any name's, without one), or timeout. Per name, both the time and the
+        wake-up: the leases of a shard group share this store, and another shard's
+        acquire sent after our shard's release was notified made that release look old
+        (it then woke nobody, and the shard's next holder came at its retry, a renew
+        interval later); and every release woke every standby of the member, whose
+        acquires all queued ahead of the one that could win."""
         if self.dialect.channel is None:
             # No wake-up channel (SQL Server): standbys notice on their next retry.
             await asyncio.sleep(timeout)
             return
         since = self._last_acquire if name is None else self._acquired.get(name, float("-inf"))
-        await self.driver.wait_for_notify(self.dialect.channel, timeout, since)
+        await self.driver.wait_for_notify(self.dialect.channel, timeout, since, name)
 
     async def apply_schema(self) -> None:
         await self.driver.script(self.dialect.provision_script())
