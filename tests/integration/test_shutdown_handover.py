@@ -5,8 +5,10 @@ younger pod that is not Ready campaigns too; no two overlapping claims."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -112,13 +114,12 @@ def test_sigterm_skips_a_pod_whose_sidecar_never_campaigns(
             proc.stop()
 
 
-def test_sigterm_waits_briefly_for_a_younger_pod_whose_sidecar_has_not_published(
-        control_plane: ControlPlane, kube_namespace: str, tmp_path: Path) -> None:
-    """A rolling update deletes an old pod as soon as a new one is Ready, which can come
-    before the new sidecar's first label write. The leader handed over to the old
-    standby, replaced seconds later: two hand-overs in one rollout (seen in real pods).
-    Now it lists again for a moment and picks the young pod once its role shows."""
-    cp, namespace = control_plane, kube_namespace
+@contextlib.contextmanager
+def young_pod_unpublished(cp: ControlPlane, namespace: str,
+                          tmp_path: Path) -> Iterator[list[SidecarProcess]]:
+    """Three Ready pods a, b, c (youngest last), their sidecars running (a leads), and
+    pod-c shown as a just-started pod is: Ready, in the group, no role yet (its sidecar
+    never reads its own pod back, so the edit stays). Yields the sidecars a, b, c."""
     kubeconfig = install_rbac(cp, namespace)
     for pod in ("pod-a", "pod-b", "pod-c"):  # creationTimestamp has whole seconds
         create_pods(cp, namespace, pod)
@@ -138,9 +139,22 @@ def test_sigterm_waits_briefly_for_a_younger_pod_whose_sidecar_has_not_published
         procs += [start("pod-b"), start("pod-c")]
         wait_until(lambda: role_column(cp, namespace) == {
             "pod-a": "leader", "pod-b": "standby", "pod-c": "standby"}, timeout=15)
-        # pod-c as a just-started pod shows it: Ready, in the group, no role yet (its
-        # sidecar never reads its own pod back, so the edit stays).
         cp.kubectl("-n", namespace, "label", "pod", "pod-c", "lease-role-")
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def test_sigterm_waits_briefly_for_a_younger_pod_whose_sidecar_has_not_published(
+        control_plane: ControlPlane, kube_namespace: str, tmp_path: Path) -> None:
+    """A rolling update deletes an old pod as soon as a new one is Ready, which can come
+    before the new sidecar's first label write. The leader handed over to the old
+    standby, replaced seconds later: two hand-overs in one rollout (seen in real pods).
+    Now it lists again for a moment and picks the young pod once its role shows."""
+    cp, namespace = control_plane, kube_namespace
+    with young_pod_unpublished(cp, namespace, tmp_path) as procs:
+        leader = procs[0]
         with ClaimRecorder(procs) as recorder:
             recorder.seen_a_claim()
             leader.signal(signal.SIGTERM)
@@ -155,9 +169,6 @@ def test_sigterm_waits_briefly_for_a_younger_pod_whose_sidecar_has_not_published
         logs = leader.logs()
         assert "waiting for a younger pod whose sidecar has not published yet" in logs
         assert "handed over to pod-c (shutdown)" in logs
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 def test_a_failed_list_while_waiting_keeps_the_pick_of_the_last_answer(
@@ -166,26 +177,8 @@ def test_a_failed_list_while_waiting_keeps_the_pick_of_the_last_answer(
     later list fails (here: the sidecars' RoleBinding is deleted during the wait), it
     hands over to the pick of the list that answered, not to whoever asks first."""
     cp, namespace = control_plane, kube_namespace
-    kubeconfig = install_rbac(cp, namespace)
-    for pod in ("pod-a", "pod-b", "pod-c"):  # creationTimestamp has whole seconds
-        create_pods(cp, namespace, pod)
-        mark_ready(cp, namespace, pod)
-        time.sleep(1.1)
-    # A renew interval of 1.5 s gives the leader 1 s to wait for the young pod.
-    timing = (*FAST, "--lease-duration", "4s", "--renew-deadline", "3s",
-              "--renew-interval", "1500ms")
-
-    def start(pod: str) -> SidecarProcess:
-        return start_sidecar(tmp_path, pod, namespace, kubeconfig, timing=timing)
-
-    leader = start("pod-a")
-    procs = [leader]
-    try:
-        wait_until(lambda: leader.leader() == 200, timeout=15)
-        procs += [start("pod-b"), start("pod-c")]
-        wait_until(lambda: role_column(cp, namespace) == {
-            "pod-a": "leader", "pod-b": "standby", "pod-c": "standby"}, timeout=15)
-        cp.kubectl("-n", namespace, "label", "pod", "pod-c", "lease-role-")
+    with young_pod_unpublished(cp, namespace, tmp_path) as procs:
+        leader = procs[0]
         with ClaimRecorder(procs) as recorder:
             recorder.seen_a_claim()
             leader.signal(signal.SIGTERM)
@@ -200,6 +193,3 @@ def test_a_failed_list_while_waiting_keeps_the_pick_of_the_last_answer(
         assert "handing over to the pick of the last answer" in logs
         assert "handed over to pod-b (shutdown)" in logs
         assert procs[2].leader() == 503
-    finally:
-        for proc in procs:
-            proc.stop()
