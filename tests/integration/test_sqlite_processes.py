@@ -76,8 +76,10 @@ def test_sigstop_leader_never_publishes_stale_leader(trio):
     rest = [p for p in trio if p is not leader]
     with ClaimRecorder(trio) as recorder:
         time.sleep(0.3)
-        leader.signal(signal.SIGSTOP)
-        wait_until(lambda: one_leader(rest), timeout=LEASE_DURATION + 2)
+        # Resumed after two lease durations at the latest (the fault model's longest
+        # freeze): a freeze in the middle of a commit holds the SQLite file until then.
+        leader.freeze(2 * LEASE_DURATION)
+        wait_until(lambda: one_leader(rest), timeout=2 * LEASE_DURATION + 2)
         time.sleep(0.5)
         leader.signal(signal.SIGCONT)
         first_answer = get_json(leader.url + "/leader", timeout=3)[0]
