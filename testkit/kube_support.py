@@ -190,6 +190,7 @@ class Event:
     holder: str | None = None  # lease: holderIdentity
     transitions: int | None = None
     acquired: float | None = None  # lease: acquireTime as a wall-clock timestamp
+    renewed: float | None = None  # lease: renewTime as a wall-clock timestamp
     wall: float = 0.0  # time.time() when the event arrived here
     role: str | None = None  # pod: lease-role label
 
@@ -251,6 +252,9 @@ class Recorder:
             if spec.get("acquireTime"):
                 found.acquired = datetime.fromisoformat(
                     spec["acquireTime"].replace("Z", "+00:00")).timestamp()
+            if spec.get("renewTime"):
+                found.renewed = datetime.fromisoformat(
+                    spec["renewTime"].replace("Z", "+00:00")).timestamp()
         else:
             found.role = (meta.get("labels") or {}).get("lease-role")
         with self._lock:
