@@ -195,6 +195,11 @@ class Event:
     role: str | None = None  # pod: lease-role label
 
 
+def _wall(stamp: str | None) -> float | None:
+    """A Lease's MicroTime (``acquireTime``, ``renewTime``) as a wall-clock timestamp."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else None
+
+
 @dataclass
 class Recorder:
     """Watches the Leases and Pods of one namespace as admin and keeps every event.
@@ -249,12 +254,8 @@ class Recorder:
             spec = obj.get("spec") or {}
             found.holder = spec.get("holderIdentity") or ""
             found.transitions = spec.get("leaseTransitions")
-            if spec.get("acquireTime"):
-                found.acquired = datetime.fromisoformat(
-                    spec["acquireTime"].replace("Z", "+00:00")).timestamp()
-            if spec.get("renewTime"):
-                found.renewed = datetime.fromisoformat(
-                    spec["renewTime"].replace("Z", "+00:00")).timestamp()
+            found.acquired = _wall(spec.get("acquireTime"))
+            found.renewed = _wall(spec.get("renewTime"))
         else:
             found.role = (meta.get("labels") or {}).get("lease-role")
         with self._lock:

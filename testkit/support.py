@@ -119,17 +119,15 @@ class SidecarProcess:
         assert self.proc is not None
         self.proc.send_signal(sig)
 
-    def freeze(self, at_most: float) -> threading.Timer:
-        """SIGSTOP now, SIGCONT after ``at_most`` seconds (sooner: ``signal(SIGCONT)``;
-        ``cancel()`` the timer returned to keep it frozen). Within the fault model a
-        process is frozen for up to two lease durations; and on ``sqlite`` a process
-        frozen in the middle of a commit keeps the file's lock, so nobody else can
-        commit, and lead, until it resumes (docs/sqlite.md)."""
+    def freeze(self, at_most: float) -> None:
+        """SIGSTOP now, SIGCONT after ``at_most`` seconds (sooner: ``signal(SIGCONT)``).
+        Within the fault model a process is frozen for up to two lease durations; and on
+        ``sqlite`` a process frozen in the middle of a commit keeps the file's lock, so
+        nobody else can commit, and lead, until it resumes (docs/sqlite.md)."""
         self.signal(signal.SIGSTOP)
         resume = threading.Timer(at_most, self._resume)
         resume.daemon = True
         resume.start()
-        return resume
 
     def _resume(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

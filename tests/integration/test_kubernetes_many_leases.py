@@ -8,6 +8,7 @@ for a free connection). What one more name costs: ``bench/bench_kubernetes.py --
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,7 @@ def renew_gaps(events: list[Event], names: tuple[str, ...]) -> dict[str, float]:
     for event in events:
         if event.kind == "lease" and event.renewed is not None and event.name in renews:
             renews[event.name].add(event.renewed)
-    return {name: max((b - a for a, b in zip(sorted(times), sorted(times)[1:], strict=False)),
-                      default=float("inf"))
+    return {name: max((b - a for a, b in pairwise(sorted(times))), default=float("inf"))
             for name, times in renews.items()}
 
 
@@ -63,11 +63,11 @@ def test_64_lease_names_on_one_sidecar_are_all_held_and_renewed_on_time(
         finally:
             recorder.stop()
         gaps = renew_gaps(recorder.snapshot(), tuple(f"lease-sidecar.{n}" for n in NAMES))
+        status = leases()
+        events = {t["event"] for lease in status for t in lease["transitions"]}
         # Every Lease renewed again and again (a Lease with fewer than two renews seen
         # has an infinite gap), never two renews further apart than the lease's
         # validity (10 s less the 1 s margin).
-        status = leases()
-        events = {t["event"] for lease in status for t in lease["transitions"]}
         assert max(gaps.values()) < 9.0, (sorted(gaps.items(), key=lambda kv: -kv[1])[:5],
                                           events)
         assert all(lease["holding"] for lease in status)

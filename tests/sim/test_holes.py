@@ -190,4 +190,3 @@ def test_a_shard_whose_release_outlasts_its_bound_is_taken_by_its_next_member() 
     no longer reaches the case (the random runs still look for it)."""
     result = Run("postgres", 1013, 2000, SETUPS["postgres"]).execute()
     assert result.verdict.violations == [] and result.errors == []
-
