@@ -27,12 +27,11 @@ import statistics
 import tempfile
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from bench import record
-from testkit.support import SidecarProcess, get_json, long_poll, one_leader, wait_until
+from testkit.support import SidecarProcess, get_json, long_poll, one_leader, unix_time, wait_until
 
 HORIZON = 0.25
 SETTINGS = ["--lease-duration", "3s", "--renew-interval", "300ms", "--renew-deadline", "2s",
@@ -144,7 +143,7 @@ def one_handover(leader: SidecarProcess, standby: SidecarProcess) -> tuple[float
     status, answered = results["leader"]
     assert status == 503, status
     body, answered_wall = results["standby"]
-    claim_from = datetime.fromisoformat(body["since"]).timestamp() + claim_delay(standby)
+    claim_from = unix_time(body["since"]) + claim_delay(standby)
     return (answered - asked) * 1000, (answered_wall - claim_from) * 1000
 
 

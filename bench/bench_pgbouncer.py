@@ -20,7 +20,6 @@ valid_until - claim horizon)`` (the earliest it can have been handed out) up to 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import signal
 import subprocess
 import sys
@@ -31,7 +30,14 @@ from pathlib import Path
 
 from bench import record
 from bench.failover import summary
-from testkit.support import SidecarProcess, claim_overlaps, get_json, one_leader, wait_until
+from testkit.support import (
+    SidecarProcess,
+    claim_overlaps,
+    get_json,
+    one_leader,
+    unix_time,
+    wait_until,
+)
 from testkit.testbed.pgbouncer import PgBouncer, version
 from testkit.testbed.postgres import PgServer
 
@@ -67,7 +73,7 @@ class Sampler:
             with self._lock:
                 self.samples += 1
                 if status == 200:
-                    until = dt.datetime.fromisoformat(body["valid_until"]).timestamp()
+                    until = unix_time(body["valid_until"])
                     # Handed out after the send and at most one horizon before its end.
                     self.claims.append((proc.identity, max(sent, until - HORIZON), until))
             time.sleep(0.01)

@@ -41,7 +41,6 @@ sidecars' own log timestamps.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
@@ -54,6 +53,7 @@ from typing import Any
 from bench import record
 from bench.failover import summary
 from testkit import pods_support as ps
+from testkit.support import unix_time
 from testkit.testbed.cluster import Cluster, unavailable_reason
 
 # Idle usage: the last rolled-out pods settle first (start-up imports cost CPU), then
@@ -170,7 +170,7 @@ def _started_logged(cluster: Cluster, ns: str, pod: str) -> float | None:
         except ValueError:
             continue
         if entry.get("msg") == "started" and entry.get("ts"):
-            return dt.datetime.fromisoformat(entry["ts"].replace("Z", "+00:00")).timestamp()
+            return unix_time(entry["ts"])
     return None
 
 

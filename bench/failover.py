@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import signal
 import statistics
 import time
 from pathlib import Path
 
-from testkit.support import SidecarProcess, one_leader, wait_until
+from testkit.support import SidecarProcess, one_leader, unix_time, wait_until
 
 
 def pct(values: list[float], q: float) -> float:
@@ -27,9 +26,9 @@ def acquired_at(proc: SidecarProcess, after: float) -> float | None:
     """Wall time of the first 'acquired lease' log line after ``after``."""
     for line in proc.logs().splitlines():
         if '"acquired lease"' in line:
-            at = dt.datetime.fromisoformat(json.loads(line)["ts"].replace("Z", "+00:00"))
-            if at.timestamp() >= after:
-                return at.timestamp()
+            at = unix_time(json.loads(line)["ts"])
+            if at >= after:
+                return at
     return None
 
 

@@ -24,7 +24,6 @@ Claims are compared on one clock (wall time; every process runs on this host):
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import signal
 import subprocess
@@ -36,7 +35,7 @@ from typing import Any
 
 from sidecar.lease.kubernetes.record import fencing_token
 from testkit.kube_support import sidecar
-from testkit.support import SidecarProcess, get_json, wait_until
+from testkit.support import SidecarProcess, get_json, unix_time, wait_until
 
 LEASE = "interop"  # lease-sidecar's name; the Lease object is lease-sidecar.interop
 OBJECT = f"lease-sidecar.{LEASE}"
@@ -47,10 +46,6 @@ OBJECT = f"lease-sidecar.{LEASE}"
 # one claim horizon most of the time: the case that overlapped before the release rule.
 SIDECAR_ARGS = ["--pod-label", "off"]
 CLIENTGO_ARGS = ["-lease-duration", "3s", "-renew-deadline", "2s", "-retry-period", "100ms"]
-
-
-def wall(text: str) -> float:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
 
 
 @dataclass
@@ -153,7 +148,7 @@ class ClaimSampler:
 
     def _keep(self, proc: SidecarProcess, asked: float, body: dict[str, Any]) -> None:
         with self._lock:
-            self.claims.append((proc.identity, asked, wall(body["valid_until"])))
+            self.claims.append((proc.identity, asked, unix_time(body["valid_until"])))
             self.terms.setdefault((proc.identity, int(body["fencing_token"])), asked)
 
     def _poll(self, proc: SidecarProcess) -> None:

@@ -12,7 +12,6 @@ named one must win against a rival that is free to try.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import random
 import subprocess
@@ -27,6 +26,7 @@ from testkit.support import (
     SidecarProcess,
     one_leader,
     post_json,
+    unix_time,
     wait_until,
 )
 
@@ -143,10 +143,10 @@ def logged_at(proc: SidecarProcess, message: str, after: float) -> float | None:
     """Wall time of ``proc``'s first log line ``message`` at or after ``after``."""
     for line in proc.logs().splitlines():
         if f'"{message}"' in line:
-            at = dt.datetime.fromisoformat(json.loads(line)["ts"].replace("Z", "+00:00"))
+            at = unix_time(json.loads(line)["ts"])
             # The log's stamp is rounded down to the millisecond.
-            if at.timestamp() >= after - 0.001:
-                return at.timestamp()
+            if at >= after - 0.001:
+                return at
     return None
 
 

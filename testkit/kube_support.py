@@ -15,7 +15,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import yaml
 from kubernetes import client, config, watch
 
 from sidecar.lease.kubernetes.record import Record
-from testkit.support import REPO, SidecarProcess, serving, wait_until
+from testkit.support import REPO, SidecarProcess, serving, unix_time, wait_until
 from testkit.testbed.kube import ControlPlane
 
 RBAC = REPO / "deploy" / "rbac.yaml"
@@ -197,7 +196,7 @@ class Event:
 
 def _wall(stamp: str | None) -> float | None:
     """A Lease's MicroTime (``acquireTime``, ``renewTime``) as a wall-clock timestamp."""
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() if stamp else None
+    return unix_time(stamp) if stamp else None
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ from typing import Any
 
 from testkit.chaos.checker import Interval, claim_time, fencing_violations, find_gaps, find_overlaps
 from testkit.chaos.recorder import Recorder, Span, Target
-from testkit.support import REPO
+from testkit.support import REPO, unix_time
 from testkit.testbed.cluster import Cluster
 
 CHART = REPO / "charts" / "lease-sidecar"
@@ -299,7 +298,7 @@ def log_events(cluster: Cluster, namespace: str, pod: str, container: str = "app
 
 def sidecar_time(event: dict[str, Any]) -> float:
     """The sidecar's log timestamp (``ts``, ISO 8601) as a Unix time."""
-    return dt.datetime.fromisoformat(event["ts"].replace("Z", "+00:00")).timestamp()
+    return unix_time(event["ts"])
 
 
 def ready_at(pod: dict[str, Any], container: str) -> float | None:
@@ -308,7 +307,7 @@ def ready_at(pod: dict[str, Any], container: str) -> float | None:
         if status["name"] == container and status.get("started"):
             started = status["state"].get("running", {}).get("startedAt")
             if started:
-                return dt.datetime.fromisoformat(started.replace("Z", "+00:00")).timestamp()
+                return unix_time(started)
     return None
 
 
@@ -483,8 +482,7 @@ class PodObserver:
 
 
 def _created(pod: dict[str, Any]) -> float:
-    stamp = pod["metadata"]["creationTimestamp"]  # whole seconds
-    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return unix_time(pod["metadata"]["creationTimestamp"])  # whole seconds
 
 
 def two_leader_labels(history: list[LabelEvent]) -> list[str]:

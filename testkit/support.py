@@ -24,11 +24,18 @@ from typing import Any
 from testkit.procs import free_port
 
 __all__ = ["REPO", "Answer", "ClaimRecorder", "SidecarProcess", "claim_overlaps", "free_port",
-           "get_json", "long_poll", "one_leader", "post_json", "serving", "wait_until"]
+           "get_json", "long_poll", "one_leader", "post_json", "serving", "unix_time",
+           "wait_until"]
 
 Claim = tuple[str, float, float]  # (identity, from, until): wall-clock seconds
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def unix_time(stamp: str) -> float:
+    """An ISO 8601 time (the sidecar's log ``ts``, its answers' ``valid_until``/``since``, a
+    Kubernetes timestamp or MicroTime; "Z" or an offset) as a Unix time."""
+    return dt.datetime.fromisoformat(stamp).timestamp()
 
 
 def get_json(url: str, timeout: float = 2.0,
@@ -267,7 +274,7 @@ class ClaimRecorder:
             sent = time.time()
             status, body, _ = get_json(proc.url + "/leader", timeout=0.5)
             if status == 200:
-                until = dt.datetime.fromisoformat(body["valid_until"]).timestamp()
+                until = unix_time(body["valid_until"])
                 self.claims.append((proc.identity, sent, until))
                 self.tokens.append((sent, proc.identity, body["fencing_token"]))
             time.sleep(0.01)

@@ -23,10 +23,11 @@ import json
 import time
 from array import array
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import aiohttp
+
+from testkit.support import unix_time
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class SampleStats:
 def parse_time(text: str | None) -> float | None:
     if not text:
         return None
-    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    return unix_time(text)
 
 
 class Recorder:

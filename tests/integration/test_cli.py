@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 import tomllib
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from sidecar.lease.sql.dialect import PostgresDialect, TsqlDialect
 from sidecar.settings import StoreSettings
 from testkit.kube_support import create_pods, install_rbac, lease_spec, lease_token
 from testkit.kube_support import sidecar as kube_sidecar
-from testkit.support import REPO, SidecarProcess, get_json, one_leader, wait_until
+from testkit.support import REPO, SidecarProcess, get_json, one_leader, unix_time, wait_until
 from testkit.testbed.kube import ControlPlane
 from testkit.testbed.postgres import PgServer
 
@@ -63,7 +62,7 @@ def table(stdout: str) -> list[dict[str, str]]:
 
 def parse_time(text: str) -> float:
     assert RFC3339_MS.match(text), text
-    return datetime.fromisoformat(text).timestamp()
+    return unix_time(text)
 
 
 # -- --version and help ---------------------------------------------------------------------

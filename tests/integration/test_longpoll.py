@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from testkit.support import (
     long_poll,
     one_leader,
     serving,
+    unix_time,
     wait_until,
 )
 
@@ -91,7 +91,7 @@ def follow_until_leader(proc: SidecarProcess, first: Answer, limit: int = 5) -> 
 def assert_first_claim_answered_at_once(answers: list[Answer]) -> None:
     """The 200 came as the claim began: at ``since`` (the acquire), as the standby took
     over a release on record (no horizon to wait)."""
-    first_claim = datetime.fromisoformat(answers[-1].body["since"]).timestamp()
+    first_claim = unix_time(answers[-1].body["since"])
     assert answers[-1].returned_wall >= first_claim - 0.01
     assert answers[-1].returned_wall - first_claim < PROMPT
 

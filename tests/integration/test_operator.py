@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ from testkit.kube_support import (
     sidecars_in_pods,
 )
 from testkit.procs import free_port
-from testkit.support import REPO, SidecarProcess, get_json, wait_until
+from testkit.support import REPO, SidecarProcess, get_json, unix_time, wait_until
 from testkit.testbed.kube import ControlPlane
 
 pytestmark = [pytest.mark.kube, pytest.mark.slow]
@@ -147,7 +146,7 @@ def test_a_dead_holders_label_goes_within_a_second_of_its_lease_running_out(
         recorder.stop()
     spec = lease_spec(cp, ns)
     assert spec["holderIdentity"] == holder.identity  # nobody took over
-    renewed = datetime.fromisoformat(spec["renewTime"].replace("Z", "+00:00")).timestamp()
+    renewed = unix_time(spec["renewTime"])
     ran_out = renewed + spec["leaseDurationSeconds"]
     assert ran_out <= demoted.wall < ran_out + 1.0
     assert role_column(cp, ns) == dict.fromkeys(PODS, "standby")

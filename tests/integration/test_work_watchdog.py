@@ -12,13 +12,20 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from testkit.support import SidecarProcess, get_json, one_leader, post_json, serving, wait_until
+from testkit.support import (
+    SidecarProcess,
+    get_json,
+    one_leader,
+    post_json,
+    serving,
+    unix_time,
+    wait_until,
+)
 
 STALL = 1.5
 FAST = ["--lease-duration", "2s", "--renew-interval", "200ms", "--renew-deadline", "1500ms",
@@ -45,7 +52,7 @@ def stepped_down_status(proc: SidecarProcess) -> dict[str, Any] | None:
 def first_claim(body: dict[str, Any]) -> float:
     """Wall time of the term's first claim, for a term that took over a recorded
     release: the acquire (``since``) itself, with no horizon wait."""
-    return datetime.fromisoformat(body["since"]).timestamp()
+    return unix_time(body["since"])
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from datetime import datetime
 from sidecar.publish import ClaimEncoder, claim_body
 from sidecar.publish.http.longpoll import ServedLease
 from sidecar.state import Facts, Leadership, LeaseState
+from testkit.support import unix_time
 from tests.unit.fakes import FakeClock
 
 
@@ -99,7 +100,7 @@ def test_valid_until_ms_is_the_same_instant_rounded_down():
     assert isinstance(body["valid_until_ms"], int)
     assert body["valid_until_ms"] == math.floor(exact * 1000)
     assert body["valid_until_ms"] / 1000 < exact  # never later than the claim's end
-    parsed = datetime.fromisoformat(body["valid_until"]).timestamp()
+    parsed = unix_time(body["valid_until"])
     assert round(parsed * 1000) == body["valid_until_ms"]
     # Not leading: both are null, never a stale time.
     state.update(holding=False)
