@@ -6,7 +6,9 @@
   longer than it is); durations as Go writes them (``time.ParseDuration``, as client-go
   users do): ``250ms``, ``1.5s``, ``1m30s``, ``1h2m``, also ``us``/``µs``/``ns``, or plain
   seconds.
-- Waiting: :func:`first_of`, the one "wait for the first of several" helper.
+- Waiting: :func:`first_of`, the one "wait for the first of several" helper, and
+  :class:`Wakeups`, wake-ups by key (a released lease's name or lock id) that a waiter
+  cannot miss.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from collections.abc import Awaitable
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 
 class Clock(Protocol):
@@ -138,3 +140,39 @@ async def first_of(*waitables: Awaitable[object], timeout: float | None = None) 
         for task in ours:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+Key = TypeVar("Key")
+
+
+class Wakeups(Generic[Key]):
+    """Wake-ups by key: :meth:`announce` wakes every current waiter of its key, and a
+    waiter that comes late returns at once when the key was announced after the moment
+    it says it last looked (``since``), so a wake-up between a standby's try and its
+    wait is never slept through. Times are the announcer's: waiters pass ``since`` on the
+    same clock.
+
+    Why by key: a shard group's member waits for hundreds of leases on one channel, and a
+    release must wake the standby of its own lease only (each woken standby sends an
+    acquire, and the one that can win queued behind the rest)."""
+
+    def __init__(self) -> None:
+        self._events: dict[Key, asyncio.Event] = {}
+        self._last: dict[Key, float] = {}
+
+    def announce(self, key: Key, now: float) -> None:
+        self._last[key] = now
+        # A fresh event per wake-up, so every current waiter wakes and later ones wait.
+        event = self._events.pop(key, None)
+        if event is not None:
+            event.set()
+
+    async def wait(self, key: Key, timeout: float, since: float) -> None:
+        """Until ``key`` is announced, or ``timeout`` seconds; at once if it was
+        announced after ``since``."""
+        if self._last.get(key, float("-inf")) > since:
+            return
+        event = self._events.setdefault(key, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await event.wait()

@@ -35,7 +35,6 @@ holds the lock, and is valid for the renew deadline from its send time. What dif
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 from collections.abc import Mapping
@@ -43,7 +42,7 @@ from typing import Any
 
 import asyncpg
 
-from sidecar.base.clock import Clock
+from sidecar.base.clock import Clock, Wakeups
 from sidecar.base.errors import BackendError
 from sidecar.lease import Backend, Grant, Holder
 from sidecar.lease.beats import BeatingGroup, Beats
@@ -134,8 +133,7 @@ class AdvisoryShardGroup(BeatingGroup):
         # Per lock id (the NOTIFY's payload): a release wakes the standby of its own shard
         # only. Waking every standby of the member made each send a lock statement, and
         # the one that could win queued behind the rest (hundreds of ms per move).
-        self._free: dict[int, asyncio.Event] = {}
-        self._last_free: dict[int, float] = {}  # monotonic: the last NOTIFY per lock id
+        self._freed: Wakeups[int] = Wakeups()  # on the clock's monotonic time
         self._timelines = Timelines()
         self._refusal: str | None = None
         self._leases: dict[str, SharedLease] = {}
@@ -204,22 +202,13 @@ class AdvisoryShardGroup(BeatingGroup):
             key = int(str(payload))
         except ValueError:
             return  # not ours: the channel's releases carry their lock id
-        self._last_free[key] = self._clock.monotonic()
-        # A fresh event per wake-up, so every current waiter wakes and later ones wait.
-        free = self._free.pop(key, None)
-        if free is not None:
-            free.set()
+        self._freed.announce(key, self._clock.monotonic())
 
     async def wait_for_free(self, key: int, timeout: float, since: float) -> None:
         """Until the release of lock ``key`` is announced, or ``timeout``; at once if one
         was since ``since`` (the caller's last try: a release between that try and this
         wait must not be slept through)."""
-        if self._last_free.get(key, float("-inf")) > since:
-            return
-        event = self._free.setdefault(key, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await event.wait()
+        await self._freed.wait(key, timeout, since)
 
     # -- the round trip ----------------------------------------------------------------
     async def _round_trip(self, held: Mapping[str, Any],

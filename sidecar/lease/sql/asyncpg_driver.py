@@ -37,6 +37,7 @@ from typing import Any
 
 import asyncpg
 
+from sidecar.base.clock import Wakeups
 from sidecar.base.errors import BackendError, NotFound
 from sidecar.base.redact import redact
 from sidecar.lease import pg_session
@@ -65,8 +66,7 @@ class AsyncpgDriver:
         self._listening: set[str] = set()
         # Per (channel, payload), and (channel, None) for any payload: the payload is the
         # released lease's name, and a standby waits for its own lease's only.
-        self._events: dict[tuple[str, str | None], asyncio.Event] = {}
-        self._last_notify: dict[tuple[str, str | None], float] = {}
+        self._notified: Wakeups[tuple[str, str | None]] = Wakeups()
         # None until the first connection tells; True behind a pooler or proxy.
         self.pooled: bool | None = None
 
@@ -182,12 +182,7 @@ class AsyncpgDriver:
             if not self.is_listening(channel):
                 await asyncio.sleep(max(0.0, timeout))
                 return
-        key = (channel, payload)
-        event = self._events.setdefault(key, asyncio.Event())
-        if self._last_notify.get(key, float("-inf")) > since:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+        await self._notified.wait((channel, payload), timeout, since)
 
     def is_listening(self, channel: str) -> bool:
         return (self._listener is not None and not self._listener.is_closed()
@@ -209,15 +204,8 @@ class AsyncpgDriver:
 
     def _on_notify(self, conn: object, pid: int, channel: str, payload: str) -> None:
         now = asyncio.get_running_loop().time()
-        # A shard group's members wait for hundreds of names on one channel: a release
-        # wakes the standby of its own name, not every one of them (each woken standby
-        # sends an acquire, and the one that can win queued behind the rest).
-        for key in ((channel, None), (channel, payload)):
-            self._last_notify[key] = now
-            # A fresh event per wake-up, so every current waiter wakes and later ones wait.
-            event = self._events.pop(key, None)
-            if event is not None:
-                event.set()
+        self._notified.announce((channel, None), now)
+        self._notified.announce((channel, payload), now)
 
     async def _drop_listener(self) -> None:
         conn, self._listener = self._listener, None
