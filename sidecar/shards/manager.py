@@ -177,10 +177,19 @@ class ShardManager:
             log.info("left the shard group", extra={"members": len(self._leaving),
                                                     "owned": len(self.owned())})
             # Until the view has held still that long: members leaving at the same time
-            # drop their records at their own round trips, a renew interval apart.
+            # drop their records at their own round trips, a renew interval apart. Not
+            # until the round trip after that: a view last changed at our second round
+            # trip held still long enough before the third, which came after the limit.
             async with asyncio.timeout(LEAVE_LIMIT * interval):
-                while self.owned() and self._clock.monotonic() - changed < LEAVE_WAIT * interval:
-                    members = await self.group.next_beat()
+                while self.owned():
+                    still = changed + LEAVE_WAIT * interval - self._clock.monotonic()
+                    if still <= 0:
+                        break
+                    try:
+                        async with asyncio.timeout(still):
+                            members = await self.group.next_beat()
+                    except TimeoutError:
+                        break
                     left = tuple(m for m in members if m != self.identity)
                     if left != self._leaving:
                         self._leaving, changed = left, self._clock.monotonic()
