@@ -162,6 +162,7 @@ def scale(store: Store, shards: int, workdir: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     names = [f"m{i}" for i in range(8)]
     rtts: list[float] = []
+    stuck: str | None = None
     try:
         for name in names[:3]:
             procs[name] = member(workdir, store, name, shards).start()
@@ -191,8 +192,16 @@ def scale(store: Store, shards: int, workdir: Path) -> dict[str, Any]:
                         proc.wait(60)
                         recorder.remove(name)
                     alive = alive[:size]
-                wait_until(lambda alive=alive: recorder.settled(alive, shards),
-                           BALANCE_TIMEOUT, 0.2)
+                try:
+                    wait_until(lambda alive=alive: recorder.settled(alive, shards),
+                               BALANCE_TIMEOUT, 0.2)
+                except TimeoutError:
+                    # The claims recorded so far still count for safety: a trial that
+                    # never balances may be the one where two members claimed a shard.
+                    stuck = (f"{label}: not balanced within {BALANCE_TIMEOUT:g} s; "
+                             f"{recorder.spread(alive, shards)}")
+                    print(stuck, file=sys.stderr)
+                    break
                 time.sleep(1.0)  # claims after the balance, so the sweep sees it hold
                 ended = time.time()
                 at = settled_at(recorder.spans, alive, changed, ended)
@@ -218,7 +227,7 @@ def scale(store: Store, shards: int, workdir: Path) -> dict[str, Any]:
     finally:
         for proc in procs.values():
             proc.stop(30)
-    return {"changes": rows, **safety,
+    return {"changes": rows, **safety, "stuck": stuck,
             "renew_rtt_ms": round(statistics.mean(rtts) * 1000, 1) if rtts else None}
 
 
@@ -357,12 +366,17 @@ def main() -> None:
                     try:
                         trials.append(scale(servers.store(backend, workdir), args.shards,
                                             workdir))
+                        if trials[-1]["stuck"]:
+                            failed.append(f"trial {trial + 1}: {trials[-1]['stuck']}")
                     except Exception as exc:  # the trial says why; the others count
                         failed.append(f"trial {trial + 1}: {type(exc).__name__}: "
                                       f"{str(exc)[:300]}")
                         print(failed[-1], file=sys.stderr)
                 if trials:
-                    entry["scale"] = {**summarize(trials, HORIZON), "trials": len(trials),
+                    # A stuck trial's changes up to the stuck one are figures; its
+                    # claims count for safety; it is named among the failed.
+                    entry["scale"] = {**summarize(trials, HORIZON),
+                                      "trials": sum(1 for t in trials if not t["stuck"]),
                                       "failed_trials": failed}
                 entry["scale_trials"] = trials
             if args.only in (None, "cost") and costs:

@@ -319,7 +319,10 @@ def shards_moves(r: Row) -> list[str]:
     notes = [f"{r['shards']} shards, default timing; every member's `GET /shards` recorded "
              f"every {r['poll_ms']:g} ms; moved / least per trial."]
     if failed:
-        notes.append("Trials that did not finish (not in the figures): " + "; ".join(failed))
+        notes.append("Trials that did not finish: " + "; ".join(failed) + ". One that did "
+                     "not balance after a change keeps its earlier changes in the figures "
+                     "and all its claims in the moments with two claimants; one that failed "
+                     "otherwise counts nowhere.")
     if not r.get("complete", True):
         notes.append("The run did not finish: backends missing here were not measured.")
     return [*table(["backend", "members", "moved / least", "worst moved ÷ least",

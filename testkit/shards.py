@@ -109,6 +109,20 @@ class ShardRecorder:
         return (len(union) == shards and sum(map(len, led)) == shards
                 and all(len(x) <= cap for x in led))
 
+    def spread(self, members: Iterable[str], shards: int) -> str:
+        """Why the members are not :meth:`settled`, as their latest answers show it:
+        shards led per member, over the fair share, led by nobody or by two."""
+        alive = list(members)
+        led = {m: self.led_now(m) for m in alive}
+        cap = -(-shards // len(alive))
+        union: set[str] = set().union(*led.values()) if led else set()
+        twice = sum(map(len, led.values())) - len(union)
+        over = [m for m, held in led.items() if len(held) > cap]
+        counts = {m: len(held) for m, held in led.items()}
+        return (f"led per member {counts}, fair share "
+                f"{cap}, over it {over or 'none'}; led by nobody {shards - len(union)}; "
+                f"listed by two {twice}")
+
     # -- the loop ------------------------------------------------------------------------
     async def _start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5))
