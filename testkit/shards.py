@@ -56,6 +56,7 @@ class ShardRecorder:
         self.latest: dict[str, Snapshot] = {}
         self.polls = 0
         self.errors = 0
+        self.failed: dict[str, str] = {}  # member -> why its poll task died
         self._targets = dict(targets)  # identity -> base URL
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -119,9 +120,10 @@ class ShardRecorder:
         twice = sum(map(len, led.values())) - len(union)
         over = [m for m, held in led.items() if len(held) > cap]
         counts = {m: len(held) for m, held in led.items()}
+        dead = {m: why for m, why in self.failed.items() if m in led}
         return (f"led per member {counts}, fair share "
                 f"{cap}, over it {over or 'none'}; led by nobody {shards - len(union)}; "
-                f"listed by two {twice}")
+                f"listed by two {twice}; polls that died {dead or 'none'}")
 
     # -- the loop ------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -140,7 +142,15 @@ class ShardRecorder:
 
     async def _add(self, identity: str, url: str) -> None:
         self._targets[identity] = url
-        self._tasks[identity] = asyncio.create_task(self._poll(identity, url))
+        task = asyncio.create_task(self._poll(identity, url))
+        self._tasks[identity] = task
+
+        def ended(_: asyncio.Task[None]) -> None:
+            # A poll that dies leaves the member's last answer to run out: say why.
+            if not task.cancelled() and task.exception() is not None:
+                self.failed[identity] = repr(task.exception())
+
+        task.add_done_callback(ended)
 
     async def _remove(self, identity: str) -> None:
         task = self._tasks.pop(identity, None)
