@@ -312,7 +312,8 @@ class Elector:
         sent = self._clock.monotonic()
         try:
             async with asyncio.timeout(remaining):
-                grant = await self._call("renew", self.lease.try_renew())
+                grant = await self._call("renew", self._ends_before_a_stop(
+                    self.lease.try_renew()))
         except TimeoutError:
             self.state.observe_call("renew", self._clock.monotonic() - sent, "timeout")
             grant = None
@@ -329,6 +330,30 @@ class Elector:
             await self._step_down("lease validity ran out before a renew succeeded",
                                   release=True)
         # Else: a failed renew with time left; the loop tries again.
+
+    async def _ends_before_a_stop(self, renew: Awaitable[Grant]) -> Grant:
+        """Await ``renew``; when the sidecar stops meanwhile (the runtime cancels this
+        task), let the renew end first, within a renew interval (at least 1 s), then go
+        on with the cancellation. A renew cut off in flight may still have committed: the
+        row (or Lease object) then carries a newer version of ours than the lease knows,
+        and the step-down's release, which names the version it knows so that it never
+        ends another term, matches nothing; nobody, this sidecar's successor included,
+        could lead until the lease ran out. Other cancellations (the renew's own
+        timeout) cut it off at once, as before."""
+        attempt = asyncio.ensure_future(renew)
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            if self._stopping and not attempt.done():
+                # TimeoutError, or the renew's own failure: the release then names the
+                # version the lease knows, as it would have anyway.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
+                        await attempt
+            attempt.cancel()  # no-op once it has ended
+            if attempt.done() and not attempt.cancelled():
+                attempt.exception()  # seen: a failure changes nothing now
+            raise
 
     async def _step_down(self, reason: str, release: bool) -> None:
         token = self.state.facts.fencing_token

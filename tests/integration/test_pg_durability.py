@@ -1,18 +1,22 @@
 """Commits the lease depends on, on real PostgreSQL servers: a crash right after a grant
-when the role commits asynchronously, and a renew that commits while a synchronous
-standby stalls and the driver gives up. Each test failed on the code before its fix
-(issue 29, holes 5 and 6); the simulator's scripted and random runs (tests/sim,
-``python -m testkit.sim``) cover the same with the server's model.
+when the role commits asynchronously, a renew that commits while a synchronous standby
+stalls and the driver gives up, and a SIGTERM that lands while such a renew waits. Each
+test failed on the code before its fix (issue 29, holes 5 and 6; the last one since); the
+simulator's scripted and random runs (tests/sim, ``python -m testkit.sim``) cover the
+first two with the server's model.
 
-Library-level: the sidecar's own backends (``create_backend``), each server a throw-away
-cluster of the test bed (``fsync = off``: a crash here is the server's processes dying,
-which loses what was never written out of the WAL buffers — what an asynchronous commit
-risks)."""
+Library-level (the sidecar's own backends, ``create_backend``) but for the SIGTERM, which
+goes to a real sidecar process; each server a throw-away cluster of the test bed
+(``fsync = off``: a crash here is the server's processes dying, which loses what was
+never written out of the WAL buffers — what an asynchronous commit risks)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +24,8 @@ from sidecar import config
 from sidecar.base.clock import SystemClock
 from sidecar.base.errors import BackendError
 from sidecar.lease import Backend, Grant, create_backend
-from testkit.testbed.postgres import TEST_ROLE, PgServer, PgStandby
+from testkit.support import SidecarProcess, wait_until
+from testkit.testbed.postgres import TEST_DB, TEST_ROLE, PgServer, PgStandby
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -137,3 +142,54 @@ async def test_a_row_renew_that_committed_during_a_standby_stall_keeps_the_term(
     finally:
         await asyncio.to_thread(standby.resume_receiving)
         await backend.close()
+
+
+@pytest.fixture
+def primary() -> Iterator[PgServer]:
+    server = PgServer().init()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+def stall_commits(server: PgServer, stalled: bool) -> None:
+    """Make every commit that wrote something wait for a synchronous standby that never
+    comes (the name of none), as a stalled one does: the commit is done on the primary,
+    its reply waits. Unstalled (no synchronous standby), the waiting commits return."""
+    names = "nobody" if stalled else ""
+    server.psql(f"alter system set synchronous_standby_names = '{names}'")
+    server.psql("select pg_reload_conf()")
+
+
+def test_a_sigterm_during_a_renew_that_waits_for_a_standby_still_hands_over(
+        primary: PgServer, tmp_path: Path) -> None:
+    """SIGTERM lands while the leader's renew waits for its synchronous standby: the
+    renew has committed on the primary (a new version of the row), its reply has not
+    come. The runtime cancelled the renew; the commit stood, and the step-down's release,
+    which names the version it last knew, matched nothing: the row stayed live, and
+    nobody could lead for a whole lease. Now the renew may end first (within a renew
+    interval), the release finds its row and records the release."""
+    leader = SidecarProcess(tmp_path, "pod-a", [
+        "--backend", "postgres-row", "--dsn", primary.dsn, "--name", "jobs",
+        "--ensure-schema", "true", "--lease-duration", "20s", "--renew-interval", "2s",
+        "--renew-deadline", "10s"]).start()
+    try:
+        wait_until(lambda: leader.leader() == 200, timeout=20)
+        stall_commits(primary, True)
+        wait_until(lambda: primary.psql(
+            "select count(*) from pg_stat_activity where wait_event = 'SyncRep'") != "0",
+            timeout=10)
+        leader.signal(signal.SIGTERM)
+        time.sleep(0.5)  # the runtime has stopped the elector, its renew still waits
+        stall_commits(primary, False)
+        assert leader.proc is not None and leader.proc.wait(20) == 0, leader.logs()
+        row = primary.psql(
+            "select metadata = 'released:' || version, expires_at <= now() "
+            "from lease.leases where lease_name = 'lease-sidecar.jobs'", dbname=TEST_DB)
+        assert row == "t|t", f"the lease was not released (recorded|expired: {row}):\n" \
+            + leader.logs()
+        assert "release failed" not in leader.logs()
+    finally:
+        stall_commits(primary, False)
+        leader.stop()
