@@ -200,7 +200,8 @@ class Elector:
             await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
             return
         sent = self._clock.monotonic()
-        grant = await self._call("acquire", self.lease.try_acquire())
+        grant = await self._call("acquire", self._ends_before_a_stop(
+            self.lease.try_acquire(), acquire=True))
         if grant is not None and grant.held:
             replied = self._clock.monotonic()
             other = await self._successor_named()
@@ -331,28 +332,33 @@ class Elector:
                                   release=True)
         # Else: a failed renew with time left; the loop tries again.
 
-    async def _ends_before_a_stop(self, renew: Awaitable[Grant]) -> Grant:
-        """Await ``renew``; when the sidecar stops meanwhile (the runtime cancels this
-        task), let the renew end first, within a renew interval (at least 1 s), then go
-        on with the cancellation. A renew cut off in flight may still have committed: the
-        row (or Lease object) then carries a newer version of ours than the lease knows,
-        and the step-down's release, which names the version it knows so that it never
-        ends another term, matches nothing; nobody, this sidecar's successor included,
-        could lead until the lease ran out. Other cancellations (the renew's own
-        timeout) cut it off at once, as before."""
-        attempt = asyncio.ensure_future(renew)
+    async def _ends_before_a_stop(self, call: Awaitable[Grant], *,
+                                  acquire: bool = False) -> Grant:
+        """Await a backend ``call`` (a renew, or with ``acquire`` an acquire); when the
+        sidecar stops meanwhile (the runtime cancels this task), let the call end first,
+        within a renew interval (at least 1 s), then go on with the cancellation. A
+        write cut off in flight may still have committed, and the lease would not know:
+        a renew's new version of the row (or Lease object) makes the step-down's
+        release, which names the version it knows so that it never ends another term,
+        match nothing; an acquire that won holds the lease for nobody. Either way nobody,
+        this sidecar's successor included, could lead until the lease ran out. Run to its
+        end, the renew's version is the lease's, and an acquire that won is given back
+        (no claim of it was handed out). Other cancellations (the renew's own timeout)
+        cut the call off at once."""
+        attempt = asyncio.ensure_future(call)
         try:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
             if self._stopping and not attempt.done():
-                # TimeoutError, or the renew's own failure: the release then names the
-                # version the lease knows, as it would have anyway.
+                # TimeoutError, or the call's own failure: the lease then knows what it
+                # would have known anyway.
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
                         await attempt
             attempt.cancel()  # no-op once it has ended
-            if attempt.done() and not attempt.cancelled():
-                attempt.exception()  # seen: a failure changes nothing now
+            if attempt.done() and not attempt.cancelled() and attempt.exception() is None \
+                    and acquire and attempt.result().held:
+                await self._give_back("stopping")
             raise
 
     async def _step_down(self, reason: str, release: bool) -> None:

@@ -519,3 +519,57 @@ async def test_a_cooperative_end_of_term_unpublishes_waits_and_releases():
     assert released and released[0] >= handed_out_until
     assert state.transitions[-1]["event"] == "released"
     assert publisher.events[-1] == ("changed", False)
+
+
+class SlowReplyLease(FakeLease):
+    """Its writes commit at once, but the reply of the ``slow`` call ("acquire" or
+    "renew") waits for ``reply``: the window in which a cancel loses a committed write.
+    Every write draws a new version of the store's row; the lease knows a version only
+    from a reply, and a release ends the row only when it names the store's version."""
+
+    def __init__(self, clock: FakeClock, slow: str) -> None:
+        super().__init__(clock)
+        self.slow = slow
+        self.reply = asyncio.Event()
+        self.stored = 0  # the store's version
+        self.known = 0  # the version this lease last heard of
+        self.released: list[bool] = []  # per release: did it name the store's version?
+
+    async def _call(self, what: str) -> Grant:
+        grant = await super()._call(what)
+        self.stored += 1
+        if what == self.slow:
+            await self.reply.wait()
+        self.known = self.stored
+        return grant
+
+    async def release(self, record: bool = False) -> None:
+        await super().release(record)
+        self.released.append(self.known == self.stored)
+
+
+@pytest.mark.parametrize("slow", ["acquire", "renew"])
+async def test_a_stop_lets_a_write_in_flight_end_so_the_release_finds_it(slow):
+    """The runtime's stop (SIGTERM) cancels the elector while a write waits for its
+    reply. Cut off, a renew that had committed left the lease naming an older version,
+    and the release matched nothing; an acquire that had won was never given back:
+    either way the lease stayed blocked for a lease duration. Now the call ends first;
+    a won acquire is given back (no claim of it went out: no record), a renewed term
+    is released with its record."""
+    clock = FakeClock()
+    lease = SlowReplyLease(clock, slow)
+    elector, state, _ = make(clock, lease)
+    task = asyncio.create_task(elector.run())
+    await until(lambda: any(what == slow for what, _ in lease.calls))
+    if slow == "renew":
+        assert state.facts.holding
+        clock.advance(FAST.claim_horizon)  # the term's claims are out
+    elector.stop()
+    task.cancel()
+    await asyncio.sleep(0.01)
+    lease.reply.set()  # well within the bound the stop waits for it (1 s)
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2.0)
+    assert lease.released == [True]
+    assert lease.records == [slow == "renew"]
+    assert not state.facts.holding
