@@ -22,7 +22,7 @@ import yaml
 from kubernetes import client, config, watch
 
 from sidecar.lease.kubernetes.record import Record
-from testkit.support import REPO, SidecarProcess, serving, unix_time, wait_until
+from testkit.support import REPO, SidecarProcess, serving, unix_time_or_none, wait_until
 from testkit.testbed.kube import ControlPlane
 
 RBAC = REPO / "deploy" / "rbac.yaml"
@@ -194,11 +194,6 @@ class Event:
     role: str | None = None  # pod: lease-role label
 
 
-def _wall(stamp: str | None) -> float | None:
-    """A Lease's MicroTime (``acquireTime``, ``renewTime``) as a wall-clock timestamp."""
-    return unix_time(stamp) if stamp else None
-
-
 @dataclass
 class Recorder:
     """Watches the Leases and Pods of one namespace as admin and keeps every event.
@@ -253,8 +248,8 @@ class Recorder:
             spec = obj.get("spec") or {}
             found.holder = spec.get("holderIdentity") or ""
             found.transitions = spec.get("leaseTransitions")
-            found.acquired = _wall(spec.get("acquireTime"))
-            found.renewed = _wall(spec.get("renewTime"))
+            found.acquired = unix_time_or_none(spec.get("acquireTime"))
+            found.renewed = unix_time_or_none(spec.get("renewTime"))
         else:
             found.role = (meta.get("labels") or {}).get("lease-role")
         with self._lock:

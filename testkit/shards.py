@@ -31,7 +31,8 @@ from typing import Any
 import aiohttp
 
 from testkit.chaos.checker import Interval, claim_time, fencing_violations, find_overlaps
-from testkit.chaos.recorder import Span, parse_time
+from testkit.chaos.recorder import Span
+from testkit.support import unix_time_or_none
 
 
 @dataclass
@@ -97,26 +98,33 @@ class ShardRecorder:
             snap = self.latest.get(identity)
             return {s for s, (_, until) in (snap.led.items() if snap else ()) if until > now}
 
+    def tokens(self, identity: str) -> dict[str, int]:
+        """Shard -> fencing token, from ``identity``'s latest answer."""
+        with self._lock:
+            snap = self.latest.get(identity)
+            return {s: token for s, (token, _) in (snap.led.items() if snap else ())}
+
     def counts(self) -> dict[str, int]:
         return {identity: len(self.led_now(identity)) for identity in list(self.latest)}
+
+    def _led(self, members: Iterable[str],
+             shards: int) -> tuple[dict[str, set[str]], int, set[str]]:
+        """Each of ``members``' shards led now, the fair share ceil(S / N), and the
+        shards led by any of them."""
+        led = {m: self.led_now(m) for m in members}
+        return led, -(-shards // len(led)), set().union(*led.values())
 
     def settled(self, members: Iterable[str], shards: int) -> bool:
         """Every shard led by exactly one of ``members``, each leading at most
         ceil(S / N): a balanced spread, as the members' latest answers show it."""
-        alive = list(members)
-        led = [self.led_now(m) for m in alive]
-        cap = -(-shards // len(alive))
-        union: set[str] = set().union(*led) if led else set()
-        return (len(union) == shards and sum(map(len, led)) == shards
-                and all(len(x) <= cap for x in led))
+        led, cap, union = self._led(members, shards)
+        return (len(union) == shards and sum(map(len, led.values())) == shards
+                and all(len(held) <= cap for held in led.values()))
 
     def spread(self, members: Iterable[str], shards: int) -> str:
         """Why the members are not :meth:`settled`, as their latest answers show it:
         shards led per member, over the fair share, led by nobody or by two."""
-        alive = list(members)
-        led = {m: self.led_now(m) for m in alive}
-        cap = -(-shards // len(alive))
-        union: set[str] = set().union(*led.values()) if led else set()
+        led, cap, union = self._led(members, shards)
         twice = sum(map(len, led.values())) - len(union)
         over = [m for m, held in led.items() if len(held) > cap]
         counts = {m: len(held) for m, held in led.items()}
@@ -177,7 +185,7 @@ class ShardRecorder:
         snap = Snapshot(sent, members=body.get("members", 0),
                         assigned=len(body.get("assigned", [])))
         for entry in body.get("shards", []):
-            until = parse_time(entry["valid_until"])
+            until = unix_time_or_none(entry["valid_until"])
             if until is None:
                 continue
             start = max(sent, until - self.horizon)

@@ -38,6 +38,12 @@ def unix_time(stamp: str) -> float:
     return dt.datetime.fromisoformat(stamp).timestamp()
 
 
+def unix_time_or_none(stamp: str | None) -> float | None:
+    """:func:`unix_time` of a time that may be missing or empty (a Lease's
+    ``acquireTime``, an answer's ``valid_until`` while nobody leads): None then."""
+    return unix_time(stamp) if stamp else None
+
+
 def get_json(url: str, timeout: float = 2.0,
              headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
     """GET ``url``; (status, parsed JSON or text, headers). Status 0 when unreachable."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import aiohttp
 
-from testkit.support import unix_time
+from testkit.support import unix_time_or_none
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,6 @@ class SampleStats:
         if self._last is not None:
             self.periods.append(now - self._last)
         self._last = now if answered else None
-
-
-def parse_time(text: str | None) -> float | None:
-    if not text:
-        return None
-    return unix_time(text)
 
 
 class Recorder:
@@ -137,7 +131,7 @@ class Recorder:
 
     # -- sampling ----------------------------------------------------------------------
     def _record(self, identity: str, body: dict, start: float, source: str) -> None:
-        end = parse_time(body.get("valid_until"))
+        end = unix_time_or_none(body.get("valid_until"))
         if end is None:
             self.anomalies.append(f"{source} claim of {identity} without valid_until")
             return

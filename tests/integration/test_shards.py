@@ -182,12 +182,6 @@ def counted(store: Store) -> Iterator[tuple[Store, Callable[[], int]]]:
         yield Store(proxied), lambda: proxy.round_trips
 
 
-def tokens(recorder: ShardRecorder, member: str) -> dict[str, int]:
-    """Shard -> fencing token, from ``member``'s latest answer."""
-    snap = recorder.latest[member]
-    return {shard: token for shard, (token, _) in snap.led.items()}
-
-
 def test_one_round_trip_a_renew_interval_renews_every_shard(
         tmp_path: Path, database: Store) -> None:
     """One member holding 64 shards: about two round trips per renew interval reach the
@@ -198,7 +192,7 @@ def test_one_round_trip_a_renew_interval_renews_every_shard(
             ShardRecorder({"solo": proc.url}, HORIZON) as recorder:
         wait_until(lambda: recorder.settled(["solo"], 64), timeout=30)
         time.sleep(2 * store.renew_interval)  # the first claims' acquires are behind us
-        first_tokens = tokens(recorder, "solo")
+        first_tokens = recorder.tokens("solo")
         before, started = count(), time.monotonic()
         time.sleep(6.0)
         seen = count() - before
@@ -208,7 +202,7 @@ def test_one_round_trip_a_renew_interval_renews_every_shard(
         # one instant's claims: with a 100 ms claim horizon, one late poll of the
         # recorder on a loaded machine shows the claims as run out.
         wait_until(lambda: recorder.settled(["solo"], 64), timeout=5)
-        assert tokens(recorder, "solo") == first_tokens
+        assert recorder.tokens("solo") == first_tokens
         metrics = get_json(proc.url + "/metrics")[1]
     # 20 renew intervals: about 20 round trips (±5 % period) and 20 renews of ``work``
     # (±10 %), where 64 shards renewed one by one would take 65 a renew interval.
