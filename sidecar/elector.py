@@ -200,8 +200,7 @@ class Elector:
             await self._sleep_or_wake(self._retry_delay(), watch_lease=False)
             return
         sent = self._clock.monotonic()
-        grant = await self._call("acquire", self._ends_before_a_stop(
-            self.lease.try_acquire(), acquire=True))
+        grant = await self._call("acquire", self.lease.try_acquire())
         if grant is not None and grant.held:
             replied = self._clock.monotonic()
             other = await self._successor_named()
@@ -313,8 +312,7 @@ class Elector:
         sent = self._clock.monotonic()
         try:
             async with asyncio.timeout(remaining):
-                grant = await self._call("renew", self._ends_before_a_stop(
-                    self.lease.try_renew()))
+                grant = await self._call("renew", self.lease.try_renew())
         except TimeoutError:
             self.state.observe_call("renew", self._clock.monotonic() - sent, "timeout")
             grant = None
@@ -331,35 +329,6 @@ class Elector:
             await self._step_down("lease validity ran out before a renew succeeded",
                                   release=True)
         # Else: a failed renew with time left; the loop tries again.
-
-    async def _ends_before_a_stop(self, call: Awaitable[Grant], *,
-                                  acquire: bool = False) -> Grant:
-        """Await a backend ``call`` (a renew, or with ``acquire`` an acquire); when the
-        sidecar stops meanwhile (the runtime cancels this task), let the call end first,
-        within a renew interval (at least 1 s), then go on with the cancellation. A
-        write cut off in flight may still have committed, and the lease would not know:
-        a renew's new version of the row (or Lease object) makes the step-down's
-        release, which names the version it knows so that it never ends another term,
-        match nothing; an acquire that won holds the lease for nobody. Either way nobody,
-        this sidecar's successor included, could lead until the lease ran out. Run to its
-        end, the renew's version is the lease's, and an acquire that won is given back
-        (no claim of it was handed out). Other cancellations (the renew's own timeout)
-        cut the call off at once."""
-        attempt = asyncio.ensure_future(call)
-        try:
-            return await asyncio.shield(attempt)
-        except asyncio.CancelledError:
-            if self._stopping and not attempt.done():
-                # TimeoutError, or the call's own failure: the lease then knows what it
-                # would have known anyway.
-                with contextlib.suppress(Exception):
-                    async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
-                        await attempt
-            attempt.cancel()  # no-op once it has ended
-            if attempt.done() and not attempt.cancelled() and attempt.exception() is None \
-                    and acquire and attempt.result().held:
-                await self._give_back("stopping")
-            raise
 
     async def _step_down(self, reason: str, release: bool) -> None:
         token = self.state.facts.fencing_token
@@ -467,14 +436,37 @@ class Elector:
                     "error": str(exc) or type(exc).__name__})
 
     async def _call(self, what: str, call: Awaitable[Grant]) -> Grant | None:
-        """Run a backend call; map failures to ``None`` and log reachability changes.
+        """Run a backend call (``what``: "acquire" or "renew"); map failures to ``None``
+        and log reachability changes.
 
         Each call that ends is timed into the state for the metrics (``sidecar.base.stats``).
+
+        When the sidecar stops meanwhile (the runtime cancels this task), the call ends
+        first, within a renew interval (at least 1 s), before the cancellation goes on.
+        A write cut off in flight may still have committed, and the lease would not
+        know: a renew's new version of the row (or Lease object) makes the step-down's
+        release, which names the version it knows so that it never ends another term,
+        match nothing; an acquire that won holds the lease for nobody. Either way nobody,
+        this sidecar's successor included, could lead until the lease ran out. Run to its
+        end, the renew's version is the lease's, and an acquire that won is given back
+        (no claim of it was handed out). Other cancellations (the renew's own timeout)
+        cut the call off at once.
         """
         started = self._clock.monotonic()
+        attempt = asyncio.ensure_future(call)
         try:
-            result = await call
+            result = await asyncio.shield(attempt)
         except asyncio.CancelledError:
+            if self._stopping and not attempt.done():
+                # A timeout, or the call's own failure: the lease then knows what it
+                # would have known anyway.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
+                        await attempt
+            attempt.cancel()  # no-op once it has ended
+            if attempt.done() and not attempt.cancelled() and attempt.exception() is None \
+                    and what == "acquire" and attempt.result().held:
+                await self._give_back("stopping")
             raise
         except Exception as exc:
             self._failed(what, started, exc)
