@@ -463,8 +463,11 @@ class Elector:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
                         await attempt
+            # Cut off, the call unwinds before we go on, as it did when awaited
+            # directly: a release must not overtake the renew it follows.
             attempt.cancel()  # no-op once it has ended
-            if attempt.done() and not attempt.cancelled() and attempt.exception() is None \
+            await asyncio.wait([attempt])
+            if not attempt.cancelled() and attempt.exception() is None \
                     and what == "acquire" and attempt.result().held:
                 await self._give_back("stopping")
             raise
