@@ -54,6 +54,13 @@ COUNTER_LIMIT = 1 << COUNTER_BITS
 # current write position. Fails on a standby (recovery in progress), where no lease may
 # be granted anyway.
 TIMELINE = "('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8"
+# When the server's postmaster started, in microseconds since the epoch. An era read from
+# the table holds for the server it was read on, and a timeline alone does not name that
+# server: a pg_upgrade starts timelines over, so a store that last read the era on
+# timeline 1 before a failover (2) and an upgrade (1 again) saw "its" timeline and drew
+# tokens below those handed out on timeline 2. Every restart, promotion and upgrade
+# starts a new postmaster.
+SERVER_START = "(extract(epoch FROM pg_postmaster_start_time()) * 1000000)::int8"
 # The latest checkpoint's timeline and age by the server's clock. checkpoint_time is
 # stored in whole seconds (rounded down), hence the extra second in checkpoint_age.
 CHECKPOINT = ("select timeline_id::int8, "
@@ -89,20 +96,22 @@ def era_ddl(schema: str, create_schema: bool = True) -> str:
 
 
 def era_sql(schema: str) -> str:
-    """``(timeline, base)``: the server's timeline and the era's base, recording this
-    timeline's era (see the module doc), durably. The row is written every time, so that
+    """``(timeline, base, server start)``: the server's timeline and the era's base,
+    recording this timeline's era (see the module doc), durably, and the server's
+    :data:`SERVER_START`, which the era holds for. The row is written every time, so that
     sidecars starting together after an upgrade wait for one another's write and each
     computes the base from the row as the last one left it (not from a snapshot older
-    than that write). Once per session (the advisory lock) or per connection of a row
-    lease store: rare."""
+    than that write). Once per session (the advisory lock) or per server a row lease
+    store writes to: rare."""
     table = f'"{schema}"."{ERA_TABLE}"'
     lower = "cur.t + e.base < e.highest"
-    return (f"WITH cur AS (SELECT {TIMELINE} AS t, {durable_commit(transaction=True)} AS d) "
+    return (f"WITH cur AS (SELECT {TIMELINE} AS t, {SERVER_START} AS s, "
+            f"{durable_commit(transaction=True)} AS d) "
             f"UPDATE {table} e SET "
             f"base = CASE WHEN {lower} THEN e.highest ELSE e.base END, "
             f"highest = greatest(e.highest, cur.t + CASE WHEN {lower} THEN e.highest "
             "ELSE e.base END) "
-            "FROM cur WHERE e.id = 1 RETURNING cur.t, e.base")
+            "FROM cur WHERE e.id = 1 RETURNING cur.t, e.base, cur.s")
 
 
 def durable_commit(transaction: bool) -> str:

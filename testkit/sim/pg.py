@@ -694,18 +694,25 @@ def _era(server: Server, session: Session, sql: str, args: tuple[Any, ...],
     new_base = highest if t + base < highest else base
     era["highest"] = max(highest, t + new_base)
     era["base"] = new_base
-    server.commit(session, answer, [(t, new_base)], _durable(session, sql, transaction=True))
+    server.commit(session, answer, [(t, new_base, _started_us(server))],
+                  _durable(session, sql, transaction=True))
+
+
+def _started_us(server: Server) -> int:
+    """pg_timeline.SERVER_START: the postmaster's start, in microseconds."""
+    return round(server.started * 1_000_000)
 
 
 # -- the row lease (sidecar.lease.sql.dialect.PostgresDialect) -------------------------
 def _version(server: Server, values: dict[str, Any]) -> int:
     """A row version as the dialect's expression draws it: the era's base and the
-    timeline it was read on come with the statement (``era_tl`` -1: no era table)."""
+    timeline and server it was read on come with the statement (``era_tl`` -1: no era
+    table)."""
     counter = server.nextval()
     base = 0
     if "era_tl" in values:
         tl, base = int(values["era_tl"]), int(values["era_base"])
-        if tl >= 0 and tl != server.timeline:
+        if tl >= 0 and (tl != server.timeline or int(values["era_start"]) != _started_us(server)):
             raise pgerr.NotNullViolationError('null value in column "version" violates '
                                               'not-null constraint')
     version = pg_timeline.token(server.timeline, counter, base)

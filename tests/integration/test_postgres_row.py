@@ -46,7 +46,7 @@ def settings_for(dsn: str, identity: str = "a", **extra: str):
 
 
 # The statements' token-era parameters when no era table is read: the era is the timeline.
-NO_ERA = {"era_tl": -1, "era_base": 0}
+NO_ERA = {"era_tl": -1, "era_base": 0, "era_start": 0}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -190,3 +190,44 @@ def test_a_shard_whose_release_outlasts_its_bound_is_taken_by_its_next_member() 
     no longer reaches the case (the random runs still look for it)."""
     result = Run("postgres", 1013, 2000, SETUPS["postgres"]).execute()
     assert result.verdict.violations == [] and result.errors == []
+
+
+def test_an_era_read_before_a_failover_and_an_upgrade_is_read_again() -> None:
+    """postgres-row: a store reads the token era once and keeps it until a write on
+    another timeline fails. A standby read it on timeline 1 and wrote nothing while the
+    primary failed over (timeline 2, where another term of the lease began) and was then
+    upgraded (pg_upgrade: timeline 1 again). Its era, checked by the timeline alone,
+    still passed: its term drew a token below the term's on timeline 2. Found by the
+    random runs (seed 2003 of postgres-row); the era now also names the server it was
+    read on (its start)."""
+    sim = run("postgres-row")
+    cluster = sim.setup.models["cluster"]
+    led: list[bool] = []
+
+    def leads(process: SimSidecar) -> bool:  # the lease (a shard set may come beside it)
+        return bool(process.states) and process.states[0].facts.leads_at(
+            process.clock.monotonic())
+
+    async def script(sim: Run) -> None:
+        await sim.until(lambda: any(leads(p) for p in sim.live.values()), 10)
+        leader = next(p for p in sim.live.values() if leads(p))
+        standby, other = [p for p in sim.live.values() if p is not leader]
+        await asyncio.sleep(3.0)  # the standby has tried to acquire: it read the era
+        standby.app_ready = False  # from now on it writes nothing
+        await asyncio.sleep(3.0)
+        cluster.failover(1.0)
+        await asyncio.sleep(5.0)
+        leader.stop()  # a term that begins on timeline 2
+        await sim.until(lambda: leads(other), 30)
+        other.stop()
+        await asyncio.sleep(3.0)
+        cluster.pg_upgrade(1.0)
+        await asyncio.sleep(3.0)
+        standby.app_ready = True
+        await sim.until(lambda: leads(standby), 60)
+        await asyncio.sleep(2.0)  # its application takes claims (the checker judges them)
+        led.append(leads(standby))
+
+    result = sim.execute(script)
+    assert result.verdict.violations == [] and result.errors == []
+    assert led == [True]

@@ -76,8 +76,9 @@ class Dialect:
     list_all: Statement
     # The latest checkpoint's (timeline, age in seconds), where versions carry a timeline.
     checkpoint: Statement | None = None
-    # (timeline, base) of the token's era (sidecar.lease.pg_timeline), where versions
-    # carry one; its parameters ``era_tl`` and ``era_base`` then go with every write.
+    # (timeline, base, server start) of the token's era (sidecar.lease.pg_timeline), where
+    # versions carry one; its parameters ``era_tl``, ``era_base`` and ``era_start`` then go
+    # with every write.
     era: Statement | None = None
     # A shard group's round trip (sidecar.lease.rowgroup: every held row renewed as
     # ``renew`` renews one, the member row written or dropped, the live members read;
@@ -128,16 +129,19 @@ class PostgresDialect(Dialect):
         # transaction, which is made to flush before its reply (pg_timeline's
         # DURABLE_COMMIT: a lost takeover would bring the previous term's row back, and
         # a lost sequence value come again).
-        # The era (pg_timeline): the timeline plus the era's base, read by the store when
-        # it connects (``era``); NULL — the write fails and the store reads the era again
-        # — when the server's timeline is no longer the one it was read on. ``era_tl``
-        # -1: no era table, the timeline is the era.
+        # The era (pg_timeline): the timeline plus the era's base, read by the store
+        # (``era``); NULL — the write fails and the store reads the era again — when the
+        # server is no longer the one it was read on: another timeline, or the same one
+        # on a server started since (pg_timeline.SERVER_START: a pg_upgrade starts
+        # timelines over). ``era_tl`` -1: no era table, the timeline is the era.
         era = "t + CAST(:era_base AS int8)"
-        version = (f"(SELECT CASE WHEN (CAST(:era_tl AS int8) < 0 OR t = CAST(:era_tl AS int8)) "
+        version = (f"(SELECT CASE WHEN (CAST(:era_tl AS int8) < 0 OR (t = CAST(:era_tl AS int8) "
+                   "AND s = CAST(:era_start AS int8))) "
                    f"AND {era} BETWEEN 1 AND {pg_timeline.TIMELINE_LIMIT - 1} "
                    f"AND c < {pg_timeline.COUNTER_LIMIT} THEN (({era}) << "
                    f"{pg_timeline.COUNTER_BITS}) + c END "
-                   f"FROM (SELECT {pg_timeline.TIMELINE} AS t, nextval('{seq}') AS c, "
+                   f"FROM (SELECT {pg_timeline.TIMELINE} AS t, {pg_timeline.SERVER_START} AS s, "
+                   f"nextval('{seq}') AS c, "
                    f"{pg_timeline.durable_commit(transaction=True)} AS d) v)")
         # ``metadata`` (a column of the design's table) holds the release record:
         # ``released:<version>`` once a holder released that term after its claims ran

@@ -73,7 +73,7 @@ class SqlRowStore:
         self._timelines = Timelines()
         # The token era's (timeline, base) as last read (pg_timeline; dialects with an
         # ``era`` only); None: read it before the next write.
-        self._era: tuple[int, int] | None = None
+        self._era: tuple[int, int, int] | None = None
         self._era_missing_logged = False
 
     async def _one(self, statement: Statement, params: Mapping[str, object]) -> Row | None:
@@ -121,16 +121,17 @@ class SqlRowStore:
             era = await self._token_era()
             try:
                 return await self.driver.fetch(statement, {
-                    **params, "era_tl": era[0], "era_base": era[1]})
+                    **params, "era_tl": era[0], "era_base": era[1], "era_start": era[2]})
             except BackendError as exc:
                 if attempt == 2 or not _null_version(exc):
                     raise
                 self._era = None
         raise AssertionError("unreachable")
 
-    async def _token_era(self) -> tuple[int, int]:
-        """(timeline, base) of the token era (:func:`sidecar.lease.pg_timeline.era_sql`);
-        (-1, 0) where the era table is missing: the era is the timeline, as before it."""
+    async def _token_era(self) -> tuple[int, int, int]:
+        """(timeline, base, server start) of the token era
+        (:func:`sidecar.lease.pg_timeline.era_sql`); (-1, 0, 0) where the era table is
+        missing: the era is the timeline, as before it."""
         if self._era is not None:
             return self._era
         assert self.dialect.era is not None
@@ -145,7 +146,7 @@ class SqlRowStore:
                                 "schema": self.dialect.schema,
                                 "table": pg_timeline.ERA_TABLE})
             rows = []
-        self._era = (int(rows[0][0]), int(rows[0][1])) if rows else (-1, 0)
+        self._era = (int(rows[0][0]), int(rows[0][1]), int(rows[0][2])) if rows else (-1, 0, 0)
         return self._era
 
     async def _claim_delay(self, timeline: int, duration: float) -> float:
