@@ -573,3 +573,27 @@ async def test_a_stop_lets_a_write_in_flight_end_so_the_release_finds_it(slow):
     assert lease.released == [True]
     assert lease.records == [slow == "renew"]
     assert not state.facts.holding
+
+
+async def test_a_renew_cut_off_by_its_timeout_unwinds_before_the_elector_goes_on():
+    """A renew that outlives the term's validity is cut off; the elector goes on (to a
+    step-down and its release) only once the renew has unwound, as a direct await did:
+    a release must not overtake the renew it follows, and the renew's late failure is
+    seen, not left in a task nobody awaits."""
+    clock = FakeClock()
+    lease = FakeLease(clock, valid_for=0.3)
+    elector, _, _ = await claiming(clock, lease)
+    unwound: list[bool] = []
+
+    async def hangs() -> Grant:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)  # a driver's clean-up: a cancel request, a reset
+            unwound.append(True)
+            raise
+        raise AssertionError("unreachable")
+
+    lease.try_renew = hangs  # type: ignore[method-assign]  # a renew that hangs
+    await asyncio.wait_for(elector._renew_now(), 2.0)  # cut off after the 0.25 s left
+    assert unwound == [True]
