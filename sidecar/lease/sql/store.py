@@ -71,8 +71,8 @@ class SqlRowStore:
         self._acquired: dict[str, float] = {}
         # Server timelines this process has seen in its versions (PostgreSQL).
         self._timelines = Timelines()
-        # The token era's (timeline, base) as last read (pg_timeline; dialects with an
-        # ``era`` only); None: read it before the next write.
+        # The token era's (timeline, base, server start) as last read (pg_timeline;
+        # dialects with an ``era`` only); None: read it before the next write.
         self._era: tuple[int, int, int] | None = None
         self._era_missing_logged = False
 
