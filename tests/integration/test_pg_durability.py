@@ -26,6 +26,7 @@ from sidecar.base.errors import BackendError
 from sidecar.lease import Backend, Grant, create_backend
 from testkit.support import SidecarProcess, wait_until
 from testkit.testbed.postgres import TEST_DB, TEST_ROLE, PgServer, PgStandby
+from tests.testbed.pg_fixtures import serve
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -146,11 +147,7 @@ async def test_a_row_renew_that_committed_during_a_standby_stall_keeps_the_term(
 
 @pytest.fixture
 def primary() -> Iterator[PgServer]:
-    server = PgServer().init()
-    try:
-        yield server
-    finally:
-        server.destroy()
+    yield from serve(PgServer(), "postgres test bed: a throw-away primary")
 
 
 def stall_commits(server: PgServer, stalled: bool) -> None:
