@@ -622,6 +622,24 @@ def _lock(wait: bool) -> Handler:
     return run
 
 
+def _lock_many(server: Server, session: Session, sql: str, args: tuple[Any, ...],
+               answer: Reply) -> None:
+    """adv.try_lock_many_sql: every free key of $1 at once, one counter after them all."""
+    keys, _, marker = args
+    ours = _ours(session, marker)
+    held = {lock for lock, grants in session.locks.items() if grants > 0}
+    already = [key for key in keys if key in held]
+    got = [key for key in keys if ours and key not in held and server.try_lock(session, key)]
+    poison = _poison(session, ours)
+    uptime = server.world.now() - server.started
+    if got:
+        counter = server.xid()  # drawn after every grant; the WAL message commits it
+        server.commit(session, answer, [(ours, already, got, counter, server.timeline,
+                                         uptime, "0/0", poison)])
+        return
+    answer([(ours, already, got, None, server.timeline, uptime, None, poison)], None)
+
+
 def _holds(server: Server, session: Session, sql: str, args: tuple[Any, ...],
            answer: Reply) -> None:
     classid, objid, marker = args
@@ -861,7 +879,8 @@ def _handlers() -> dict[str, Handler]:
         adv.APPLY: _apply, pg_session.SET_SESSION: _set_session,
         pg_session.ROLE_VALUES: _role_values, "SELECT pg_backend_pid()": _backend_pid,
         adv.PROBE: _probe, adv.try_lock_sql(VERSION_NUM): _lock(wait=False),
-        adv.wait_lock_sql(VERSION_NUM): _lock(wait=True), adv.HOLDS: _holds,
+        adv.wait_lock_sql(VERSION_NUM): _lock(wait=True),
+        adv.try_lock_many_sql(VERSION_NUM): _lock_many, adv.HOLDS: _holds,
         adv.UNLOCK: _unlock, adv.HOLDER: _holder, pg_timeline.CHECKPOINT: _checkpoint,
         adv_hint.HINTS: _hints, adv_hint.NAME_AND_CLEAR: _name_and_clear,
         "select set_config('application_name', $1, false)": _set_name,

@@ -16,6 +16,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from sidecar.base.clock import SystemClock
+from sidecar.lease.postgres_advisory.group import AdvisoryShardGroup
 from sidecar.lease.postgres_advisory.sql import lock_id
 from sidecar.settings import StoreSettings
 from testkit.support import (
@@ -36,6 +38,7 @@ from tests.integration.advisory_support import (
     RENEW,
     advisory,
     lock_holders,
+    settings,
 )
 
 pytestmark = pytest.mark.postgres
@@ -317,3 +320,37 @@ def test_frozen_holder_loses_the_lock_after_idle_session_timeout(
         time.sleep(0.5)
         assert one_leader(trio) is successor
     assert not recorder.overlaps()
+
+
+async def test_a_shard_member_takes_many_free_shards_in_one_lock_statement(
+        pg: PgServer, pg_dsn: str) -> None:
+    """A shard group's acquires that wait for the session together go in one statement
+    (one round trip, one durable commit): every free shard granted with one token, larger
+    than any earlier holder's; a shard another session holds stays with it."""
+    group = AdvisoryShardGroup(settings(pg_dsn, "member-a"), SystemClock(), "work")
+    leases = [group.lease(f"work-{i}") for i in range(20)]
+    other = await asyncpg.connect(pg_dsn)
+    try:
+        # Another session holds work-7, and drew a counter before us.
+        assert await other.fetchval("select pg_try_advisory_lock($1)", leases[7].lock_id)
+        earlier = await other.fetchval("select pg_current_xact_id()::text::int8")
+        async with group._busy:  # the heartbeat, say, has the session
+            attempts = [asyncio.ensure_future(lease.try_acquire()) for lease in leases]
+            await asyncio.sleep(0.05)
+        grants = await asyncio.gather(*attempts)
+        held = [i for i, grant in enumerate(grants) if grant.held]
+        assert held == [i for i in range(20) if i != 7], [g.reason for g in grants]
+        assert "held by another session" in grants[7].reason
+        tokens = {grants[i].fencing_token for i in held}
+        assert len(tokens) == 1, tokens  # one statement drew one counter for them all
+        (fencing_token,) = tokens
+        assert fencing_token is not None and fencing_token % 2**42 > earlier
+        pids = await other.fetch(
+            "select pid, (classid::int8 << 32) | objid::int8 as k from pg_locks "
+            "where locktype = 'advisory' and granted and objsubid = 1")
+        by_key = {row["k"]: row["pid"] for row in pids}
+        mine = {by_key[leases[i].lock_id] for i in held}
+        assert len(mine) == 1 and mine != {await other.fetchval("select pg_backend_pid()")}
+    finally:
+        await other.close()
+        await group.close()

@@ -11,6 +11,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
+
 from sidecar.lease.postgres_advisory.group import UNLOCK, AdvisoryShardGroup
 from sidecar.lease.postgres_advisory.session import Session
 from sidecar.settings import Settings, StoreSettings, Timing
@@ -48,12 +50,14 @@ class HeldReplyConnection:
             return True, True, None
         if "pg_control_checkpoint" in sql:
             return 1, 3600.0
-        self.statements.append("lock")
-        already = args[0] in self.held
-        self.held.add(args[0])  # granted in the server before any reply
+        keys = args[0]
+        self.statements.append("lock" if len(keys) == 1 else f"lock {len(keys)}")
+        already = [key for key in keys if key in self.held]
+        got = [key for key in keys if key not in self.held]
+        self.held.update(got)  # granted in the server before any reply
         await self.reply.wait()
-        # ours, already held, counter, timeline, uptime, -, -
-        return True, already, 7, 1, 3600.0, None, None
+        # ours, already held, granted, counter, timeline, uptime, -, -
+        return True, already, got, 7, 1, 3600.0, None, None
 
 
 def group_on(conn: HeldReplyConnection) -> AdvisoryShardGroup:
@@ -144,3 +148,48 @@ async def test_a_release_wakes_the_standby_of_its_own_shard_only() -> None:
     # through.
     group._notified(None, 1, "channel", str(other.lock_id))
     await asyncio.wait_for(other.wait_for_change(30.0), 1.0)
+
+
+async def test_acquires_asked_together_share_one_lock_statement() -> None:
+    """Members that leave together free dozens of shards for each member that stays. One
+    lock statement (a round trip and a durable commit) per shard on the one session made
+    the last shard wait for every other's commit: the acquires waiting for their turn now
+    go in one statement, and one it no longer waits for is not sent."""
+    conn = HeldReplyConnection()
+    conn.reply.set()
+    group = group_on(conn)
+    leases = [group.lease(f"work-{i}") for i in range(5)]
+    async with group._busy:  # the heartbeat, say, has the session
+        attempts = [asyncio.create_task(lease.try_acquire()) for lease in leases]
+        await asyncio.sleep(0)
+        attempts[2].cancel()
+        await asyncio.sleep(0)
+    grants = await asyncio.gather(*attempts[:2], *attempts[3:])
+    assert attempts[2].cancelled()
+    while group.releasing:
+        await asyncio.sleep(0)
+    assert conn.statements == ["lock 4"]
+    assert all(grant.held for grant in grants)
+    assert {grant.fencing_token for grant in grants} == {grants[0].fencing_token}
+    assert leases[2].lock_id not in conn.held
+    assert conn.held == {lease.lock_id for lease in leases} - {leases[2].lock_id}
+
+
+async def test_a_failed_lock_statement_fails_every_acquire_it_carried() -> None:
+    class Failing(HeldReplyConnection):
+        async def fetchrow(self, sql: str, *args: Any) -> Any:
+            self.statements.append("lock")
+            raise asyncpg.PostgresConnectionError("connection lost")
+
+        def terminate(self) -> None:
+            self.statements.append("terminate")
+
+    conn = Failing()
+    group = group_on(conn)
+    async with group._busy:
+        attempts = [asyncio.create_task(group.lease(f"work-{i}").try_acquire())
+                    for i in range(3)]
+        await asyncio.sleep(0)
+    results = await asyncio.gather(*attempts, return_exceptions=True)
+    assert [type(r).__name__ for r in results] == ["BackendError"] * 3, results
+    assert conn.statements == ["lock", "terminate"]

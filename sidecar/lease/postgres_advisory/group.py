@@ -12,7 +12,9 @@ holds the lock, and is valid for the renew deadline from its send time. What dif
 - One session, not one per shard: a member holding 256 shards keeps one connection, and
   one heartbeat statement a renew interval reads every lock the session holds
   (``pg_locks``): the renew of every shard at once (:mod:`sidecar.lease.beats`). The
-  statements of the group take turns on the session.
+  statements of the group take turns on the session, and the acquires that wait for it
+  together go in one lock statement (one round trip, one durable commit, one token for
+  every shard it wins: :func:`~.sql.try_lock_many_sql`).
 - The session's ``application_name`` is the member record: ``lease-shards <group> <id>``
   while the member is one (visible to every role in ``pg_stat_activity``, as the lock
   holder's name is); the live members are the sessions showing the group's prefix. A
@@ -38,6 +40,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -57,9 +60,8 @@ from sidecar.lease.postgres_advisory.session import (
 )
 from sidecar.lease.postgres_advisory.sql import (
     MARKER_SETTING,
-    lock_halves,
     lock_id,
-    try_lock_sql,
+    try_lock_many_sql,
 )
 from sidecar.settings import Settings
 
@@ -130,6 +132,7 @@ class AdvisoryShardGroup(BeatingGroup):
         # taking 1,024 free shards queued 1,024 durable lock statements ahead of it, and
         # every shard's renew ran out.
         self._acquires = asyncio.Lock()
+        self._asks: list[_Ask] = []  # acquires waiting for the next lock statement
         # Per lock id (the NOTIFY's payload): a release wakes the standby of its own shard
         # only. Waking every standby of the member made each send a lock statement, and
         # the one that could win queued behind the rest (hundreds of ms per move).
@@ -249,12 +252,12 @@ class AdvisoryShardGroup(BeatingGroup):
         dropped the session and every shard with it, over and over in a busy group
         of 1,024 shards. An abandoned attempt gives a grant back at once instead, still
         in its turn on the session, so no later attempt sees the lock counted."""
-        abandoned = asyncio.Event()
-        attempt = asyncio.ensure_future(self._take(lease, abandoned))
+        ask = _Ask(lease, asyncio.Event(), asyncio.get_running_loop().create_future())
+        attempt = asyncio.ensure_future(self._take(ask))
         try:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
-            abandoned.set()
+            ask.abandoned.set()
             self.releasing.add(attempt)
             attempt.add_done_callback(self._abandoned_done)
             raise
@@ -265,57 +268,104 @@ class AdvisoryShardGroup(BeatingGroup):
             log.warning("an abandoned shard acquire failed; the session dropped",
                         extra={"error": str(error)})
 
-    async def _take(self, lease: SharedLease, abandoned: asyncio.Event) -> Grant:
-        async with self._acquires, self._busy:
-            if abandoned.is_set():
-                return Grant(held=False, reason="the acquire's caller stopped waiting")
-            session = await self.session()
-            conn = session.conn
-            # The grant proves the lock from the statement's send, not from the caller's
-            # ask: the turn it waited for (behind the other shards' acquires) does not
-            # shorten its validity. ``_tried`` is read after the elector's own send time.
-            queued = max(0.0, self._clock.monotonic() - lease._tried)
-            try:
-                ours, already, counter, timeline, uptime, _, _ = await conn.fetchrow(
-                    try_lock_sql(version_num(conn)), lease.lock_id,
-                    f"{self._identity} acquired {lease.name}", session.marker,
-                    *lock_halves(lease.lock_id))
-            except DB_ERRORS as exc:
-                self.drop()  # granted or not: a dropped session holds nothing
-                raise self._db.error("acquire", exc) from None
-            replied = self._clock.monotonic()
-            self._timelines.saw(int(timeline), replied)
-            if not ours:
-                self._refuse("a lock statement ran on a server session without this "
-                             "connection's marker")
-                return Grant(held=False, reason=self._refusal or PROXY)
-            if already:
-                # Our session holds a lock we do not count (a release that failed
-                # half-way): its state is uncertain, and only ending the session frees it.
-                log.warning("the shard group's session held a lock unknown to it; "
-                            "reconnecting to free it (every shard of the group goes)",
-                            extra={"lease": lease.name, "lock_id": lease.lock_id})
-                self.drop()
-                return Grant(held=False, reason="the session held the lock unknown to us")
-            if counter is None:
-                return Grant(held=False, reason="held by another session")
-            fencing_token = token(int(timeline), int(counter), session.era_base)
-            if fencing_token is None:
-                await self._unlock(session, lease)
-                log.error(OUT_OF_RANGE, extra={"lease": lease.name, "timeline": timeline})
-                return Grant(held=False, reason=OUT_OF_RANGE)
+    async def _take(self, ask: _Ask) -> Grant:
+        """Wait for the acquires' turn; whoever gets it first sends every acquire asked
+        for meanwhile in one statement (:func:`~.sql.try_lock_many_sql`), so a burst of
+        them costs one round trip and one durable commit, not one each."""
+        self._asks.append(ask)
+        async with self._acquires:
+            if not ask.answer.done():
+                asks: list[_Ask] = []
+                try:
+                    async with self._busy:  # every acquire asked for until the session is ours
+                        asks, self._asks = self._asks, []
+                        await self._take_all(asks)
+                except Exception as exc:  # every ask of the statement sees it
+                    for each in asks:
+                        if not each.answer.done():
+                            each.answer.set_exception(exc)
+                finally:  # cancelled (the loop ends): the others are too
+                    for each in asks:
+                        each.answer.cancel()
+        return ask.answer.result()
+
+    async def _take_all(self, asks: list[_Ask]) -> None:
+        """One lock statement for ``asks`` (the caller holds ``_busy``); answers each."""
+        live: dict[int, _Ask] = {}
+        for ask in asks:
+            if ask.abandoned.is_set():
+                ask.answer.set_result(Grant(held=False,
+                                            reason="the acquire's caller stopped waiting"))
+            elif ask.lease.lock_id in live:  # not seen: one elector per shard at a time
+                ask.answer.set_result(Grant(held=False,
+                                            reason="another acquire of the shard is in flight"))
+            else:
+                live[ask.lease.lock_id] = ask
+        if not live:
+            return
+        session = await self.session()
+        conn = session.conn
+        sent = self._clock.monotonic()
+        first = next(iter(live.values())).lease.name
+        try:
+            ours, already, got, counter, timeline, uptime, _, _ = await conn.fetchrow(
+                try_lock_many_sql(version_num(conn)), list(live),
+                f"{self._identity} acquired {first} ({len(live)} asked)", session.marker)
+        except DB_ERRORS as exc:
+            self.drop()  # granted or not: a dropped session holds nothing
+            raise self._db.error("acquire", exc) from None
+        replied = self._clock.monotonic()
+        self._timelines.saw(int(timeline), replied)
+        refused: str | None = None
+        if not ours:
+            self._refuse("a lock statement ran on a server session without this "
+                         "connection's marker")
+            refused = self._refusal or PROXY
+        elif already:
+            # Our session holds a lock we do not count (a release that failed half-way):
+            # its state is uncertain, and only ending the session frees it.
+            log.warning("the shard group's session held a lock unknown to it; "
+                        "reconnecting to free it (every shard of the group goes)",
+                        extra={"lease": live[already[0]].lease.name, "lock_id": already[0]})
+            self.drop()
+            refused = "the session held the lock unknown to us"
+        won = [live[key] for key in got or ()]
+        fencing_token = None if refused or not won else \
+            token(int(timeline), int(counter), session.era_base)
+        if won and not refused and fencing_token is None:
+            for ask in won:
+                await self._unlock(session, ask.lease)
+            log.error(OUT_OF_RANGE, extra={"lease": first, "timeline": timeline})
+            refused = OUT_OF_RANGE
+        delay = 0.0
+        if fencing_token is not None:
             age = self._timelines.age(int(timeline), replied)
             if age < self._timing.renew_deadline:
                 age = max(age, await checkpoint_age(lambda: conn.fetchrow(CHECKPOINT),
                                                     int(timeline), self._db.where))
             delay = max(0.0, self._timing.renew_deadline - min(float(uptime), age))
-            if abandoned.is_set():  # nobody claims with it: give it back, in our turn
+        granted = {ask.lease.lock_id for ask in won}
+        for key, ask in live.items():
+            lease = ask.lease
+            if refused:
+                ask.answer.set_result(Grant(held=False, reason=refused))
+            elif key not in granted:
+                ask.answer.set_result(Grant(held=False, reason="held by another session"))
+            elif ask.abandoned.is_set():  # nobody claims with it: give it back, in our turn
                 await self._unlock(session, lease)
-                return Grant(held=False, reason="the acquire's caller stopped waiting")
-            lease.granted(session, fencing_token)
-            return Grant(held=True, valid_for=self._timing.renew_deadline + queued,
-                         fencing_token=fencing_token, holder=self._identity,
-                         claim_delay=delay)
+                ask.answer.set_result(Grant(held=False,
+                                            reason="the acquire's caller stopped waiting"))
+            else:
+                assert fencing_token is not None
+                lease.granted(session, fencing_token)
+                # The grant proves the lock from the statement's send, not from the
+                # caller's ask: the turn it waited for (behind other statements) does
+                # not shorten its validity. ``_tried`` is read after the elector's own
+                # send time.
+                queued = max(0.0, sent - lease._tried)
+                ask.answer.set_result(Grant(
+                    held=True, valid_for=self._timing.renew_deadline + queued,
+                    fencing_token=fencing_token, holder=self._identity, claim_delay=delay))
 
     async def give_back(self, lease: SharedLease, session: Session) -> None:
         """Unlock ``lease`` on ``session`` if that is still the group's session."""
@@ -333,6 +383,15 @@ class AdvisoryShardGroup(BeatingGroup):
         if not ours:
             self._refuse("the release ran on a server session without this connection's "
                          "marker")
+
+
+@dataclass
+class _Ask:
+    """One shard's acquire, waiting for a lock statement to carry it."""
+
+    lease: SharedLease
+    abandoned: asyncio.Event  # its caller stopped waiting: a grant goes back at once
+    answer: asyncio.Future[Grant]
 
 
 class SharedLease:

@@ -90,6 +90,37 @@ def try_lock_sql(server_version: int) -> str:
                      "where ours and not already)", server_version)
 
 
+def try_lock_many_sql(server_version: int) -> str:
+    """Take every free lock of ``$1`` (distinct keys) in one statement and one commit: a
+    shard group member that takes many shards at once (members that leave together free
+    dozens each) paid one durable commit per shard on its one session, so the last shard
+    waited for all the others' commits (hundreds of milliseconds).
+
+    Parameters: $1 ``int8[]`` keys, $2 WAL message, $3 marker. Answers (ours, the keys the
+    session held already, the keys granted, counter, timeline, server uptime, _, _), as
+    :func:`_lock_sql` does for one key. The order is spelled out, since a statement's
+    parts have none of their own: ``me`` (our marker, the locks the session holds) before
+    any lock (``lock`` reads it); each key's lock only when ``me`` allows it (``CASE``
+    evaluates in order, where the planner may reorder ``AND``); every lock before the
+    counter (``lock``'s one row, its array complete, before the select list that draws
+    the counter), so the counter is larger than any earlier holder's of every key.
+    """
+    return (f"with me as (select {_OURS} as ours, "
+            "array(select (l.classid::int8 << 32) | l.objid::int8 from pg_locks l "
+            "where l.locktype = 'advisory' and l.granted and l.objsubid = 1 "
+            "and l.pid = pg_backend_pid()) as held), "
+            "lock as (select array(select k from unnest($1::int8[]) k where case "
+            "when me.ours and not k = any(me.held) then pg_try_advisory_lock(k) "
+            "else false end) as got from me) "
+            "select me.ours, array(select k from unnest($1::int8[]) k "
+            "where k = any(me.held)), lock.got, "
+            f"case when cardinality(lock.got) > 0 then {_token_expr(server_version)} end, "
+            f"{TIMELINE}, {_UPTIME}, "
+            f"case when cardinality(lock.got) > 0 then {_durable('$2')} end, "
+            f"case when not me.ours then {_POISON} end "
+            "from me, lock")
+
+
 def wait_lock_sql(server_version: int) -> str:
     """Wait in the server for the lock, for at most ``$6`` (``lock_timeout``, local to this
     statement's transaction)."""
