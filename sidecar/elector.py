@@ -192,7 +192,7 @@ class Elector:
         if self.state.facts.sitting_out is not None:
             self.state.update(sitting_out=None)
             await self._notify()
-        other = await self._successor_named(before_acquire=True)
+        other = await self._successor_named()
         if other is not None:
             # A leader handed the lease to another standby: stay out of the race while
             # the hint lives (at most one lease duration), so the named one wins.
@@ -203,7 +203,22 @@ class Elector:
         grant = await self._call("acquire", self.lease.try_acquire())
         if grant is not None and grant.held:
             replied = self._clock.monotonic()
-            other = await self._successor_named()
+            try:
+                other = await self._named_other()
+            except Exception:
+                # The check failed after the grant, and it may have given the grant back
+                # on the way (the advisory lock gives a grant to a named standby, and a
+                # lost reply or this bound can cut that off): only a renew tells whether
+                # the grant still stands. Led on unchecked, a grant given back ran beside
+                # the named standby's (found by the simulator).
+                other = None
+                sent = self._clock.monotonic()
+                grant = await self._call("renew", self.lease.try_renew())
+                replied = self._clock.monotonic()
+                if grant is None or not grant.held:
+                    self.state.update(reason="the acquire's grant did not stand")
+                    await self._sleep_or_wake(self._retry_delay(), watch_lease=True)
+                    return
             if other is not None:
                 await self._stand_aside(other)
                 return
@@ -396,23 +411,27 @@ class Elector:
                 **self._fields(self.state.facts.fencing_token), "successor": to,
                 "error": str(exc) or type(exc).__name__})
 
-    async def _successor_named(self, before_acquire: bool = False) -> str | None:
-        """The standby another leader handed the lease to, if not us (None: none, or
-        the backend keeps no hints, or it cannot be read now). A read that fails before
-        an acquire counts as that acquire's failure (logged once per outage): it is the
-        first call of the attempt, and a backend that blocks it (a locked SQLite file)
-        would otherwise hide the outage behind its timeout."""
+    async def _successor_named(self) -> str | None:
+        """Before an acquire: the standby another leader handed the lease to, if not us
+        (None: none, or the backend keeps no hints, or it cannot be read now). A read that
+        fails counts as that acquire's failure (logged once per outage): it is the first
+        call of the attempt, and a backend that blocks it (a locked SQLite file) would
+        otherwise hide the outage behind its timeout."""
+        started = self._clock.monotonic()
+        try:
+            return await self._named_other()
+        except Exception as exc:
+            self._failed("acquire", started, exc)
+            return None
+
+    async def _named_other(self) -> str | None:
+        """What a live hand-over hint names, unless it names us (None also where the
+        backend keeps no hints); raises when it cannot be read in time."""
         successor = successor_of(self.lease)
         if successor is None:
             return None
-        started = self._clock.monotonic()
-        try:
-            async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
-                return await successor.handing_to_other()
-        except Exception as exc:
-            if before_acquire:
-                self._failed("acquire", started, exc)
-            return None
+        async with asyncio.timeout(max(1.0, self.timing.renew_interval)):
+            return await successor.handing_to_other()
 
     async def _claims_expired(self, until: float) -> float:
         """Sleep until monotonic ``until``; returns the seconds slept.

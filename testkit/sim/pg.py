@@ -867,11 +867,14 @@ def _group_beat(server: Server, session: Session, sql: str, args: tuple[Any, ...
 
 def _group_unlock(server: Server, session: Session, sql: str, args: tuple[Any, ...],
                   answer: Reply) -> None:
-    lock, marker, channel = args
+    """The advisory shard group's release: every key of $1 unlocked on our session, each
+    announced on the channel."""
+    locks, marker, channel = args
     ours = session.settings.get(adv.MARKER_SETTING) == marker
-    done = server.unlock(session, lock) if ours else None
-    server.notify(channel, str(lock))
-    answer([(ours, done, None)], None)
+    done = [lock for lock in locks if server.unlock(session, lock)] if ours else None
+    for lock in locks:
+        server.notify(channel, str(lock))
+    answer([(ours, done, len(locks))], None)
 
 
 def _handlers() -> dict[str, Handler]:

@@ -351,6 +351,21 @@ async def test_a_shard_member_takes_many_free_shards_in_one_lock_statement(
         by_key = {row["k"]: row["pid"] for row in pids}
         mine = {by_key[leases[i].lock_id] for i in held}
         assert len(mine) == 1 and mine != {await other.fetchval("select pg_backend_pid()")}
+        # Given back together: one unlock statement, one NOTIFY per shard.
+        woken: list[str] = []
+        await other.add_listener(group._channel, lambda *args: woken.append(args[3]))
+        async with group._busy:
+            releases = [asyncio.ensure_future(leases[i].release()) for i in held]
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*releases)
+        still = await other.fetchval(
+            "select count(*) from pg_locks where locktype = 'advisory' and pid = $1",
+            next(iter(mine)))
+        assert still == 0
+        async with asyncio.timeout(5):
+            while len(woken) < len(held):
+                await asyncio.sleep(0.02)
+        assert sorted(woken) == sorted(str(leases[i].lock_id) for i in held)
     finally:
         await other.close()
         await group.close()

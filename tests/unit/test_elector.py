@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from sidecar.base.errors import BackendError
 from sidecar.elector import Elector
 from sidecar.lease import Grant
 from sidecar.settings import Timing
@@ -597,3 +598,37 @@ async def test_a_renew_cut_off_by_its_timeout_unwinds_before_the_elector_goes_on
     lease.try_renew = hangs  # type: ignore[method-assign]  # a renew that hangs
     await asyncio.wait_for(elector._renew_now(), 2.0)  # cut off after the 0.25 s left
     assert unwound == [True]
+
+
+class HintGivesBack(FakeLease):
+    """A lease with hand-over hints whose check, right after a grant, gives the grant to
+    the named standby (as the advisory lock does) and then fails: the give-back's reply
+    is lost. Whether the grant stands, only a renew tells."""
+
+    def __init__(self, clock: FakeClock, holds_after: bool) -> None:
+        super().__init__(clock)
+        self.holds_after = holds_after  # does the grant still stand after the check?
+        self.checks = 0
+
+    async def hand_to(self, identity: str, bound: float) -> None: ...
+
+    async def handing_to_other(self) -> str | None:
+        self.checks += 1
+        if self.checks == 1:
+            return None  # the check before the acquire: no hint yet
+        self.grant = self.holds_after
+        raise BackendError("release: reply lost")
+
+
+@pytest.mark.parametrize("holds_after", [False, True])
+async def test_a_hint_check_that_fails_after_a_grant_leads_only_on_a_renew(holds_after):
+    """Found by the simulator (postgres): the check that failed read as "no hint", and
+    the elector led on a grant the check had given back, beside the named standby."""
+    clock = FakeClock()
+    lease = HintGivesBack(clock, holds_after)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    assert [what for what, _ in lease.calls] == ["acquire", "renew"]
+    clock.advance(FAST.claim_horizon)
+    assert state.facts.holding is holds_after
+    assert state.claim().leader is holds_after

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
+import pytest
 
 from sidecar.lease.postgres_advisory.group import UNLOCK, AdvisoryShardGroup
 from sidecar.lease.postgres_advisory.session import Session
@@ -45,9 +46,10 @@ class HeldReplyConnection:
 
     async def fetchrow(self, sql: str, *args: Any) -> Any:
         if sql == UNLOCK:
-            self.statements.append("unlock")
-            self.held.discard(args[0])
-            return True, True, None
+            keys = args[0]
+            self.statements.append("unlock" if len(keys) == 1 else f"unlock {len(keys)}")
+            self.held.difference_update(keys)
+            return True, keys, len(keys)
         if "pg_control_checkpoint" in sql:
             return 1, 3600.0
         keys = args[0]
@@ -193,3 +195,48 @@ async def test_a_failed_lock_statement_fails_every_acquire_it_carried() -> None:
     results = await asyncio.gather(*attempts, return_exceptions=True)
     assert [type(r).__name__ for r in results] == ["BackendError"] * 3, results
     assert conn.statements == ["lock", "terminate"]
+
+
+async def test_releases_asked_together_share_one_unlock_statement() -> None:
+    """A member that stops gives every shard back at once: one unlock statement (and its
+    NOTIFYs) for all the releases that wait for the session together, not one each."""
+    conn = HeldReplyConnection()
+    conn.reply.set()
+    group = group_on(conn)
+    leases = [group.lease(f"work-{i}") for i in range(4)]
+    for lease in leases:
+        assert (await lease.try_acquire()).held
+    async with group._busy:  # the heartbeat, say, has the session
+        releases = [asyncio.create_task(lease.release()) for lease in leases]
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*releases)
+    assert conn.statements == ["lock"] * 4 + ["unlock 4"]
+    assert conn.held == set()
+
+
+async def test_a_heartbeat_cut_off_by_its_bound_drops_the_session() -> None:
+    """Found by the simulator: after a failover that moved the server's address, the
+    group's session sat on a connection whose server was gone without a word. Every
+    heartbeat waited out its bound on it and the next one went to the same connection,
+    so the member held no shard until TCP gave up, many minutes later. A heartbeat cut
+    off by its bound now ends the session; the next round trip opens a new one."""
+
+    class Silent(HeldReplyConnection):
+        terminated = False
+
+        async def fetchrow(self, sql: str, *args: Any) -> Any:
+            await asyncio.Event().wait()  # no reply, ever
+
+        def terminate(self) -> None:
+            self.terminated = True
+
+        def is_closed(self) -> bool:
+            return self.terminated
+
+    conn = Silent()
+    group = group_on(conn)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await group._round_trip({}, True)
+    assert conn.terminated
+    assert group._session is None

@@ -39,9 +39,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import asyncpg
 
@@ -78,12 +78,15 @@ BEAT = f"""select current_setting('{MARKER_SETTING}', true) is not distinct from
        array(select a.application_name from pg_stat_activity a
              where a.datname = current_database() and a.pid <> pg_backend_pid()
                and left(a.application_name, length($3)) = $3)"""
-# Give one grant of $1 back on our session (marker $2), and wake the group's standbys
-# (channel $3; the key is the payload).
-UNLOCK = f"""select current_setting('{MARKER_SETTING}', true) is not distinct from $2::text,
-       case when current_setting('{MARKER_SETTING}', true) is not distinct from $2::text
-            then pg_advisory_unlock($1) end,
-       pg_notify($3, $1::text)"""
+# Give the grants of $1 (distinct keys) back on our session (marker $2), and wake each
+# key's standby (channel $3; the key is the payload).
+UNLOCK = f"""with me as (select current_setting('{MARKER_SETTING}', true)
+                         is not distinct from $2::text as ours)
+select me.ours,
+       case when me.ours then array(select k from unnest($1::int8[]) k
+                                    where pg_advisory_unlock(k)) end,
+       (select count(pg_notify($3, k::text)) from unnest($1::int8[]) k)
+from me"""
 MEMBERS = """select application_name from pg_stat_activity
              where datname = current_database() and left(application_name, length($1)) = $1"""
 PROXY = ("LEASE_SHARDS on the postgres backend needs a connection straight to PostgreSQL: "
@@ -127,12 +130,10 @@ class AdvisoryShardGroup(BeatingGroup):
         self._key = settings.store.key
         self._session: Session | None = None
         self._busy = asyncio.Lock()  # one statement at a time on the session
-        # Acquires take turns among themselves before they queue for the session, so the
-        # heartbeat (the renew of every shard) waits behind one acquire at most: a member
-        # taking 1,024 free shards queued 1,024 durable lock statements ahead of it, and
-        # every shard's renew ran out.
-        self._acquires = asyncio.Lock()
-        self._asks: list[_Ask] = []  # acquires waiting for the next lock statement
+        # Acquires, and releases, that wait for the session together share a statement.
+        self._acquires: _Turns[_Ask, Grant] = _Turns(self._busy, self._take_all)
+        self._releases: _Turns[tuple[SharedLease, Session], None] = _Turns(
+            self._busy, self._give_back_all)
         # Per lock id (the NOTIFY's payload): a release wakes the standby of its own shard
         # only. Waking every standby of the member made each send a lock statement, and
         # the one that could win queued behind the rest (hundreds of ms per move).
@@ -226,7 +227,17 @@ class AdvisoryShardGroup(BeatingGroup):
             except DB_ERRORS as exc:
                 if session.conn.is_closed():
                     self._terminated(session.conn)
+                elif isinstance(exc, TimeoutError):
+                    self.drop()  # see below
                 raise self._db.error("heartbeat", exc) from None
+            except asyncio.CancelledError:
+                # Cut off by the round trip's bound (a lease's validity): a session that
+                # does not answer that long may sit on a connection whose server is gone
+                # without a word (a failover that moved the address), where every later
+                # statement waits as well, until TCP gives up many minutes later. Every
+                # shard's renew has run out by now anyway; a new session next time.
+                self.drop()
+                raise
             if not ours:
                 self._refuse("the heartbeat ran on a server session without this "
                              "connection's marker")
@@ -252,8 +263,8 @@ class AdvisoryShardGroup(BeatingGroup):
         dropped the session and every shard with it, over and over in a busy group
         of 1,024 shards. An abandoned attempt gives a grant back at once instead, still
         in its turn on the session, so no later attempt sees the lock counted."""
-        ask = _Ask(lease, asyncio.Event(), asyncio.get_running_loop().create_future())
-        attempt = asyncio.ensure_future(self._take(ask))
+        ask = _Ask(lease, asyncio.Event())
+        attempt = asyncio.ensure_future(self._acquires(ask))
         try:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
@@ -268,45 +279,26 @@ class AdvisoryShardGroup(BeatingGroup):
             log.warning("an abandoned shard acquire failed; the session dropped",
                         extra={"error": str(error)})
 
-    async def _take(self, ask: _Ask) -> Grant:
-        """Wait for the acquires' turn; whoever gets it first sends every acquire asked
-        for meanwhile in one statement (:func:`~.sql.try_lock_many_sql`), so a burst of
-        them costs one round trip and one durable commit, not one each."""
-        self._asks.append(ask)
-        async with self._acquires:
-            if not ask.answer.done():
-                asks: list[_Ask] = []
-                try:
-                    async with self._busy:  # every acquire asked for until the session is ours
-                        asks, self._asks = self._asks, []
-                        await self._take_all(asks)
-                except Exception as exc:  # every ask of the statement sees it
-                    for each in asks:
-                        if not each.answer.done():
-                            each.answer.set_exception(exc)
-                finally:  # cancelled (the loop ends): the others are too
-                    for each in asks:
-                        each.answer.cancel()
-        return ask.answer.result()
-
-    async def _take_all(self, asks: list[_Ask]) -> None:
-        """One lock statement for ``asks`` (the caller holds ``_busy``); answers each."""
-        live: dict[int, _Ask] = {}
-        for ask in asks:
+    async def _take_all(self, calls: list[_Call[_Ask, Grant]]) -> None:
+        """One lock statement for every acquire queued (the caller holds ``_busy``):
+        :func:`~.sql.try_lock_many_sql`; answers each."""
+        live: dict[int, _Call[_Ask, Grant]] = {}
+        for call in calls:
+            ask = call.item
             if ask.abandoned.is_set():
-                ask.answer.set_result(Grant(held=False,
-                                            reason="the acquire's caller stopped waiting"))
+                call.answer.set_result(Grant(held=False,
+                                             reason="the acquire's caller stopped waiting"))
             elif ask.lease.lock_id in live:  # not seen: one elector per shard at a time
-                ask.answer.set_result(Grant(held=False,
-                                            reason="another acquire of the shard is in flight"))
+                call.answer.set_result(Grant(
+                    held=False, reason="another acquire of the shard is in flight"))
             else:
-                live[ask.lease.lock_id] = ask
+                live[ask.lease.lock_id] = call
         if not live:
             return
         session = await self.session()
         conn = session.conn
         sent = self._clock.monotonic()
-        first = next(iter(live.values())).lease.name
+        first = next(iter(live.values())).item.lease.name
         try:
             ours, already, got, counter, timeline, uptime, _, _ = await conn.fetchrow(
                 try_lock_many_sql(version_num(conn)), list(live),
@@ -326,15 +318,15 @@ class AdvisoryShardGroup(BeatingGroup):
             # its state is uncertain, and only ending the session frees it.
             log.warning("the shard group's session held a lock unknown to it; "
                         "reconnecting to free it (every shard of the group goes)",
-                        extra={"lease": live[already[0]].lease.name, "lock_id": already[0]})
+                        extra={"lease": live[already[0]].item.lease.name,
+                               "lock_id": already[0]})
             self.drop()
             refused = "the session held the lock unknown to us"
-        won = [live[key] for key in got or ()]
+        won = [live[key].item for key in got or ()]
         fencing_token = None if refused or not won else \
             token(int(timeline), int(counter), session.era_base)
         if won and not refused and fencing_token is None:
-            for ask in won:
-                await self._unlock(session, ask.lease)
+            await self._unlock(session, [ask.lease for ask in won])
             log.error(OUT_OF_RANGE, extra={"lease": first, "timeline": timeline})
             refused = OUT_OF_RANGE
         delay = 0.0
@@ -345,16 +337,16 @@ class AdvisoryShardGroup(BeatingGroup):
                                                     int(timeline), self._db.where))
             delay = max(0.0, self._timing.renew_deadline - min(float(uptime), age))
         granted = {ask.lease.lock_id for ask in won}
-        for key, ask in live.items():
-            lease = ask.lease
+        for key, call in live.items():
+            lease = call.item.lease
             if refused:
-                ask.answer.set_result(Grant(held=False, reason=refused))
+                call.answer.set_result(Grant(held=False, reason=refused))
             elif key not in granted:
-                ask.answer.set_result(Grant(held=False, reason="held by another session"))
-            elif ask.abandoned.is_set():  # nobody claims with it: give it back, in our turn
-                await self._unlock(session, lease)
-                ask.answer.set_result(Grant(held=False,
-                                            reason="the acquire's caller stopped waiting"))
+                call.answer.set_result(Grant(held=False, reason="held by another session"))
+            elif call.item.abandoned.is_set():  # nobody claims with it: give it back now
+                await self._unlock(session, [lease])
+                call.answer.set_result(Grant(held=False,
+                                             reason="the acquire's caller stopped waiting"))
             else:
                 assert fencing_token is not None
                 lease.granted(session, fencing_token)
@@ -363,26 +355,81 @@ class AdvisoryShardGroup(BeatingGroup):
                 # not shorten its validity. ``_tried`` is read after the elector's own
                 # send time.
                 queued = max(0.0, sent - lease._tried)
-                ask.answer.set_result(Grant(
+                call.answer.set_result(Grant(
                     held=True, valid_for=self._timing.renew_deadline + queued,
                     fencing_token=fencing_token, holder=self._identity, claim_delay=delay))
 
     async def give_back(self, lease: SharedLease, session: Session) -> None:
-        """Unlock ``lease`` on ``session`` if that is still the group's session."""
-        async with self._busy:
-            if self._session is session and not session.conn.is_closed():
-                await self._unlock(session, lease)
+        """Unlock ``lease`` on ``session`` if that is still the group's session; the
+        releases that wait for the session together go in one statement (a member that
+        stops gives every shard back at once)."""
+        await self._releases((lease, session))
 
-    async def _unlock(self, session: Session, lease: SharedLease) -> None:
+    async def _give_back_all(self, calls: list[_Call[tuple[SharedLease, Session], None]]
+                             ) -> None:
+        session = self._session
+        leases = [lease for lease, held_on in (call.item for call in calls)
+                  if held_on is session]
+        if session is not None and leases and not session.conn.is_closed():
+            await self._unlock(session, leases)
+        for call in calls:
+            call.answer.set_result(None)
+
+    async def _unlock(self, session: Session, leases: list[SharedLease]) -> None:
         try:
-            ours, _, _ = await session.conn.fetchrow(UNLOCK, lease.lock_id, session.marker,
-                                                     self._channel)
+            ours, _, _ = await session.conn.fetchrow(
+                UNLOCK, [lease.lock_id for lease in leases], session.marker, self._channel)
         except DB_ERRORS as exc:
-            self.drop()  # closing the session frees the lock as well
+            self.drop()  # closing the session frees the locks as well
             raise self._db.error("release", exc) from None
         if not ours:
             self._refuse("the release ran on a server session without this connection's "
                          "marker")
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class _Call(Generic[T, R]):
+    item: T
+    answer: asyncio.Future[R]
+
+
+class _Turns(Generic[T, R]):
+    """Calls that wait for the group's session together go in one statement: whoever
+    gets the turn first sends every call queued until the session is its own (``send``
+    answers each), so a burst costs one round trip, not one each. One batch at a time
+    waits for the session, so the heartbeat (the renew of every shard) waits behind one
+    at most: a member taking 1,024 free shards once queued 1,024 lock statements ahead of
+    it, and every shard's renew ran out."""
+
+    def __init__(self, busy: asyncio.Lock,
+                 send: Callable[[list[_Call[T, R]]], Awaitable[None]]) -> None:
+        self._turn = asyncio.Lock()
+        self._busy = busy
+        self._send = send
+        self._queue: list[_Call[T, R]] = []
+
+    async def __call__(self, item: T) -> R:
+        call: _Call[T, R] = _Call(item, asyncio.get_running_loop().create_future())
+        self._queue.append(call)
+        async with self._turn:
+            if not call.answer.done():
+                calls: list[_Call[T, R]] = []
+                try:
+                    async with self._busy:  # every call queued until the session is ours
+                        calls, self._queue = self._queue, []
+                        await self._send(calls)
+                except Exception as exc:  # every call of the statement sees it
+                    for each in calls:
+                        if not each.answer.done():
+                            each.answer.set_exception(exc)
+                finally:  # cancelled (the loop ends): the others are too
+                    for each in calls:
+                        each.answer.cancel()
+        return call.answer.result()
 
 
 @dataclass
@@ -391,7 +438,6 @@ class _Ask:
 
     lease: SharedLease
     abandoned: asyncio.Event  # its caller stopped waiting: a grant goes back at once
-    answer: asyncio.Future[Grant]
 
 
 class SharedLease:

@@ -183,6 +183,9 @@ class AdvisoryLease:
         except DB_ERRORS as exc:
             self._link.drop()  # closing the session frees the lock as well
             raise self._db.error("release", exc) from None
+        except asyncio.CancelledError:
+            self._link.drop()  # cut off: whether it ran is unknown; closing frees the lock
+            raise
         if not ours:
             self.pooler_seen("the release ran on a server session without this "
                              "connection's marker")
@@ -234,8 +237,11 @@ class AdvisoryLease:
                 # standby, queued behind, has it at once (kept, it stayed with this
                 # idle session until idle_session_timeout ended it: 2 s in the
                 # benchmark). Asked right after a grant, the elector's release that
-                # follows finds nothing left to do.
-                await self._unlock()
+                # follows finds nothing left to do. An unlock that fails dropped the
+                # session, which frees the lock as well: the grant is gone either way,
+                # so the answer is still the named one.
+                with contextlib.suppress(BackendError):
+                    await self._unlock()
             return other
 
     async def close(self) -> None:
