@@ -243,3 +243,13 @@ def test_a_grant_given_back_to_a_named_standby_whose_reply_is_lost_is_not_led_on
     run, as above: a change to how runs draw their faults replays something else."""
     result = Run("postgres", 1029, 20000, SETUPS["postgres"]).execute()
     assert result.verdict.violations == [] and result.errors == []
+
+
+def test_a_hand_edit_that_looks_like_a_release_is_waited_out() -> None:
+    """kubernetes (found by the simulator's random runs; the seeded run that found it,
+    replayed): a person cleared the holder and set the duration to 1 on a term never
+    renewed, so its two times were equal, as a release's are. A sidecar that started
+    then took it for a release and claimed one horizon after its takeover, beside the
+    holder, which had heard of nothing and claimed on. A seeded run, as above."""
+    result = Run("kubernetes", 4010, 20000, SETUPS["kubernetes"]).execute()
+    assert result.verdict.violations == [] and result.errors == []

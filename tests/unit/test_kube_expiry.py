@@ -40,12 +40,17 @@ def record(holder: str, version: str, duration: int = 10, transitions: int = 1,
                   renew_time=renew_time)
 
 
-def released(version: str) -> Record:
+# When the terms of these tests last renewed: before any release below.
+RENEWED = "2023-12-31T23:59:50.000000Z"
+
+
+def released(version: str, recorded: bool = False) -> Record:
     """A release as client-go's and ours write it: no holder, duration 1, acquireTime =
-    renewTime = the release time."""
+    renewTime = the release time; ``recorded``: with our release record (its term)."""
     at = "2024-01-01T00:00:00.000000Z"
-    return Record(holder="", duration=1, transitions=1, version=version, acquire_time=at,
-                  renew_time=at)
+    found = Record(holder="", duration=1, transitions=1, version=version, acquire_time=at,
+                   renew_time=at)
+    return replace(found, released_term=found.term_id()) if recorded else found
 
 
 @pytest.fixture
@@ -131,8 +136,19 @@ def test_a_never_held_object_found_first_waits_like_a_missing_one(clock: FakeClo
 
 def test_a_released_object_found_first_needs_no_wait(clock: FakeClock) -> None:
     observer = Observer(clock, cap=10)
-    observer.observe(released("3"))
+    observer.observe(released("3", recorded=True))
     assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
+
+
+def test_a_release_found_first_without_our_record_is_waited_out(clock: FakeClock) -> None:
+    """client-go's release, or a hand edit that looks like one (the holder cleared and
+    the duration set to 1 on a term never renewed: its two times are equal, as a
+    release's are): found first, nothing tells when it was written, and its holder may
+    be claiming still (found by the simulator: a sidecar started after such an edit led
+    beside the holder). It may be taken; the first claim waits a lease duration."""
+    observer = Observer(clock, cap=10)
+    observer.observe(released("3"))
+    assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 10.0)
 
 
 def test_a_record_naming_us_that_we_did_not_write_is_waited_out_like_anyones(
@@ -244,7 +260,7 @@ def test_an_hour_by_hand_stalls_only_until_written_back(clock: FakeClock) -> Non
 
 def test_a_released_lease_deleted_by_hand_is_free_at_once(clock: FakeClock) -> None:
     observer = Observer(clock, cap=10)
-    observer.observe(record("other", "7"))
+    observer.observe(record("other", "7", renew_time=RENEWED))
     observer.observe(released("8"))
     observer.observe(None)
     assert (observer.free_in("me"), observer.claim_delay()) == (0.0, 0.0)
@@ -258,6 +274,11 @@ def test_a_released_lease_deleted_by_hand_is_free_at_once(clock: FakeClock) -> N
     pytest.param(record("", "8", duration=10), 3, 3, 0.0, 10.0,
                  id="a holder cleared by hand is free but guarded"),
     pytest.param(released("8"), 3, 3, 0.0, 0.0, id="a proper release needs no guard"),
+    # Cleared and duration 1 on a term never renewed: both times are the acquisition's,
+    # equal as a release's are, but no later than the term's renewal.
+    pytest.param(Record(holder="", duration=1, transitions=1, version="8",
+                        acquire_time=RENEWED, renew_time=RENEWED),
+                 3, 3, 0.0, 10.0, id="a release by hand on a term never renewed is none"),
     # Cleared and duration 1 by a patch (the times left as the holder wrote them): looks
     # like a release to the old rule, but the holder may not have heard of it.
     pytest.param(record("", "8", duration=1, renew_time="2024-01-01T00:00:09.000000Z"),
@@ -274,7 +295,7 @@ def test_a_write_by_hand_after_a_term(clock: FakeClock, edit: Record, edited: fl
                                       asked: float, free_in: float,
                                       claim_delay: float) -> None:
     observer = Observer(clock, cap=10)
-    observer.observe(record("other", "7", duration=10))
+    observer.observe(record("other", "7", duration=10, renew_time=RENEWED))
     clock.now += edited
     observer.observe(edit)
     clock.now += asked - edited

@@ -58,12 +58,17 @@ class Observer:
     last renewal came before the write that ended its term, never after. A term we win
     before then waits for it before its first claim (``claim_delay``).
 
+    A proper release is one with our release record, or one written after the last
+    renewal of the term we saw: a hand edit that clears the holder and sets the duration
+    to 1 on a term never renewed looks like a release too (found by the simulator).
+
     What we cannot have watched, we assume the worst of. A first look that finds no
     object, or one nobody ever held, may follow a deleted object whose holder still
-    claims; one cleared by hand may follow a holder that claims still; a holder found
-    there — even one with our own identity, which is another process's (a restart, or a
-    second pod with our name) — may have set its duration as low as anyone likes by hand:
-    each counts at least ``cap`` from now.
+    claims; one cleared by hand, or released with no release record of ours (client-go's
+    release, or a hand edit that looks like one), may follow a holder that claims still;
+    a holder found there — even one with our own identity, which is another process's (a
+    restart, or a second pod with our name) — may have set its duration as low as anyone
+    likes by hand: each counts at least ``cap`` from now.
     """
 
     def __init__(self, monotonic: Callable[[], float], cap: float) -> None:
@@ -101,7 +106,10 @@ class Observer:
         return True
 
     def _first_look(self, record: Record | None, now: float) -> None:
-        if record is None or (not record.holder and not record.released):
+        # A record that looks released but names no release record of ours (client-go's
+        # release, or a hand edit that looks like one) tells nothing of when: its holder
+        # may be claiming still.
+        if record is None or (not record.holder and not record.claims_ended):
             self._guard(now + self._cap)
         elif record.holder:
             self._start_term(record, longest=max(record.duration, self._cap))
@@ -117,8 +125,8 @@ class Observer:
             self._term_seen_at = now
             self._term_longest = max(self._term_longest, record.duration)
             return
-        if self._term_holder and not (same_object and record is not None
-                                      and record.released):
+        if self._term_holder and not (same_object and record is not None and (
+                record.claims_ended or record.released_after(self.record))):
             # The term ended by a write that is no release: its holder may claim until
             # its last renewal plus its duration. Our own takeover replaced exactly the
             # record we saw, so that renewal is the last one we saw; any other write (a

@@ -184,6 +184,17 @@ class Record:
         return (not self.holder and self.duration == 1 and self.renew_time is not None
                 and self.acquire_time == self.renew_time)
 
+    def released_after(self, earlier: Record | None) -> bool:
+        """Released (:attr:`released`) by a write after ``earlier``'s renewal, the last of
+        the term we saw. A release writes its own time into both times, later than any
+        renewal of the term it ends (by the same holder's clock). A hand edit that clears
+        the holder and sets the duration to 1 on a term never renewed leaves both times
+        equal as well, at the term's acquisition: that holder may still be claiming."""
+        if not self.released or earlier is None or earlier.renew_time is None:
+            return False
+        released, renewed = _instant(self.renew_time or ""), _instant(earlier.renew_time)
+        return released is not None and renewed is not None and released > renewed
+
     @property
     def claims_ended(self) -> bool:
         """Released by a sidecar whose release record names the term this object counts:
