@@ -91,6 +91,11 @@ def test_waiter_cap_answers_at_once_with_the_true_claim(leader: SidecarProcess) 
             sock.close()
 
 
+# The server must accept all the held connections before the header timeout closes the
+# first of them: a window the background Go builds and the simulator stretched past its
+# end on 2 cores (the extra connection was never refused). Quiet: it runs
+# last, once they are done.
+@pytest.mark.quiet
 def test_connection_cap_answers_503_retry_after(leader: SidecarProcess) -> None:
     held = []
     try:
