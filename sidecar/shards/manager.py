@@ -106,6 +106,7 @@ class ShardManager:
         self._loops: list[asyncio.Task[None]] = []
         self._stopping: asyncio.Future[None] | None = None
         self._assigned_to: dict[tuple[str, ...], dict[str, str]] = {}
+        self.failure: str | None = None  # the loop that ended with an error, and why
 
     # -- what the publishers read --------------------------------------------------------
     def assigned(self) -> list[str]:
@@ -122,6 +123,17 @@ class ShardManager:
         self._loops = [asyncio.create_task(self.group.run(), name="shard-group"),
                        asyncio.create_task(self._follow(), name="shard-view"),
                        asyncio.create_task(self._move(), name="shard-mover")]
+        for task in self._loops:
+            task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        """A loop that fails is a defect: say which and why once (``/healthz`` fails from
+        now on, so the kubelet restarts the sidecar; its shards go to the others)."""
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        self.failure = f"{task.get_name()}: {exc!r}"
+        log.error("a shard loop ended with an error; /healthz fails from now on",
+                  extra={"loop": task.get_name(), "error": repr(exc)}, exc_info=exc)
 
     def alive(self) -> bool:
         return all(not task.done() for task in self._loops)
@@ -297,7 +309,11 @@ class ShardManager:
                 continue
             log.info("handing a shard over", extra={"lease": shard, "to": to})
             await self._stepped_down(shard)
-            if (self.view.assignment or {}).get(shard) != self.identity:
+            # A round trip since the release may have stopped the elector already (it
+            # holds nothing and the shard is not ours), or started a new one (the shard
+            # is ours again): stop only the one that handed over, once.
+            if self.electors.get(shard) is elector \
+                    and (self.view.assignment or {}).get(shard) != self.identity:
                 self._stop_elector(shard)
 
     def _excess(self) -> str | None:

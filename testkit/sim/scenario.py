@@ -214,6 +214,8 @@ class Run:
             self.checker.quiet_ended(world.now(), wait, leader_expected=possible)
             for process in self.live.values():
                 if (shards := process.shards) is not None:
+                    if shards.failure is not None:  # moves stopped: a liveness defect
+                        world.errors.append(f"{process.name} shard group: {shards.failure}")
                     view = shards.view
                     world.trace(f"  {process.name} shard group: members {view.members}, ok "
                                 f"{view.ok} {view.error}, assigned {shards.assigned()}, "

@@ -1,0 +1,113 @@
+"""The shard mover survives the round trip that stops the elector it is handing over.
+
+A member hands a shard it holds but is not assigned to the member the view names, waits
+until the release, then stops the shard's elector. The group's round trips go on
+meanwhile: one that comes between the release and the mover's wake-up already stopped
+that elector (it holds nothing and the shard is not ours). The mover then stopped it a
+second time, died on a ``KeyError``, and the member kept every other shard it should
+have handed over (seen in the shards benchmark: 51 shards on one member of eight, fair
+share 32, for the whole 240 s of the wait)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sidecar.base.clock import SystemClock
+from sidecar.settings import Timing
+from sidecar.shards import manager as shard_manager
+from sidecar.shards.assign import assign
+from sidecar.shards.manager import ShardManager
+from sidecar.state import LeaseState
+
+TIMING = Timing(lease_duration=3.0, renew_interval=0.1, renew_deadline=2.0,
+                safety_margin=0.2, claim_horizon=0.05)
+
+
+class ScriptedGroup:
+    """A shard group whose round trips come when the test says, with the members it
+    says."""
+
+    member = "m0"
+
+    def __init__(self) -> None:
+        self.beats: asyncio.Queue[tuple[str, ...]] = asyncio.Queue()
+        self.retired: list[str] = []
+
+    def advertise(self, member: bool) -> None:
+        pass
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()  # the round trips are the test's
+
+    async def next_beat(self) -> tuple[str, ...]:
+        return await self.beats.get()
+
+    def lease(self, shard: str) -> str:
+        return shard
+
+    def retire(self, shard: str) -> None:
+        self.retired.append(shard)
+
+
+class HeldElector:
+    """An elector whose lease is granted at once; a hand-over is answered by the test."""
+
+    def __init__(self, state: LeaseState) -> None:
+        self.state = state
+        self.handovers: list[str | None] = []
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        self.state.update(holding=True)
+        await self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def request_handover(self, to: str | None = None, why: str = "request") -> bool:
+        self.handovers.append(to)
+        self.state.update(released=True)
+        return True
+
+
+async def test_the_mover_goes_on_when_a_round_trip_stopped_the_handed_over_elector() -> None:
+    shards = [f"work-{n}" for n in range(8)]
+    states = {s: LeaseState(s, "m0", "leader", TIMING.claim_horizon) for s in shards}
+    electors: dict[str, HeldElector] = {}
+
+    def make_elector(lease: Any, state: LeaseState, _successor: Any) -> HeldElector:
+        electors[state.lease] = HeldElector(state)
+        return electors[state.lease]
+
+    group = ScriptedGroup()
+    manager = ShardManager(group, states, "m0", TIMING, SystemClock(),  # type: ignore[arg-type]
+                           make_elector)  # type: ignore[arg-type]
+    await manager.start()
+    try:
+        for _ in range(shard_manager.JOIN_BEATS):  # alone: every shard is ours
+            await group.beats.put(("m0",))
+        await asyncio.sleep(0.05)
+        assert sorted(manager.owned()) == shards
+        both = ("m0", "m1")
+        theirs = sorted(s for s, m in assign(shards, both).items() if m == "m1")
+        await group.beats.put(both)
+        for _ in range(len(theirs)):
+            # The mover hands one shard over once the view has held still...
+            async with asyncio.timeout(5):
+                while not any(e.handovers for s, e in electors.items()
+                              if states[s].facts.holding):
+                    await asyncio.sleep(0.01)
+            shard = next(s for s, e in electors.items()
+                         if e.handovers and states[s].facts.holding)
+            # ...and the round trip that sees its release comes before the mover wakes.
+            await group.beats.put(both)
+            states[shard].update(holding=False, released=False)
+            await asyncio.sleep(0.05)
+            assert manager.alive(), f"the shard mover died: {manager.failure}"
+        assert sorted(manager.owned()) == sorted(set(shards) - set(theirs))
+    finally:
+        for task in [*manager._loops, *manager._tasks.values()]:
+            task.cancel()
+        await asyncio.gather(*manager._loops, *manager._tasks.values(),
+                             return_exceptions=True)
