@@ -14,6 +14,7 @@ import asyncio
 from typing import Any
 
 from sidecar.base.clock import SystemClock
+from sidecar.lease.beats import BeatingGroup, Beats
 from sidecar.settings import Timing
 from sidecar.shards import manager as shard_manager
 from sidecar.shards.assign import assign
@@ -111,3 +112,47 @@ async def test_the_mover_goes_on_when_a_round_trip_stopped_the_handed_over_elect
             task.cancel()
         await asyncio.gather(*manager._loops, *manager._tasks.values(),
                              return_exceptions=True)
+
+
+class CountedGroup(BeatingGroup):
+    """A shard group on the real round-trip loop, whose round trips only count."""
+
+    member = "m0"
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self._beats = Beats(self._round_trip, TIMING, SystemClock(), "work")
+
+    async def _round_trip(self, held: Any, advertise: bool) -> tuple[dict[str, Any],
+                                                                      tuple[str, ...]]:
+        self.sent += 1
+        return {}, ("m0",)
+
+    def lease(self, shard: str) -> str:
+        return shard
+
+    def retire(self, shard: str) -> None:
+        pass
+
+
+async def test_the_view_follows_the_groups_first_round_trip() -> None:
+    """A newcomer counts its round trips from the first (JOIN_BEATS), which writes its
+    record: a view that began with the second campaigned a renew interval late, after
+    the others had begun handing it shards (seen on kubernetes: moves to a newcomer
+    unowned for 1.5 s)."""
+    group = CountedGroup()
+    manager = ShardManager(group, {}, "m0", TIMING, SystemClock(),  # type: ignore[arg-type]
+                           make_elector=lambda *_: None)  # type: ignore[arg-type,return-value]
+    await manager.start()
+    try:
+        async with asyncio.timeout(5):
+            while group.sent < 1:
+                await asyncio.sleep(0.001)
+        await asyncio.sleep(TIMING.renew_interval / 4)  # well before the second
+        assert group.sent == 1
+        assert manager._beats == 1, "the first round trip was not seen"
+        assert manager.view.members == ("m0",)
+    finally:
+        for task in manager._loops:
+            task.cancel()
+        await asyncio.gather(*manager._loops, return_exceptions=True)
