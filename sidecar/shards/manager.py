@@ -133,12 +133,12 @@ class ShardManager:
             task.add_done_callback(self._loop_ended)
 
     def _loop_ended(self, task: asyncio.Task[None]) -> None:
-        """A loop that fails is a defect: say which and why once (``/healthz`` fails from
-        now on, so the kubelet restarts the sidecar; its shards go to the others)."""
+        """A loop that fails is a defect: say which and why once (``/livez`` fails from now
+        on, so the kubelet restarts the sidecar; its shards go to the others)."""
         if task.cancelled() or (exc := task.exception()) is None:
             return
         self.failure = f"{task.get_name()}: {exc!r}"
-        log.error("a shard loop ended with an error; /healthz fails from now on",
+        log.error("a shard loop ended with an error; /livez fails from now on",
                   extra={"loop": task.get_name(), "error": repr(exc)}, exc_info=exc)
 
     def alive(self) -> bool:
