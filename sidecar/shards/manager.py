@@ -120,13 +120,13 @@ class ShardManager:
 
     # -- running -------------------------------------------------------------------------
     async def start(self) -> None:
-        # The view first: it waits for the next round trip, and the group's first one
-        # begins as soon as its task runs. Started after it, the view waited for the
+        # The view's task first (tasks take their first step in the order they were
+        # created): it waits for the next round trip, and the group's first one begins
+        # at the group task's first step. Created after it, the view waited for the
         # second, and a newcomer campaigned a renew interval later than JOIN_BEATS says,
         # after the others had begun handing it shards.
         follow = asyncio.create_task(self._follow(), name="shard-view")
         move = asyncio.create_task(self._move(), name="shard-mover")
-        await asyncio.sleep(0)  # the view is waiting for the first round trip
         self._loops = [asyncio.create_task(self.group.run(), name="shard-group"),
                        follow, move]
         for task in self._loops:
