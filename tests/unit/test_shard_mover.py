@@ -82,8 +82,8 @@ async def test_the_mover_goes_on_when_a_round_trip_stopped_the_handed_over_elect
         return electors[state.lease]
 
     group = ScriptedGroup()
-    manager = ShardManager(group, states, "m0", TIMING, SystemClock(),  # type: ignore[arg-type]
-                           make_elector)  # type: ignore[arg-type]
+    manager = ShardManager(group, states, "m0", TIMING, SystemClock(),
+                           make_elector)
     await manager.start()
     try:
         for _ in range(shard_manager.JOIN_BEATS):  # alone: every shard is ours
@@ -141,8 +141,8 @@ async def test_the_view_follows_the_groups_first_round_trip() -> None:
     the others had begun handing it shards (seen on kubernetes: moves to a newcomer
     unowned for 1.5 s)."""
     group = CountedGroup()
-    manager = ShardManager(group, {}, "m0", TIMING, SystemClock(),  # type: ignore[arg-type]
-                           make_elector=lambda *_: None)  # type: ignore[arg-type,return-value]
+    manager = ShardManager(group, {}, "m0", TIMING, SystemClock(),
+                           make_elector=lambda *_: None)
     await manager.start()
     try:
         async with asyncio.timeout(5):
