@@ -6,8 +6,9 @@ A trial finds the one leader among running sidecars, starts a :class:`ClaimRecor
 (every sidecar's ``/leader`` polled about every 10-20 ms), makes the write with
 ``kubectl`` as admin, and watches until leadership has settled. It reports what a test
 asserts and a bench prints: the overlapping claims (must be none), the token order, how
-long the old holder kept claiming after the write (``stepped_down_s``), and when the next
-leader's first claim came (``next_leader_s``).
+long the old holder kept claiming in its term after the write (``stepped_down_s``; a
+holder that won the next term itself, as any contender may after a deletion, still
+stepped down), and when the next leader's first claim came (``next_leader_s``).
 """
 
 from __future__ import annotations
@@ -104,11 +105,19 @@ def run_trial(cp: ControlPlane, namespace: str, procs: list[SidecarProcess], edi
     # The next leader's token (the holder's own, if it kept leading).
     tokens_after = [t for at, who, t in sorted(recorder.tokens) if at > written
                     and (who != holder.identity or kept_leading)]
+    # The holder may win the next term itself (a deleted object anyone may re-create):
+    # it leads at the end, but with a new term's token. Its term still ended: when its
+    # last claim with a token from before the write did.
+    own_next_term = kept_leading and bool(tokens_after) and tokens_after[-1] not in before
+    if own_next_term:
+        last_own = max((at for at, who, t in recorder.tokens
+                        if who == holder.identity and at > written and t in before),
+                       default=None)
     return Trial(
         edit=edit, holder=holder.identity, overlaps=len(recorder.overlaps()),
         token_regressions=len(recorder.token_regressions()), tokens_before=sorted(set(before)),
         token_after=tokens_after[-1] if tokens_after else None,
-        stepped_down_s=None if kept_leading else (
+        stepped_down_s=None if kept_leading and not own_next_term else (
             0.0 if last_own is None else round(last_own - written, 3)),
         next_leader=others[0][0] if others else (holder.identity if kept_leading else None),
         next_leader_s=round(first_other - written, 3) if first_other else None)
