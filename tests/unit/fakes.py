@@ -1,4 +1,4 @@
-"""In-memory stand-ins used only by unit tests of the timing rules (no sleeping on time)."""
+"""In-memory stand-ins used only by unit tests (no sleeping on time, no server)."""
 
 from __future__ import annotations
 
@@ -82,3 +82,28 @@ class RecordingPublisher:
             self.sink.append(("publish" if leader else "unpublish", self.clock.now))
 
     async def stop(self) -> None: ...
+
+
+class ScriptedGroup:
+    """A shard group whose round trips come when the test puts members on ``beats``; it
+    records what the manager advertises."""
+
+    def __init__(self, member: str) -> None:
+        self.member = member
+        self.beats: asyncio.Queue[tuple[str, ...]] = asyncio.Queue()
+        self.advertised: list[bool] = []
+
+    def advertise(self, member: bool) -> None:
+        self.advertised.append(member)
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()  # the round trips are the test's
+
+    async def next_beat(self) -> tuple[str, ...]:
+        return await self.beats.get()
+
+    def lease(self, shard: str) -> str:
+        return shard
+
+    def retire(self, shard: str) -> None:
+        pass

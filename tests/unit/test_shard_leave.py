@@ -17,23 +17,7 @@ from sidecar.base.clock import SystemClock
 from sidecar.settings import Timing
 from sidecar.shards import manager as shard_manager
 from sidecar.shards.manager import ShardManager
-
-
-class ScriptedGroup:
-    """A shard group whose round trips come when the test says, with the members it
-    says."""
-
-    member = "m3"
-
-    def __init__(self) -> None:
-        self.beats: asyncio.Queue[tuple[str, ...]] = asyncio.Queue()
-        self.advertised: list[bool] = []
-
-    def advertise(self, member: bool) -> None:
-        self.advertised.append(member)
-
-    async def next_beat(self) -> tuple[str, ...]:
-        return await self.beats.get()
+from tests.unit.fakes import ScriptedGroup
 
 
 def leaving_member(group: Any, timing: Timing) -> ShardManager:
@@ -48,7 +32,7 @@ async def test_a_leaving_member_hands_over_once_its_view_held_still(
         caplog: pytest.LogCaptureFixture) -> None:
     timing = Timing(lease_duration=3.0, renew_interval=0.2, renew_deadline=2.0,
                     safety_margin=0.2, claim_horizon=0.05)
-    group = ScriptedGroup()
+    group = ScriptedGroup("m3")
     manager = leaving_member(group, timing)
     leave = asyncio.ensure_future(manager._leave())
     await group.beats.put(("m0", "m1", "m2", "m4"))  # our record is gone; m4 leaves too

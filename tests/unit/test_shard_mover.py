@@ -20,35 +20,10 @@ from sidecar.shards import manager as shard_manager
 from sidecar.shards.assign import assign
 from sidecar.shards.manager import ShardManager
 from sidecar.state import LeaseState
+from tests.unit.fakes import ScriptedGroup
 
 TIMING = Timing(lease_duration=3.0, renew_interval=0.1, renew_deadline=2.0,
                 safety_margin=0.2, claim_horizon=0.05)
-
-
-class ScriptedGroup:
-    """A shard group whose round trips come when the test says, with the members it
-    says."""
-
-    member = "m0"
-
-    def __init__(self) -> None:
-        self.beats: asyncio.Queue[tuple[str, ...]] = asyncio.Queue()
-        self.retired: list[str] = []
-
-    def advertise(self, member: bool) -> None:
-        pass
-
-    async def run(self) -> None:
-        await asyncio.Event().wait()  # the round trips are the test's
-
-    async def next_beat(self) -> tuple[str, ...]:
-        return await self.beats.get()
-
-    def lease(self, shard: str) -> str:
-        return shard
-
-    def retire(self, shard: str) -> None:
-        self.retired.append(shard)
 
 
 class HeldElector:
@@ -81,7 +56,7 @@ async def test_the_mover_goes_on_when_a_round_trip_stopped_the_handed_over_elect
         electors[state.lease] = HeldElector(state)
         return electors[state.lease]
 
-    group = ScriptedGroup()
+    group = ScriptedGroup("m0")
     manager = ShardManager(group, states, "m0", TIMING, SystemClock(),
                            make_elector)
     await manager.start()
