@@ -158,7 +158,10 @@ class ShardManager:
         for task in self._loops[1:]:  # no more campaigns or moves; the round trips go on
             task.cancel()
         for task in self._loops[1:]:
-            with contextlib.suppress(asyncio.CancelledError):
+            # A loop that had failed re-raises here: it was logged when it ended
+            # (_loop_ended), and the stop must still hand the shards over and stop
+            # their electors.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self._leave()
         electors = list(self.electors.values())

@@ -92,6 +92,7 @@ class ScriptedGroup:
         self.member = member
         self.beats: asyncio.Queue[tuple[str, ...]] = asyncio.Queue()
         self.advertised: list[bool] = []
+        self.closed = False
 
     def advertise(self, member: bool) -> None:
         self.advertised.append(member)
@@ -107,3 +108,6 @@ class ScriptedGroup:
 
     def retire(self, shard: str) -> None:
         pass
+
+    async def close(self) -> None:
+        self.closed = True

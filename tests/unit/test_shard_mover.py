@@ -6,7 +6,10 @@ meanwhile: one that comes between the release and the mover's wake-up already st
 that elector (it holds nothing and the shard is not ours). The mover then stopped it a
 second time, died on a ``KeyError``, and the member kept every other shard it should
 have handed over (seen in the shards benchmark: 51 shards on one member of eight, fair
-share 32, for the whole 240 s of the wait)."""
+share 32, for the whole 240 s of the wait).
+
+Also: the view follows the group from its first round trip, and a stop still hands the
+shards over and stops their electors after a shard loop failed."""
 
 from __future__ import annotations
 
@@ -131,3 +134,35 @@ async def test_the_view_follows_the_groups_first_round_trip() -> None:
         for task in manager._loops:
             task.cancel()
         await asyncio.gather(*manager._loops, return_exceptions=True)
+
+
+async def test_a_stop_after_a_failed_loop_still_stops_every_elector() -> None:
+    """A shard loop that failed (logged once, ``/livez`` fails) re-raised when the stop
+    awaited it: the stop ended there, and no elector was told to stop."""
+    shards = [f"work-{n}" for n in range(4)]
+    states = {s: LeaseState(s, "m0", "leader", TIMING.claim_horizon) for s in shards}
+    electors: dict[str, HeldElector] = {}
+
+    def make_elector(lease: Any, state: LeaseState, _successor: Any) -> HeldElector:
+        electors[state.lease] = HeldElector(state)
+        return electors[state.lease]
+
+    async def broken_mover() -> None:
+        await asyncio.sleep(0)
+        raise RuntimeError("a defect in the mover")
+
+    group = ScriptedGroup("m0")
+    manager = ShardManager(group, states, "m0", TIMING, SystemClock(), make_elector)
+    manager._move = broken_mover  # the loop start() creates as "shard-mover"
+    await manager.start()
+    for _ in range(shard_manager.JOIN_BEATS):
+        await group.beats.put(("m0",))
+    await asyncio.sleep(0.05)
+    assert sorted(manager.owned()) == shards
+    assert not manager.alive() and manager.failure is not None
+    assert "a defect in the mover" in manager.failure
+    # Alone: the leave finds no successor and its wait is bounded (3 renew intervals).
+    async with asyncio.timeout(5):
+        await manager.stop()
+    assert all(e._stop.is_set() for e in electors.values())
+    assert group.closed and not manager._loops
