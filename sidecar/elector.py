@@ -216,7 +216,14 @@ class Elector:
                 grant = await self._call("renew", self.lease.try_renew())
                 replied = self._clock.monotonic()
                 if grant is None or not grant.held:
-                    self.state.update(reason="the acquire's grant did not stand")
+                    # Not ours to use, yet the backend may still count it as ours (the
+                    # renew failed: no answer either way). Give it back: a shard's lease
+                    # stays in its group's renews until released, and its elector stops
+                    # once the shard is another member's, so nobody could take it
+                    # (found by the simulator).
+                    why = "the acquire's grant did not stand"
+                    await self._give_back(why)
+                    self.state.update(reason=why)
                     await self._sleep_or_wake(self._retry_delay(), watch_lease=True)
                     return
             if other is not None:

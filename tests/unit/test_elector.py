@@ -628,7 +628,34 @@ async def test_a_hint_check_that_fails_after_a_grant_leads_only_on_a_renew(holds
     lease = HintGivesBack(clock, holds_after)
     elector, state, _ = make(clock, lease)
     await elector._acquire_once()
-    assert [what for what, _ in lease.calls] == ["acquire", "renew"]
+    # A grant that did not stand is given back (a release without a record).
+    given_back = [] if holds_after else ["release"]
+    assert [what for what, _ in lease.calls] == ["acquire", "renew", *given_back]
+    assert lease.records == [False] * len(given_back)
     clock.advance(FAST.claim_horizon)
     assert state.facts.holding is holds_after
     assert state.claim().leader is holds_after
+
+
+class RenewFailsAfterCheck(HintGivesBack):
+    """The hint check fails after the grant, and so does the renew that should tell
+    whether the grant stands: no answer either way."""
+
+    async def try_renew(self) -> Grant:
+        self.calls.append(("renew", self.clock.now))
+        raise BackendError("terminating connection due to administrator command")
+
+
+async def test_a_grant_whose_renew_fails_after_a_failed_check_is_given_back():
+    """Found by the simulator (postgres-row, a shard set): the member did not lead on the
+    grant but kept it in its group's renews, and its elector stopped once the shard was
+    another member's; every round trip then renewed a row nobody led on, and the member
+    the shard was assigned to saw it held for good."""
+    clock = FakeClock()
+    lease = RenewFailsAfterCheck(clock, holds_after=True)
+    elector, state, _ = make(clock, lease)
+    await elector._acquire_once()
+    assert [what for what, _ in lease.calls] == ["acquire", "renew", "release"]
+    assert lease.records == [False]
+    assert not state.facts.holding and not state.claim().leader
+    assert state.facts.reason == "the acquire's grant did not stand"
