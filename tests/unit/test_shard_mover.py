@@ -50,8 +50,9 @@ class HeldElector:
         return True
 
 
-async def test_the_mover_goes_on_when_a_round_trip_stopped_the_handed_over_elector() -> None:
-    shards = [f"work-{n}" for n in range(8)]
+def member_m0(shards: list[str], group: ScriptedGroup
+              ) -> tuple[ShardManager, dict[str, LeaseState], dict[str, HeldElector]]:
+    """Member m0 of ``group`` over ``shards``, its electors of :class:`HeldElector`."""
     states = {s: LeaseState(s, "m0", "leader", TIMING.claim_horizon) for s in shards}
     electors: dict[str, HeldElector] = {}
 
@@ -59,9 +60,14 @@ async def test_the_mover_goes_on_when_a_round_trip_stopped_the_handed_over_elect
         electors[state.lease] = HeldElector(state)
         return electors[state.lease]
 
+    manager = ShardManager(group, states, "m0", TIMING, SystemClock(), make_elector)
+    return manager, states, electors
+
+
+async def test_the_mover_goes_on_when_a_round_trip_stopped_the_handed_over_elector() -> None:
+    shards = [f"work-{n}" for n in range(8)]
     group = ScriptedGroup("m0")
-    manager = ShardManager(group, states, "m0", TIMING, SystemClock(),
-                           make_elector)
+    manager, states, electors = member_m0(shards, group)
     await manager.start()
     try:
         for _ in range(shard_manager.JOIN_BEATS):  # alone: every shard is ours
@@ -140,19 +146,13 @@ async def test_a_stop_after_a_failed_loop_still_stops_every_elector() -> None:
     """A shard loop that failed (logged once, ``/livez`` fails) re-raised when the stop
     awaited it: the stop ended there, and no elector was told to stop."""
     shards = [f"work-{n}" for n in range(4)]
-    states = {s: LeaseState(s, "m0", "leader", TIMING.claim_horizon) for s in shards}
-    electors: dict[str, HeldElector] = {}
-
-    def make_elector(lease: Any, state: LeaseState, _successor: Any) -> HeldElector:
-        electors[state.lease] = HeldElector(state)
-        return electors[state.lease]
 
     async def broken_mover() -> None:
         await asyncio.sleep(0)
         raise RuntimeError("a defect in the mover")
 
     group = ScriptedGroup("m0")
-    manager = ShardManager(group, states, "m0", TIMING, SystemClock(), make_elector)
+    manager, _, electors = member_m0(shards, group)
     manager._move = broken_mover  # the loop start() creates as "shard-mover"
     await manager.start()
     for _ in range(shard_manager.JOIN_BEATS):
